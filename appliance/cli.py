@@ -1,0 +1,72 @@
+"""The `appliance` command: one verb per stage, each mapped to one function in one module.
+
+A verb is registered here only when it works end to end (no placeholders).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from appliance import __version__
+from appliance.errors import ApplianceError
+
+# Modules that contribute verbs. Each exposes `register(subparsers)` and sets
+# `func` on its parsers; heavy imports (torch, tvm) happen inside the functions
+# so `appliance --help` stays fast.
+VERB_MODULES = [
+    "appliance.doctor",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="appliance",
+        description="Offline on-prem training: check TFRecord data, train with torchrun, "
+        "ship quantized ARM models. Every stage works with no network.",
+    )
+    parser.add_argument("--version", action="version", version=f"appliance {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
+    for name in VERB_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug is accepted anywhere on the line, not only before the verb.
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.debug = debug
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ApplianceError as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"appliance {args.verb}: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"appliance {args.verb}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # an unexpected failure still gets one line, with a hint
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(
+                f"appliance {args.verb}: internal error: {type(err).__name__}: {err} "
+                "(rerun with --debug for the traceback)",
+                file=sys.stderr,
+            )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Create the development environment from the hash-pinned locks in manifests/.
+#
+#   installer/bootstrap.sh             .venv from manifests/dev.lock, project installed editable
+#   installer/bootstrap.sh --interop   also .venv-interop from manifests/interop.lock (TensorFlow,
+#                                      used only by interop tests and benchmarks, in a subprocess)
+#   installer/bootstrap.sh --system    also apt-get install the Debian tools the tests need
+#                                      (aarch64 cross compiler, qemu-user, chromium), when missing
+#
+# Idempotent: a venv whose lock and pyproject.toml are unchanged since its last
+# successful bootstrap is left alone (a stamp file records their sha256).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+want_interop=0
+want_system=0
+for arg in "$@"; do
+  case "$arg" in
+    --interop) want_interop=1 ;;
+    --system) want_system=1 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "bootstrap: unknown option $arg (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+DEBIAN_PACKAGES=(g++-aarch64-linux-gnu qemu-user chromium)
+DEBIAN_BINARIES=(aarch64-linux-gnu-g++ qemu-aarch64 chromium)
+
+install_system() {
+  local missing=() i
+  for i in "${!DEBIAN_BINARIES[@]}"; do
+    command -v "${DEBIAN_BINARIES[$i]}" >/dev/null || missing+=("${DEBIAN_PACKAGES[$i]}")
+  done
+  if [ ${#missing[@]} -eq 0 ]; then
+    echo "bootstrap: Debian tools present"
+    return
+  fi
+  echo "bootstrap: installing Debian packages: ${missing[*]}"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# make_venv DIR LOCK: build DIR from LOCK (complete, hash-pinned) plus the project.
+make_venv() {
+  local dir=$1 lock=$2 stamp
+  stamp=$(cat "$lock" pyproject.toml "$0" | sha256sum | cut -d' ' -f1)
+  if [ -x "$dir/bin/python" ] && [ "$(cat "$dir/.bootstrap-stamp" 2>/dev/null)" = "$stamp" ]; then
+    echo "bootstrap: $dir is up to date with $lock"
+    return
+  fi
+  echo "bootstrap: building $dir from $lock"
+  [ -x "$dir/bin/python" ] || "$PYTHON" -m venv "$dir"
+  rm -f "$dir/.bootstrap-stamp"
+  # --no-deps: the lock is the complete set; --require-hashes: every file is checked.
+  "$dir/bin/python" -m pip install --quiet --disable-pip-version-check \
+    --require-hashes --no-deps -r "$lock"
+  # Remove what an older lock installed and this one no longer pins.
+  "$dir/bin/python" - "$lock" <<'PY'
+import re, subprocess, sys
+from importlib import metadata
+pinned = {re.sub(r"[-_.]+", "-", m.group(1)).lower()
+          for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", open(sys.argv[1]).read(), re.M)}
+keep = pinned | {"pip", "appliance"}
+extra = sorted({re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in metadata.distributions()} - keep)
+if extra:
+    print("bootstrap: removing packages no longer locked:", " ".join(extra))
+    subprocess.check_call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *extra])
+PY
+  # The project itself, editable, without touching the locked dependencies.
+  "$dir/bin/python" -m pip install --quiet --disable-pip-version-check \
+    --no-deps --no-build-isolation -e .
+  echo "$stamp" > "$dir/.bootstrap-stamp"
+}
+
+[ "$want_system" -eq 1 ] && install_system
+make_venv .venv manifests/dev.lock
+[ "$want_interop" -eq 1 ] && make_venv .venv-interop manifests/interop.lock
+echo "bootstrap: done (.venv/bin/appliance is ready)"

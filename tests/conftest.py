@@ -1,0 +1,42 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+INTEROP_PYTHON = ROOT / ".venv-interop" / "bin" / "python"
+
+
+def appliance_cmd(*args: str) -> list[str]:
+    """The installed console script, as a user would type it."""
+    return [str(VENV_BIN / "appliance"), *args]
+
+
+def run_appliance(*args: str, offline: bool = False, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    """Run `appliance ARGS`; offline=True runs it in a fresh network namespace (unshare -n)."""
+    cmd = appliance_cmd(*args)
+    if offline:
+        cmd = offline_cmd(cmd)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def offline_cmd(cmd: list[str], loopback: bool = False) -> list[str]:
+    """Wrap cmd so it runs with no network. loopback=True brings up lo (torch.distributed needs it)."""
+    if shutil.which("unshare") is None:
+        pytest.fail("unshare is required to prove offline behaviour (util-linux)")
+    if loopback:
+        import shlex
+        return ["unshare", "-n", "sh", "-c", "ip link set lo up && exec " + shlex.join(cmd)]
+    return ["unshare", "-n", *cmd]
+
+
+@pytest.fixture
+def interop_python() -> Path:
+    """Python of .venv-interop (TensorFlow); made by `installer/bootstrap.sh --interop`."""
+    if not INTEROP_PYTHON.exists():
+        pytest.fail(".venv-interop missing: run installer/bootstrap.sh --interop")
+    return INTEROP_PYTHON

@@ -1,0 +1,81 @@
+"""The locks in manifests/ must match their .in files and pyproject.toml (no resolver run)."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFESTS = ROOT / "manifests"
+LOCK_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)", re.M)
+
+
+def read_in(path: Path) -> list[Requirement]:
+    reqs = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            reqs.append(Requirement(line))
+    return reqs
+
+
+def read_lock(path: Path) -> dict[str, tuple[Version, int]]:
+    """name -> (version, number of hashes) for every pin in a pip-tools lock."""
+    text = path.read_text()
+    pins = {}
+    blocks = re.split(r"\n(?=[A-Za-z0-9])", text)
+    for block in blocks:
+        m = LOCK_PIN.match(block)
+        if m:
+            pins[canonicalize_name(m.group(1))] = (Version(m.group(2)), block.count("--hash=sha256:"))
+    return pins
+
+
+LOCKS = sorted(MANIFESTS.glob("*.in"))
+
+
+@pytest.mark.parametrize("in_file", LOCKS, ids=lambda p: p.stem)
+def test_lock_pins_every_requirement_of_its_in_file(in_file):
+    lock = in_file.with_suffix(".lock")
+    assert lock.exists(), f"{lock.name} missing: compile it (see manifests/README.md)"
+    pins = read_lock(lock)
+    problems = []
+    for req in read_in(in_file):
+        name = canonicalize_name(req.name)
+        if name not in pins:
+            problems.append(f"{req} is in {in_file.name} but not pinned in {lock.name}")
+        elif req.specifier and not req.specifier.contains(pins[name][0], prereleases=True):
+            problems.append(f"{req} in {in_file.name} excludes the pinned {name}=={pins[name][0]}")
+    assert not problems, "lock out of step, recompile it:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("in_file", LOCKS, ids=lambda p: p.stem)
+def test_lock_is_hashed_and_says_how_to_remake_it(in_file):
+    lock = in_file.with_suffix(".lock")
+    header = lock.read_text().splitlines()[:3]
+    assert any(f"manifests/{in_file.name}" in line and "--generate-hashes" in line for line in header), header
+    unhashed = [name for name, (_, hashes) in read_lock(lock).items() if hashes == 0]
+    assert not unhashed, f"pins without hashes in {lock.name}: {unhashed}"
+
+
+def test_pyproject_dependencies_are_in_the_dev_lock():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = read_lock(MANIFESTS / "dev.lock")
+    wanted = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
+    problems = [str(r) for r in wanted
+                if canonicalize_name(r.name) not in pins
+                or not r.specifier.contains(pins[canonicalize_name(r.name)][0], prereleases=True)]
+    assert not problems, f"pyproject.toml asks for what manifests/dev.lock does not satisfy: {problems}"
+
+
+def test_lock_parser_sees_a_broken_lock(tmp_path):
+    """The checks above must be able to fail: a stale pin is caught."""
+    (tmp_path / "x.in").write_text("numpy>=99\n")
+    (tmp_path / "x.lock").write_text("numpy==2.0.0 \\\n    --hash=sha256:" + "0" * 64 + "\n")
+    req = read_in(tmp_path / "x.in")[0]
+    version, hashes = read_lock(tmp_path / "x.lock")["numpy"]
+    assert hashes == 1 and not req.specifier.contains(version)
