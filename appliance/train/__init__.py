@@ -1,0 +1,1 @@
+"""Training: config, models, data loading, the loop, checkpoints and the torchrun launcher."""
