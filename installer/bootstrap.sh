@@ -4,6 +4,9 @@
 #   installer/bootstrap.sh             .venv from manifests/dev.lock, project installed editable
 #   installer/bootstrap.sh --interop   also .venv-interop from manifests/interop.lock (TensorFlow,
 #                                      used only by interop tests and benchmarks, in a subprocess)
+#   installer/bootstrap.sh --edge-wheels  also download the hash-checked aarch64 wheels of
+#                                      manifests/edge-aarch64.lock into wheelhouse/edge-aarch64
+#                                      (what edge packages carry; needs a connected host)
 #   installer/bootstrap.sh --system    also apt-get install the Debian tools the tests need
 #                                      (aarch64 cross compiler, qemu-user, chromium), when missing
 #
@@ -15,11 +18,13 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 want_interop=0
 want_system=0
+want_edge=0
 for arg in "$@"; do
   case "$arg" in
     --interop) want_interop=1 ;;
     --system) want_system=1 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --edge-wheels) want_edge=1 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "bootstrap: unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -75,7 +80,25 @@ PY
   echo "$stamp" > "$dir/.bootstrap-stamp"
 }
 
+# fetch_wheels PROFILE PLATFORM: the exact locked files of PROFILE into wheelhouse/PROFILE.
+fetch_wheels() {
+  local profile=$1 platform=$2 lock=manifests/$1.lock dest=wheelhouse/$1 stamp
+  stamp=$(sha256sum "$lock" | cut -d' ' -f1)
+  if [ "$(cat "$dest/.lock-sha256" 2>/dev/null)" = "$stamp" ]; then
+    echo "bootstrap: $dest is up to date with $lock"
+    return
+  fi
+  echo "bootstrap: downloading $lock into $dest"
+  mkdir -p "$dest"
+  rm -f "$dest/.lock-sha256"
+  "$PYTHON" -m pip download --quiet --disable-pip-version-check --require-hashes --no-deps \
+    --only-binary :all: --platform "$platform" --python-version 3.11 --implementation cp \
+    -d "$dest" -r "$lock"
+  echo "$stamp" > "$dest/.lock-sha256"
+}
+
 [ "$want_system" -eq 1 ] && install_system
+[ "$want_edge" -eq 1 ] && fetch_wheels edge-aarch64 manylinux_2_28_aarch64
 make_venv .venv manifests/dev.lock
 [ "$want_interop" -eq 1 ] && make_venv .venv-interop manifests/interop.lock
 echo "bootstrap: done (.venv/bin/appliance is ready)"
