@@ -66,7 +66,7 @@ def test_mutations_never_lose_an_untouched_record(tmp_path_factory, case):
     path = tmp_path_factory.mktemp("prop") / "m.tfrecord"
     path.write_bytes(mutated)
     damage = []
-    got = list(read_records(path, on_damage=damage.append))
+    got = list(read_records(path, compression=None, on_damage=damage.append))
     intact = [r for r, h in zip(records, hit) if not h]
     assert is_subsequence(intact, got)
     assert is_subsequence(got, records)  # never a record that was not written
@@ -81,8 +81,8 @@ def test_arbitrary_bytes_never_crash(tmp_path_factory, data):
     path.write_bytes(data)
     damage = []
     list(read_records(path, on_damage=damage.append))
-    covered = sum(d.end - d.start for d in damage)
-    assert covered <= len(data)
+    assert sum(d.end - d.start for d in damage) <= len(data)
+    assert all(0 <= d.start <= d.end for d in damage)  # an empty range: a compressed stream broke off there
 
 
 def test_large_random_file_scans_quickly(tmp_path):
