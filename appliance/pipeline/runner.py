@@ -1,6 +1,6 @@
 """`appliance pipeline PIPELINE.toml`: check -> train -> export -> quantize -> compile -> package -> verify.
 
-Each stage writes OUT/<stage>/ with its manifest.json and a `pipeline-stage.json` holding the
+Each stage writes OUT/<stage>/ with its manifest.json; OUT/.pipeline/<stage>.json holds the
 stage's fingerprint: the sha256 of its parameters and of its input files' hashes (taken from
 the upstream stages' manifests). A rerun skips a stage whose fingerprint is unchanged and
 whose outputs still match their manifest, so changing one training parameter redoes train and
@@ -23,7 +23,7 @@ from appliance.errors import ApplianceError, ConfigError, DataError
 from appliance.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs
 from appliance.pipeline.config import PipelineConfig, load_pipeline_config
 
-STAGE_RECORD = "pipeline-stage.json"
+RECORDS_DIR = ".pipeline"  # OUT/.pipeline/<stage>.json, outside the stage directories and their manifests
 STAGES = ("check", "train", "export", "quantize", "compile", "package", "verify")
 
 
@@ -55,9 +55,13 @@ class StageRun:
     resumable: bool = False
 
 
+def _record_path(out_dir: Path) -> Path:
+    return out_dir.parent / RECORDS_DIR / f"{out_dir.name}.json"
+
+
 def _record(out_dir: Path) -> dict:
     try:
-        return json.loads((out_dir / STAGE_RECORD).read_text())
+        return json.loads(_record_path(out_dir).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
 
@@ -78,13 +82,14 @@ def run_stage(stage: StageRun, input_hashes: list[str], force: bool) -> dict:
         shutil.rmtree(previous, ignore_errors=True)
         stage.out_dir.rename(previous)
     stage.out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(stage.out_dir / STAGE_RECORD, json.dumps({"stage": stage.name, "fingerprint": fp,
+    _record_path(stage.out_dir).parent.mkdir(exist_ok=True)
+    atomic_write_text(_record_path(stage.out_dir), json.dumps({"stage": stage.name, "fingerprint": fp,
                                                                 "completed": False}) + "\n")
     say(f"{stage.name}: {'resuming' if resume else 'running'} -> {stage.out_dir}")
     start = time.monotonic()
     summary = stage.action(stage.out_dir)
     summary["seconds"] = round(time.monotonic() - start, 1)
-    atomic_write_text(stage.out_dir / STAGE_RECORD, json.dumps(
+    atomic_write_text(_record_path(stage.out_dir), json.dumps(
         {"stage": stage.name, "fingerprint": fp, "completed": True, "summary": summary}, indent=2) + "\n")
     shutil.rmtree(stage.out_dir.with_name(stage.out_dir.name + ".previous"), ignore_errors=True)
     say(f"{stage.name}: done in {summary['seconds']} s")
