@@ -218,8 +218,15 @@ def plan(cfg: PipelineConfig) -> list[StageRun]:
     def package(d: Path) -> dict:
         from appliance.deploy.package import build_package
 
+        from appliance.deploy.lineage import lineage_from
+        from appliance.manifest import write_manifest
+
+        compiled = out / f"compile-{cfg.package.target}"
         tar = d / f"edge-package-{cfg.package.target}.tar"
-        info = build_package(out / f"compile-{cfg.package.target}", tar)
+        info = build_package(compiled, tar)
+        # The package carries its own manifest inside; this one describes the stage directory.
+        write_manifest(d, "package", [compiled / "model.so", compiled / "compile.json"],
+                       {"target": cfg.package.target, "lineage": lineage_from(compiled)})
         return {"package": str(tar), "bytes": tar.stat().st_size, "info": info}
     stages.append(StageRun("package", out / "package", asdict(cfg.package), [], package))
 
