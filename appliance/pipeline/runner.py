@@ -307,13 +307,19 @@ def build_summary(cfg: PipelineConfig, stages: dict, seconds: float) -> dict:
         summary["verified_samples"] = verify["samples"]
     if "package" in stages:
         summary["sizes_bytes"]["edge_package"] = stages["package"]["bytes"]
-        try:
-            summary["lineage"] = read_manifest(out / "package")["params"].get("lineage", [])
-        except DataError:
-            pass
+        summary["lineage"] = lineage(out)
     for name in stages:
         summary["artifacts"][name] = str(out / name)
     return summary
+
+
+def lineage(out: Path) -> list[dict]:
+    """The edge package's lineage, from the raw data files the check stage read to the compiled model."""
+    steps = read_manifest(out / "package")["params"].get("lineage", [])
+    if (out / "check" / "manifest.json").is_file() and not any(s.get("stage") == "check" for s in steps):
+        check = read_manifest(out / "check")
+        steps = [{"stage": "check", "dir": str(out / "check"), "inputs": check["inputs"]}, *steps]
+    return steps
 
 
 def format_summary(summary: dict) -> str:
