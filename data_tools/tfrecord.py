@@ -233,6 +233,22 @@ def iter_records_with_offsets(
     on_damage: Callable[[DamagedRange], None] | None = None,
 ) -> Iterator[tuple[int, int, bytes]]:
     """Yield (record_number, offset, data) for every verified record; see the module docstring."""
+    return _records(path, strict, compression, on_damage, with_offsets=True)
+
+
+def read_records(
+    path: str | os.PathLike,
+    *,
+    strict: bool = False,
+    compression: str | None = "auto",
+    on_damage: Callable[[DamagedRange], None] | None = None,
+) -> Iterator[bytes]:
+    """Yield every verified record of a TFRecord file (lossless by default; strict raises)."""
+    return _records(path, strict, compression, on_damage, with_offsets=False)
+
+
+def _records(path, strict, compression, on_damage, with_offsets):
+    # One generator for both public forms: a wrapper generator would cost ~10% of the hot path.
     path = str(path)
     try:
         src = _open_source(path, compression)
@@ -268,7 +284,7 @@ def iter_records_with_offsets(
                     c = crc32c(data)
                     if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != unpack_u32(buf, stop - 4)[0]:
                         break
-                    yield record_number, base + off, data
+                    yield (record_number, base + off, data) if with_offsets else data
                     record_number += 1
                     off = stop
                 pos = base + off
@@ -303,7 +319,7 @@ def iter_records_with_offsets(
                 if damage_start is not None:
                     _report(path, damage_start, pos, record_number, damage_reason, on_damage)
                     damage_start = None
-                yield record_number, pos, data
+                yield (record_number, pos, data) if with_offsets else data
                 record_number += 1
                 pos = stop
                 continue
@@ -329,20 +345,6 @@ def iter_records_with_offsets(
 def _report(path, start, end, record_number, reason, on_damage):
     if on_damage is not None:
         on_damage(DamagedRange(path, start, end, record_number, reason))
-
-
-def read_records(
-    path: str | os.PathLike,
-    *,
-    strict: bool = False,
-    compression: str | None = "auto",
-    on_damage: Callable[[DamagedRange], None] | None = None,
-) -> Iterator[bytes]:
-    """Yield every verified record of a TFRecord file (lossless by default; strict raises)."""
-    for _, _, data in iter_records_with_offsets(
-        path, strict=strict, compression=compression, on_damage=on_damage
-    ):
-        yield data
 
 
 # --------------------------------------------------------------------------- writing
