@@ -312,6 +312,19 @@ def _decode_example_fast(data, keys):
         if j + ln != end:
             raise _Fallback
         if tag == 0x0A:  # bytes_list: repeated 0x0a LEN value
+            if data[j] == 0x0A:  # one value (the usual case): no loop
+                ln = data[j + 1]
+                if ln < 0x80:
+                    k = j + 2
+                elif data[j + 2] < 0x80:
+                    ln = (ln & 0x7F) | (data[j + 2] << 7)
+                    k = j + 3
+                else:
+                    ln, k = _varint(data, j + 1)
+                if k + ln == end:
+                    out[key] = [data[k:end]]
+                    i = end
+                    continue
             vals = []
             while j < end:
                 if data[j] != 0x0A:
