@@ -168,3 +168,10 @@ def test_missing_file_is_a_one_line_data_error(tmp_path):
 
     with pytest.raises(DataError, match="cannot open"):
         list(read_records(tmp_path / "nope.tfrecord"))
+
+
+def test_damaged_plain_file_that_starts_like_gzip_is_still_read_as_plain(tmp_path):
+    path = tmp_path / "d.tfrecord"
+    path.write_bytes(b"\x1f\x8b\x08" + b"".join(frame(r) for r in RECORDS))
+    records, damage = read_lossless(path)
+    assert records == RECORDS and [(d.start, d.end) for d in damage] == [(0, 3)]
