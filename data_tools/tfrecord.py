@@ -31,6 +31,10 @@ FRAME_BYTES = HEADER_BYTES + FOOTER_BYTES
 COMPRESSIONS = (None, "GZIP", "ZLIB")
 _MASK_DELTA = 0xA282EAD8
 _CHUNK = 1 << 22  # decompressed bytes pulled per step from a GZIP/ZLIB file
+# Largest record read from a GZIP/ZLIB stream (protobuf's own limit): the stream's length is
+# unknown until it is decompressed, so this bounds the memory a damaged length can claim.
+# Plain files need no bound: a length past the end of the mapped file is simply a truncation.
+MAX_STREAMED_RECORD = (1 << 31) - 1
 _LEN = struct.Struct("<QI")
 _U32 = struct.Struct("<I")
 
@@ -218,7 +222,7 @@ def _find_next_header(src, start: int) -> int | None:
             left = avail - np.arange(n, dtype=np.int64) - FRAME_BYTES  # data bytes that could follow
             fits = (left >= 0) & (lengths <= np.clip(left, 0, None).astype(np.uint64))
         else:
-            fits = lengths < np.uint64(1 << 40)
+            fits = lengths <= np.uint64(MAX_STREAMED_RECORD)
         for i in np.flatnonzero(fits).tolist():
             if masked_crc(window[i:i + 8]) == _U32.unpack_from(window, i + 8)[0]:
                 return pos + i
@@ -304,13 +308,16 @@ def _records(path, strict, compression, on_damage, with_offsets):
                 else:
                     stop = pos + HEADER_BYTES + length + FOOTER_BYTES
                     if stop > end and not src.eof:
-                        src.fill(stop)
-                        buf, base = src.buf, src.base
-                        end = base + len(buf)
-                    if stop > end:
+                        if length <= MAX_STREAMED_RECORD:
+                            src.fill(stop)
+                            buf, base = src.buf, src.base
+                            end = base + len(buf)
+                        else:  # a GZIP/ZLIB stream: filling that far could hold gigabytes
+                            problem = f"absurd record length {length} (over 2 GiB, protobuf's limit)"
+                    if problem is None and stop > end:
                         problem = (f"truncated record: header says {length} bytes of data, "
                                    f"only {max(0, end - pos - FRAME_BYTES)} left in the file")
-                    else:
+                    elif problem is None:
                         start = pos + HEADER_BYTES - base
                         data = buf[start:start + length]
                         if masked_crc(data) != unpack_u32(buf, start + length)[0]:

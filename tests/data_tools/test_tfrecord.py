@@ -175,3 +175,18 @@ def test_damaged_plain_file_that_starts_like_gzip_is_still_read_as_plain(tmp_pat
     path.write_bytes(b"\x1f\x8b\x08" + b"".join(frame(r) for r in RECORDS))
     records, damage = read_lossless(path)
     assert records == RECORDS and [(d.start, d.end) for d in damage] == [(0, 3)]
+
+
+def test_absurd_length_in_gzip_stream_is_not_buffered(tmp_path):
+    # 10 MB of records after the bad header: more than the reader decompresses in one step,
+    # so only the length bound stops it from buffering the rest of the stream for one record.
+    import gzip
+
+    length = struct.pack("<Q", 1 << 40)
+    rest = [bytes(100_000)] * 100
+    body = frame(b"first") + length + struct.pack("<I", masked_crc(length)) + b"".join(frame(r) for r in rest)
+    path = tmp_path / "d.tfrecord.gz"
+    path.write_bytes(gzip.compress(body))
+    records, damage = read_lossless(path)
+    assert records == [b"first"] + rest
+    assert "absurd record length" in damage[0].reason and (damage[0].start, damage[0].end) == (21, 33)
