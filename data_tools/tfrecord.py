@@ -24,13 +24,13 @@ import numpy as np
 from google_crc32c import value as _crc32c
 
 from appliance.errors import DataError
+from data_tools.compression import CHUNK, DecompressedSource
 
 HEADER_BYTES = 12  # u64 length + u32 masked crc of the length
 FOOTER_BYTES = 4  # u32 masked crc of the data
 FRAME_BYTES = HEADER_BYTES + FOOTER_BYTES
 COMPRESSIONS = (None, "GZIP", "ZLIB")
 _MASK_DELTA = 0xA282EAD8
-_CHUNK = 1 << 22  # decompressed bytes pulled per step from a GZIP/ZLIB file
 # Largest record read from a GZIP/ZLIB stream (protobuf's own limit): the stream's length is
 # unknown until it is decompressed, so this bounds the memory a damaged length can claim.
 # Plain files need no bound: a length past the end of the mapped file is simply a truncation.
@@ -125,76 +125,11 @@ class _PlainSource:
         self._file.close()
 
 
-class _DecompressedSource:
-    """A sliding window over the decompressed stream of a GZIP/ZLIB file.
-
-    Memory holds at most the bytes from the current record to the furthest byte a length field
-    asked for that the stream actually has; an absurd length stops at the end of the stream.
-    """
-
-    def __init__(self, path, compression):
-        self._file = open(path, "rb")
-        self._wbits = 31 if compression == "GZIP" else 15
-        self._z = zlib.decompressobj(self._wbits)
-        self._pending = b""  # compressed input not yet fed to the decompressor
-        self.buf = b""
-        self.base = 0
-        self.eof = False
-        self.stream_problem: str | None = None  # why the compressed stream ended early, if it did
-
-    def fill(self, need_end: int) -> None:
-        """Decompress until the window reaches absolute offset need_end or the stream ends."""
-        parts = [self.buf]
-        have = self.base + len(self.buf)
-        while have < need_end and not self.eof:
-            if not self._pending:
-                self._pending = self._file.read(1 << 20)
-                if not self._pending:
-                    out = self._z.flush()
-                    self.eof = True
-                    if not self._z.eof:
-                        self.stream_problem = "compressed stream ends early (file truncated)"
-                    parts.append(out)
-                    have += len(out)
-                    break
-            try:
-                # bounded output per step, so a compression bomb cannot flood memory
-                out = self._z.decompress(self._pending, _CHUNK)
-            except zlib.error as err:
-                self.eof = True
-                self.stream_problem = f"compressed stream is corrupt ({err})"
-                break
-            self._pending = self._z.unconsumed_tail
-            if self._z.eof:
-                rest = self._z.unused_data + self._pending + self._file.read()
-                if self._wbits == 31 and rest[:2] == b"\x1f\x8b":
-                    # concatenated gzip members form one stream (as `cat a.gz b.gz` makes)
-                    self._z = zlib.decompressobj(self._wbits)
-                    self._pending = rest
-                else:
-                    self.eof = True
-                    if rest.strip(b"\0"):
-                        self.stream_problem = "unexpected bytes after the end of the compressed stream"
-            parts.append(out)
-            have += len(out)
-        if len(parts) > 1:
-            self.buf = b"".join(parts)
-
-    def drop_before(self, pos: int) -> None:
-        """Forget decompressed bytes before pos (in steps, so the copy cost stays small)."""
-        if pos - self.base > _CHUNK:
-            self.buf = self.buf[pos - self.base:]
-            self.base = pos
-
-    def close(self):
-        self._file.close()
-
-
 def _open_source(path, compression):
     if compression == "auto":
         compression = detect_compression(path)
     _check_compression(compression)
-    return _PlainSource(path) if compression is None else _DecompressedSource(path, compression)
+    return _PlainSource(path) if compression is None else DecompressedSource(path, compression)
 
 
 def _find_next_header(src, start: int) -> int | None:
@@ -296,7 +231,7 @@ def _records(path, strict, compression, on_damage, with_offsets):
             end = base + len(buf)
             problem = None
             if pos >= end:
-                problem = src.stream_problem if isinstance(src, _DecompressedSource) else None
+                problem = src.stream_problem if isinstance(src, DecompressedSource) else None
                 if problem is None:
                     break
             elif pos + HEADER_BYTES > end:
@@ -340,7 +275,7 @@ def _records(path, strict, compression, on_damage, with_offsets):
             nxt = _find_next_header(src, pos + 1)
             if nxt is None:
                 end = src.base + len(src.buf)
-                if isinstance(src, _DecompressedSource) and src.stream_problem:
+                if isinstance(src, DecompressedSource) and src.stream_problem:
                     damage_reason = f"{damage_reason}; {src.stream_problem}"
                 _report(path, damage_start, end, record_number, damage_reason, on_damage)
                 break

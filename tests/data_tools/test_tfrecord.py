@@ -190,3 +190,11 @@ def test_absurd_length_in_gzip_stream_is_not_buffered(tmp_path):
     records, damage = read_lossless(path)
     assert records == [b"first"] + rest
     assert "absurd record length" in damage[0].reason and (damage[0].start, damage[0].end) == (21, 33)
+
+
+def test_concatenated_gzip_members_read_as_one_stream(tmp_path):
+    a, b, both = tmp_path / "a.gz", tmp_path / "b.gz", tmp_path / "ab.gz"
+    write_records(a, RECORDS[:4], "GZIP")
+    write_records(b, RECORDS[4:], "GZIP")
+    both.write_bytes(a.read_bytes() + b.read_bytes())  # what `cat a.gz b.gz` makes
+    assert read_lossless(both) == (RECORDS, [])
