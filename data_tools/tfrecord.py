@@ -227,6 +227,8 @@ def _records(path, strict, compression, on_damage, with_offsets):
                     record_number += 1
                     off = stop
                 pos = base + off
+                if not src.eof:  # the window may end inside the next record: extend it first
+                    src.fill(pos + HEADER_BYTES)
             buf, base = src.buf, src.base
             end = base + len(buf)
             problem = None

@@ -198,3 +198,18 @@ def test_concatenated_gzip_members_read_as_one_stream(tmp_path):
     write_records(b, RECORDS[4:], "GZIP")
     both.write_bytes(a.read_bytes() + b.read_bytes())  # what `cat a.gz b.gz` makes
     assert read_lossless(both) == (RECORDS, [])
+
+
+@pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
+def test_large_compressed_file_crosses_window_boundaries(tmp_path, compression):
+    # ~12 MB decompressed, record sizes chosen so records and headers straddle the 4 MB steps
+    records = [bytes([i % 251]) * (1000 + (i * 7919) % 60000) for i in range(400)]
+    path = tmp_path / "big"
+    write_records(path, records, compression)
+    assert read_lossless(path) == (records, [])
+    # a header straddling the end of the first 4 MB decompression step
+    from data_tools.compression import CHUNK
+
+    records = [bytes(CHUNK - 6 - 16), b"second", b"third"]
+    write_records(path, records, compression)
+    assert read_lossless(path) == (records, [])
