@@ -222,6 +222,12 @@ class ShardedSampler(Sampler[int]):
         if epoch != self.epoch:
             self.epoch, self.position = int(epoch), 0
 
+    def seek(self, epoch: int, position: int) -> None:
+        """Start iterating `epoch` at sample `position` of this rank's share (e.g. batches done x batch size)."""
+        if not 0 <= position <= len(self):
+            raise ConfigError(f"sampler: position {position} is outside this rank's {len(self)} samples")
+        self.epoch, self.position = int(epoch), int(position)
+
     def advance(self, samples: int) -> None:
         """Record that the training loop consumed `samples` more samples of this rank's share."""
         self.position = min(self.position + int(samples), len(self))

@@ -92,6 +92,9 @@ def test_resume_mid_epoch_yields_exactly_the_rest(shards):
     resumed.set_epoch(3)  # a loop re-entering the same epoch keeps the position
     rest = ids_of(loader(dataset, resumed))
     assert seen + rest == full and len(rest) == len(full) - 8
+    sought = ShardedSampler(dataset, rank=1, world_size=2, seed=5)
+    sought.seek(3, 8)  # what a loop that counts batches does: 2 batches x 4 samples
+    assert list(sought) == rest
     with pytest.raises(ConfigError, match="world_size"):
         ShardedSampler(dataset, rank=0, world_size=3, seed=5).load_state_dict(state)
 
