@@ -36,6 +36,7 @@ _MASK_DELTA = 0xA282EAD8
 # Plain files need no bound: a length past the end of the mapped file is simply a truncation.
 MAX_STREAMED_RECORD = (1 << 31) - 1
 _LEN = struct.Struct("<QI")
+_LENGTH_CRCS: dict[int, int] = {}  # length -> masked CRC of its 8 bytes, filled as lengths verify
 _U32 = struct.Struct("<I")
 
 
@@ -200,6 +201,7 @@ def _records(path, strict, compression, on_damage, with_offsets):
     unpack_header = _LEN.unpack_from
     unpack_u32 = _U32.unpack_from
     crc32c = _crc32c
+    length_crcs = _LENGTH_CRCS
     try:
         while True:
             if not src.eof:
@@ -213,9 +215,12 @@ def _records(path, strict, compression, on_damage, with_offsets):
                 off = pos - base
                 while off + HEADER_BYTES <= n:
                     length, length_crc = unpack_header(buf, off)
-                    c = crc32c(buf[off:off + 8])
-                    if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
-                        break
+                    if length_crcs.get(length) != length_crc:
+                        # the CRC of a length depends on the length alone: compute each one once
+                        if masked_crc(buf[off:off + 8]) != length_crc:
+                            break
+                        if len(length_crcs) < 1 << 16:
+                            length_crcs[length] = length_crc
                     stop = off + HEADER_BYTES + length + FOOTER_BYTES
                     if stop > n:
                         break
