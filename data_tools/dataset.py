@@ -96,10 +96,12 @@ class TFRecordDataset(Dataset):
             if kind not in KINDS:
                 raise ConfigError(f"feature {key!r}: unknown kind {kind!r} (one of {', '.join(KINDS)})")
         self.files = [str(f) for f in files]
+        if features is None and (image_key or label_key):
+            features = {}  # decode just the image and label
         self.features = dict(features) if features is not None else None
-        if image_key and self.features is not None:
+        if image_key:
             self.features.setdefault(image_key, "image")
-        if label_key and self.features is not None:
+        if label_key:
             self.features.setdefault(label_key, "int")
         self.image_key, self.label_key = image_key, label_key
         self.transform = transform

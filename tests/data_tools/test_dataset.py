@@ -125,6 +125,8 @@ def test_classification_samples_and_errors(tmp_path):
         dataset[2]
     with pytest.raises(DataError, match=r"record 3: feature 'image/encoded' is missing"):
         dataset[3]
+    by_keys = TFRecordDataset([path], image_key="image/encoded", label_key="image/class/label", image_mode="L")
+    assert by_keys[0][0].mode == "L" and by_keys[0][1] == 1
     raw = TFRecordDataset([path], features={"image/format": "str", "image/class/label": "int64[]"})
     assert raw[0] == {"image/format": "png", "image/class/label": np.array([1])}
 
