@@ -112,7 +112,7 @@ def _fill_feature(feature, key: str, value: Any) -> None:
     first = values[0]
     if isinstance(first, (bytes, str)):
         feature.bytes_list.value.extend(_as_bytes(key, v) for v in values)
-    elif isinstance(first, (bool, int, np.integer)):
+    elif isinstance(first, (bool, int, np.integer, np.bool_)):
         feature.int64_list.value.extend(int(v) for v in values)
     elif isinstance(first, (float, np.floating)):
         feature.float_list.value.extend(float(v) for v in values)
