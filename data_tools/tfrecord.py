@@ -24,7 +24,7 @@ import numpy as np
 from google_crc32c import value as _crc32c
 
 from appliance.errors import DataError
-from data_tools.compression import CHUNK, DecompressedSource
+from data_tools.compression import DecompressedSource
 
 HEADER_BYTES = 12  # u64 length + u32 masked crc of the length
 FOOTER_BYTES = 4  # u32 masked crc of the data
