@@ -7,6 +7,7 @@ bundle when it carries one, else pip), self-test, then `current` is switched ato
 PREFIX/
   releases/<version>-<sha12>/  venv/, bundle/ (bundle.json, lock, SBOM), wheelhouse/<carried profile>/,
                                install.json (written last: a release without it is incomplete)
+  logs/                        full output of pip/uv and the self-test, one file per install
   current -> releases/...      what users run: PREFIX/current/venv/bin/appliance
   previous -> releases/...     what --rollback returns to
 A failure at any step removes only the new release; current and previous are not touched.
@@ -241,7 +242,9 @@ def install(args) -> int:
             for w in profile["wheels"]:
                 os.link(root / w["file"], find_links / Path(w["file"]).name)
             (release_dir / "bundle").mkdir(parents=True)
-            log_file = release_dir / "install.log"
+            # Outside the release, so the output of a failed install outlives its removal.
+            log_file = prefix / "logs" / f"install-{release}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+            log_file.parent.mkdir(exist_ok=True)
             uv = None if args.use == "pip" else uv_binary(wheelhouse, profile["wheels"], staging)
             if args.use == "uv" and uv is None:
                 raise Refusal(f"{bundle}: --use uv, but profile {name} carries no runnable uv wheel")
