@@ -192,7 +192,8 @@ def rollback(prefix: Path) -> int:
     current, previous = linked_release(prefix, "current"), linked_release(prefix, "previous")
     if previous is None:
         raise Refusal(f"{prefix}: no previous install to roll back to")
-    flip(prefix, "previous", current) if current else None
+    if current:
+        flip(prefix, "previous", current)
     flip(prefix, "current", previous)
     log(f"rolled back: current -> releases/{previous} (was releases/{current}; --rollback again returns to it)")
     return 0
@@ -208,6 +209,8 @@ def install(args) -> int:
     prefix.mkdir(parents=True, exist_ok=True)
     lock_fd = os.open(prefix / ".install.lock", os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one installer at a time per prefix
+    for stale in prefix.glob(".staging-*"):  # left by a killed run; under the lock none is in use
+        shutil.rmtree(stale, ignore_errors=True)
 
     current = linked_release(prefix, "current")
     if current:
@@ -227,6 +230,12 @@ def install(args) -> int:
         name = choose_profile(manifest, args.profile, facts, bundle)
         profile = manifest["profiles"][name]
         check_host(profile, name, facts, python)
+        # Room for the extracted bundle and an unpacked venv (about 2x its wheels), checked up front.
+        need = bundle.stat().st_size + 2 * profile["bytes"]
+        free = shutil.disk_usage(prefix).free
+        if free < need:
+            raise Refusal(f"{prefix}: {free / 1e9:.1f} GB free, installing this bundle needs about "
+                          f"{need / 1e9:.1f} GB")
         release = f"{manifest['version']}-{bundle_sha[:12]}"
         release_dir = prefix / "releases" / release
         if (release_dir / "install.json").exists():

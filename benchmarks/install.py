@@ -1,0 +1,91 @@
+"""Offline install time of a mid-size bundle: the installer's uv path against its pip path.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/install.py [--repeat N] [--cache DIR]
+
+Builds one signed bundle of the `midsize` profile (numpy, onnx, onnxruntime, protobuf, pillow,
+tensorboardX and this project; downloads on first run, then from the cache), then installs it
+into fresh prefixes with `installer/install.sh --use uv` and `--use pip`, alternating, under
+`unshare -n` when available. Prints each path's wall time (whole install.sh: verify, extract,
+venv, install, self-test) and its package-install step alone, and the uv/pip ratios.
+Target: uv path <= 0.35x pip time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = 0.35
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeat", type=int, default=3, help="installs per path, alternating (default 3; medians are compared)")
+    parser.add_argument("--cache", default=os.path.expanduser("~/.cache/appliance/wheels"))
+    args = parser.parse_args()
+    appliance = [sys.executable, "-m", "appliance"]
+    python = getattr(sys, "_base_executable", sys.executable)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    offline = ["unshare", "-n"] if shutil.which("unshare") and os.geteuid() == 0 else []
+
+    with tempfile.TemporaryDirectory(prefix="bench-install-") as tmp:
+        tmp = Path(tmp)
+        subprocess.run([*appliance, "bundle", "keygen", "--out", str(tmp / "k")], check=True, capture_output=True)
+        t0 = time.monotonic()
+        build = subprocess.run([*appliance, "bundle", "build", "--profile", "midsize", "--out", str(tmp / "out"),
+                                "--sign-key", str(tmp / "k.key"), "--cache", args.cache],
+                               capture_output=True, text=True)
+        if build.returncode != 0:
+            print(build.stderr, file=sys.stderr)
+            return 1
+        tar = Path(build.stdout.strip())
+        manifest = json.loads(subprocess.run(["tar", "-xOf", str(tar), f"{tar.stem}/bundle.json"],
+                                             capture_output=True, check=True).stdout)
+        wheels = manifest["profiles"]["midsize"]["wheels"]
+        print(f"bundle: {tar.name}, profile midsize: {len(wheels)} wheels, "
+              f"{sum(w['bytes'] for w in wheels) / 1e6:.0f} MB (built in {time.monotonic() - t0:.0f} s)")
+
+        results = {"uv": [], "pip": []}
+        for i in range(args.repeat):
+            for use in ("uv", "pip"):
+                prefix = tmp / f"{use}-{i}"
+                cmd = [*offline, str(ROOT / "installer" / "install.sh"), str(tar), "--prefix", str(prefix),
+                       "--pubkey", str(tmp / "k.pub"), "--python", python, "--use", use]
+                t0 = time.monotonic()
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                wall = time.monotonic() - t0
+                if proc.returncode != 0:
+                    print(proc.stderr, file=sys.stderr)
+                    return 1
+                record = json.loads((prefix / "current" / "install.json").read_text())
+                assert record["installer"] == use
+                results[use].append((wall, record["timings"]["install_s"]))
+                print(f"  {use:>3} run {i + 1}: install.sh {wall:6.1f} s, package install step "
+                      f"{record['timings']['install_s']:6.1f} s")
+                shutil.rmtree(prefix)
+
+    med = {use: (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+           for use, runs in results.items()}
+    print(f"\n{'':24}{'uv path':>10}{'pip path':>10}{'uv/pip':>9}")
+    for i, label in enumerate(("install.sh, whole (s)", "package install step (s)")):
+        print(f"{label:24}{med['uv'][i]:10.1f}{med['pip'][i]:10.1f}{med['uv'][i] / med['pip'][i]:8.2f}x")
+    ratio = med["uv"][1] / med["pip"][1]
+    print(f"load average now (1/5/15 min): {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores "
+          "(a busy machine slows uv's parallel work more than pip's serial work)")
+    print(f"target: uv path <= {TARGET}x pip on the package install step: "
+          f"{'met' if ratio <= TARGET else 'NOT met'} ({ratio:.2f}x); "
+          f"whole install.sh {med['uv'][0] / med['pip'][0]:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
