@@ -29,8 +29,12 @@ def user_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-def source_copy(dest: Path, version: str, break_cli: bool = False) -> Path:
-    """A copy of this checkout's project files with the version set (and optionally a broken CLI)."""
+def source_copy(dest: Path, version: str, break_cli: bool = False, without_uv: bool = False) -> Path:
+    """A copy of this checkout's project files with the version set.
+
+    break_cli: `appliance` fails on start (a bad release); without_uv: the test profile's lock
+    has no uv, so the installer must fall back to pip.
+    """
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
     for name in ("appliance", "data_tools", "manifests", "installer"):
@@ -43,6 +47,9 @@ def source_copy(dest: Path, version: str, break_cli: bool = False) -> Path:
     if break_cli:
         cli = dest / "appliance" / "cli.py"
         cli.write_text(cli.read_text() + '\nraise ImportError("deliberately broken build")\n')
+    if without_uv:
+        lock = dest / "manifests" / "test.lock"
+        lock.write_text(re.sub(r"(?m)^uv==.*\n(?:\s+.*\n)*", "", lock.read_text()))
     return dest
 
 
@@ -63,14 +70,14 @@ def keys(base: Path) -> tuple[Path, Path]:
     return key, pub
 
 
-def bundle(factory, version: str = "0.1.0", broken: bool = False) -> Path:
+def bundle(factory, version: str = "0.1.0", broken: bool = False, without_uv: bool = False) -> Path:
     """The signed test-profile bundle of version (built once per session)."""
-    tag = f"{version}{'-broken' if broken else ''}"
+    tag = f"{version}{'-broken' if broken else ''}{'-without-uv' if without_uv else ''}"
     if tag not in _built:
         base = factory.getbasetemp() / "bundles"
         base.mkdir(exist_ok=True)
         key, _ = keys(base)
-        src = source_copy(factory.mktemp(f"src-{tag}"), version, broken)
+        src = source_copy(factory.mktemp(f"src-{tag}"), version, broken, without_uv)
         proc = build(base / tag, "--profile", "test", "--sign-key", str(key), source=src, cache=base / "cache")
         assert proc.returncode == 0, proc.stderr
         _built[tag] = base / tag / f"appliance-bundle-{version}.tar"

@@ -92,9 +92,10 @@ def choose_wheels(profile: Profile, pins: list[Pin], problems: list[str], index:
             best = min((rank[t] for t in file_tags if t in rank), default=None)
             (fitting if best is not None else other).append((best, f))
         if not fitting:
-            why = f"{len(other)} wheels for other platforms" if other else "no wheel at all (binary only)"
+            why = (f"the index has {len(other)} wheel(s) of it, none for this platform" if other else
+                   "the index has no wheel of it: no such release, or source only (bundles are binary only)")
             problems.append(f"missing: {where}: {pin.name}=={pin.version}: no wheel for CPython {profile.python} "
-                            f"{profile.platform} on the index ({why})")
+                            f"{profile.platform}; {why}")
             return None
         fitting.sort(key=lambda pair: pair[0])
         for _, f in fitting:

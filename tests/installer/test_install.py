@@ -10,9 +10,10 @@ import bundle_kit
 
 @pytest.mark.parametrize("use", ["uv", "pip"])
 def test_offline_install_then_the_installed_appliance_runs(tmp_path, tmp_path_factory, use):
-    tar = bundle_kit.bundle(tmp_path_factory)
+    """uv when the bundle carries its wheel; pip when it does not (the fallback)."""
+    tar = bundle_kit.bundle(tmp_path_factory, without_uv=use == "pip")
     prefix = tmp_path / "opt-appliance"
-    proc = bundle_kit.install(tar, prefix, "--use", use, pubkey=bundle_kit.public_key(tmp_path_factory))
+    proc = bundle_kit.install(tar, prefix, pubkey=bundle_kit.public_key(tmp_path_factory))
     assert proc.returncode == 0, proc.stderr
     assert "signature: verified" in proc.stderr and f"with {use}, offline" in proc.stderr
 

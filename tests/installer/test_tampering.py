@@ -81,6 +81,13 @@ def test_modified_sha256sums_is_refused(site, tmp_path):
     assert_refused(site, proc, "wheelhouse/attrs-", "sha256 mismatch")
 
 
+def test_file_missing_from_sha256sums_is_refused(site, tmp_path):
+    extra = member("appliance-bundle-0.1.0/wheelhouse/extra-1.0-py3-none-any.whl", b"PK\x05\x06" + bytes(18))
+    tar = bundle_kit.rewrite_tar(site["tar"], tmp_path / "b.tar", extra=[extra], extra_data={extra.name: b"PK\x05\x06" + bytes(18)})
+    proc = bundle_kit.install(tar, site["prefix"], "--allow-unsigned")
+    assert_refused(site, proc, "refused: wheelhouse/extra-1.0-py3-none-any.whl: not listed in SHA256SUMS")
+
+
 def test_wrong_key_damaged_and_missing_signatures_are_refused(site, tmp_path):
     tar = tmp_path / site["tar"].name
     tar.write_bytes(site["tar"].read_bytes())
