@@ -5,7 +5,8 @@
 #   installer/install.sh BUNDLE.tar --prefix D --allow-unsigned     (no signature check)
 #   installer/install.sh --rollback --prefix D                      (back to the previous install)
 #   options: --profile P (default: the bundle's installable profile for this machine),
-#            --python PATH (default: python3), --use auto|uv|pip (default auto: uv when bundled)
+#            --python PATH (default: python3), --use auto|uv|pip (default auto: uv when bundled),
+#            --no-compile (skip compiling bytecode at install)
 #
 # Verifies the signature (BUNDLE.minisig) and SHA256SUMS, extracts safely, builds a venv under
 # PREFIX/releases/, installs with no network, runs the self-test, then switches PREFIX/current.
@@ -18,7 +19,7 @@ python=python3
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[$i]}" in
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     --python) python=${args[$((i + 1))]:-python3} ;;
     --python=*) python=${args[$i]#--python=} ;;
   esac

@@ -51,13 +51,15 @@ def clean_env(venv: Path | None = None) -> dict:
 
 def run(cmd: list, what: str, log_file: Path, env: dict, timeout: float | None = None, cwd=None):
     """Run cmd; on failure refuse with its last line, keeping the whole output in log_file."""
+    t0 = time.monotonic()
     try:
         proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=timeout,
                               cwd=cwd)
     except subprocess.TimeoutExpired:
         raise Refusal(f"{what}: did not finish within {timeout} s") from None
     with open(log_file, "a") as f:
-        f.write(f"$ {' '.join(map(str, cmd))}\n{proc.stdout}{proc.stderr}\n(exit {proc.returncode})\n")
+        f.write(f"$ {' '.join(map(str, cmd))}\n{proc.stdout}{proc.stderr}\n"
+                f"(exit {proc.returncode}, {time.monotonic() - t0:.2f} s)\n")
     if proc.returncode != 0:
         last = (proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}").splitlines()[-1]
         raise Refusal(f"{what}: exit status {proc.returncode}: {last} (full output: {log_file})")
@@ -118,7 +120,9 @@ def uv_binary(wheelhouse: Path, wheels: list[dict], work: Path) -> Path | None:
 
 
 def install_packages(python: str, venv: Path, lock: Path, find_links: Path, uv: Path | None, work: Path,
-                     log_file: Path) -> str:
+                     log_file: Path, bytecode: bool) -> str:
+    """Install the lock into a new venv. bytecode: compile every module now, as pip does by default,
+    so users of a read-only PREFIX never recompile at start (most of the time both paths take)."""
     offline = ["--no-index", "--find-links", find_links, "--only-binary", ":all:", "--require-hashes",
                "--no-deps", "-r", lock]  # --no-deps: the lock is the complete set, as in bootstrap.sh
     env = clean_env()
@@ -126,11 +130,11 @@ def install_packages(python: str, venv: Path, lock: Path, find_links: Path, uv: 
         run([python, "-m", "venv", "--without-pip", venv], "python3 -m venv", log_file, env)
         env["UV_CACHE_DIR"] = str(work / "uv-cache")  # same filesystem as the venv: files are hardlinked
         run([uv, "pip", "install", "--offline", "--no-config", "--python", venv / "bin" / "python",
-             "--compile-bytecode", *offline], "uv pip install", log_file, env)
+             *(["--compile-bytecode"] if bytecode else []), *offline], "uv pip install", log_file, env)
         return "uv"
     run([python, "-m", "venv", venv], "python3 -m venv (Debian: apt-get install python3-venv)", log_file, env)
     run([venv / "bin" / "python", "-m", "pip", "install", "--isolated", "--disable-pip-version-check",
-         "--no-cache-dir", *offline], "pip install", log_file, env)
+         "--no-cache-dir", *([] if bytecode else ["--no-compile"]), *offline], "pip install", log_file, env)
     return "pip"
 
 
@@ -188,7 +192,17 @@ def linked_release(prefix: Path, link: str) -> str | None:
     return name if (prefix / "releases" / name / "install.json").exists() else None
 
 
+def hold_lock(prefix: Path) -> int:
+    """One installer at a time per prefix (released when the process exits)."""
+    fd = os.open(prefix / ".install.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
 def rollback(prefix: Path) -> int:
+    if not prefix.is_dir():
+        raise Refusal(f"{prefix}: no previous install to roll back to")
+    hold_lock(prefix)
     current, previous = linked_release(prefix, "current"), linked_release(prefix, "previous")
     if previous is None:
         raise Refusal(f"{prefix}: no previous install to roll back to")
@@ -199,6 +213,50 @@ def rollback(prefix: Path) -> int:
     return 0
 
 
+def build_release(args, bundle: Path, bundle_sha: str, comment: str | None, top: str, manifest: dict, name: str,
+                  python: str, release_dir: Path, staging: Path, started: float) -> dict:
+    """Extract, install into release_dir/venv, self-test; return the install.json record."""
+    profile = manifest["profiles"][name]
+    prefix = release_dir.parent.parent
+    root = extract(bundle, top, staging)
+    log(f"extracted {top} safely")
+    timings = {"verify_and_extract_s": round(time.monotonic() - started, 2)}
+    find_links = staging / "find-links"  # only this profile's files: pins never see another profile's
+    find_links.mkdir()
+    for w in profile["wheels"]:
+        os.link(root / w["file"], find_links / Path(w["file"]).name)
+    (release_dir / "bundle").mkdir(parents=True)
+    # Outside the release, so the output of a failed install outlives its removal.
+    log_file = prefix / "logs" / f"install-{release_dir.name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    log_file.parent.mkdir(exist_ok=True)
+    uv = None if args.use == "pip" else uv_binary(root / "wheelhouse", profile["wheels"], staging)
+    if args.use == "uv" and uv is None:
+        raise Refusal(f"{bundle}: --use uv, but profile {name} carries no runnable uv wheel")
+    log(f"installing profile {name} ({len(profile['wheels'])} wheels) into releases/{release_dir.name}/venv "
+        f"with {'uv' if uv else 'pip'}, offline")
+    t0 = time.monotonic()
+    used = install_packages(python, release_dir / "venv", root / profile["lock"], find_links, uv, staging,
+                            log_file, bytecode=not args.no_compile)
+    timings["install_s"] = round(time.monotonic() - t0, 2)
+    for other, data in manifest["profiles"].items():  # carried wheels: edge packages take them from here
+        if not data["install"]:
+            dest = release_dir / "wheelhouse" / other
+            dest.mkdir(parents=True)
+            for w in data["wheels"]:
+                shutil.move(root / w["file"], dest / Path(w["file"]).name)
+    for f in ("bundle.json", "SHA256SUMS", profile["lock"], profile["sbom"]):
+        shutil.copy2(root / f, release_dir / "bundle" / Path(f).name)
+    t0 = time.monotonic()
+    checks = self_test(release_dir / "venv", profile.get("self_test", {}), log_file, prefix)
+    timings["self_test_s"] = round(time.monotonic() - t0, 2)
+    log("self-test passed: " + "; ".join(checks))
+    return {"made_by": "installer/install.sh", "bundle": str(bundle), "bundle_sha256": bundle_sha,
+            "signature": comment, "version": manifest["version"], "profile": name, "installer": used,
+            "bytecode_compiled": not args.no_compile, "python": python,
+            "installed": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "self_test": checks, "timings": timings, "log": str(log_file)}
+
+
 def install(args) -> int:
     bundle, prefix = Path(args.bundle).resolve(), Path(args.prefix).resolve()
     started = time.monotonic()
@@ -207,15 +265,14 @@ def install(args) -> int:
     bundle_sha, comment = check_signature(bundle, args.pubkey, args.allow_unsigned)
     log(f"signature: {'verified, trusted comment: ' + comment if comment else 'NOT CHECKED (--allow-unsigned)'}")
     prefix.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(prefix / ".install.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one installer at a time per prefix
+    hold_lock(prefix)
     for stale in prefix.glob(".staging-*"):  # left by a killed run; under the lock none is in use
         shutil.rmtree(stale, ignore_errors=True)
 
     current = linked_release(prefix, "current")
     if current:
         record = json.loads((prefix / "releases" / current / "install.json").read_text())
-        if record["bundle_sha256"] == bundle_sha and (args.profile in (None, record["profile"])):
+        if record["bundle_sha256"] == bundle_sha and args.profile in (None, record["profile"]):
             log(f"{bundle.name} (profile {record['profile']}) is already installed and current "
                 f"({prefix / 'current'} -> releases/{current}): nothing to do")
             return 0
@@ -228,10 +285,9 @@ def install(args) -> int:
         python = args.python or sys.executable
         facts = target_facts(python)
         name = choose_profile(manifest, args.profile, facts, bundle)
-        profile = manifest["profiles"][name]
-        check_host(profile, name, facts, python)
+        check_host(manifest["profiles"][name], name, facts, python)
         # Room for the extracted bundle and an unpacked venv (about 2x its wheels), checked up front.
-        need = bundle.stat().st_size + 2 * profile["bytes"]
+        need = bundle.stat().st_size + 2 * manifest["profiles"][name]["bytes"]
         free = shutil.disk_usage(prefix).free
         if free < need:
             raise Refusal(f"{prefix}: {free / 1e9:.1f} GB free, installing this bundle needs about "
@@ -242,43 +298,8 @@ def install(args) -> int:
             log(f"releases/{release} is already installed (a rolled-back install): switching to it")
         else:
             shutil.rmtree(release_dir, ignore_errors=True)  # leftovers of an interrupted install
-            root = extract(bundle, top, staging)
-            log(f"extracted {top} safely")
-            timings = {"verify_and_extract_s": round(time.monotonic() - started, 2)}
-            wheelhouse = root / "wheelhouse"
-            find_links = staging / "find-links"  # only this profile's files: pins never see another's
-            find_links.mkdir()
-            for w in profile["wheels"]:
-                os.link(root / w["file"], find_links / Path(w["file"]).name)
-            (release_dir / "bundle").mkdir(parents=True)
-            # Outside the release, so the output of a failed install outlives its removal.
-            log_file = prefix / "logs" / f"install-{release}-{time.strftime('%Y%m%dT%H%M%S')}.log"
-            log_file.parent.mkdir(exist_ok=True)
-            uv = None if args.use == "pip" else uv_binary(wheelhouse, profile["wheels"], staging)
-            if args.use == "uv" and uv is None:
-                raise Refusal(f"{bundle}: --use uv, but profile {name} carries no runnable uv wheel")
-            t0 = time.monotonic()
-            log(f"installing profile {name} ({len(profile['wheels'])} wheels) into releases/{release}/venv "
-                f"with {'uv' if uv else 'pip'}, offline")
-            used = install_packages(python, release_dir / "venv", root / profile["lock"], find_links, uv,
-                                    staging, log_file)
-            timings["install_s"] = round(time.monotonic() - t0, 2)
-            for other, data in manifest["profiles"].items():  # carried wheels (edge packages take them)
-                if not data["install"]:
-                    dest = release_dir / "wheelhouse" / other
-                    dest.mkdir(parents=True)
-                    for w in data["wheels"]:
-                        shutil.move(root / w["file"], dest / Path(w["file"]).name)
-            for f in ("bundle.json", "SHA256SUMS", profile["lock"], profile["sbom"]):
-                shutil.copy2(root / f, release_dir / "bundle" / Path(f).name)
-            t0 = time.monotonic()
-            checks = self_test(release_dir / "venv", profile.get("self_test", {}), log_file, prefix)
-            timings["self_test_s"] = round(time.monotonic() - t0, 2)
-            log("self-test passed: " + "; ".join(checks))
-            record = {"made_by": "installer/install.sh", "bundle": str(bundle), "bundle_sha256": bundle_sha,
-                      "signature": comment, "version": manifest["version"], "profile": name, "installer": used,
-                      "python": facts["python"], "installed": _dt.datetime.now(_dt.timezone.utc).isoformat(
-                          timespec="seconds"), "self_test": checks, "timings": timings}
+            record = build_release(args, bundle, bundle_sha, comment, top, manifest, name, python, release_dir,
+                                   staging, started)
             tmp = release_dir / ".install.json.tmp"
             tmp.write_text(json.dumps(record, indent=2) + "\n")
             os.replace(tmp, release_dir / "install.json")  # the release is complete from here on
@@ -313,6 +334,9 @@ def main(argv=None) -> int:
     parser.add_argument("--python", help="python3 to build the venv with (default: the one running this)")
     parser.add_argument("--use", choices=("auto", "uv", "pip"), default="auto",
                         help="installer: uv from the bundle when it has one (auto), or force one")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="do not compile bytecode at install (faster install; where PREFIX is read-only "
+                        "for users, every start then compiles the modules it imports)")
     args = parser.parse_args(argv)
     try:
         if args.rollback:
