@@ -6,6 +6,7 @@ bundle when it carries one, else pip), self-test, then `current` is switched ato
 
 PREFIX/
   releases/<version>-<sha12>/  venv/, bundle/ (bundle.json, lock, SBOM), wheelhouse/<carried profile>/,
+                               doctor.json (the `appliance doctor --json` report of the self-test),
                                install.json (written last: a release without it is incomplete)
   logs/                        full output of pip/uv and the self-test, one file per install
   current -> releases/...      what users run: PREFIX/current/venv/bin/appliance
@@ -151,22 +152,23 @@ def self_test(venv: Path, spec: dict, log_file: Path, cwd: Path) -> list[str]:
             f"self-test `import {', '.join(spec['imports'])}`", log_file, env, SELF_TEST_TIMEOUT_S, cwd)
         done.append("import " + ", ".join(spec["imports"]))
     doctor = spec.get("doctor")
-    if doctor == "ready":
-        run([venv / "bin" / "appliance", "doctor"], "self-test `appliance doctor` (not ready to train)",
-            log_file, env, SELF_TEST_TIMEOUT_S, cwd)
-        done.append("appliance doctor: ready to train")
-    elif doctor == "json":
+    if doctor in ("ready", "json"):
+        # One `doctor --json` run both checks the claim and leaves the install's doctor report.
         proc = subprocess.run([venv / "bin" / "appliance", "doctor", "--json"], capture_output=True, text=True,
                               env=env, timeout=SELF_TEST_TIMEOUT_S, cwd=cwd)
         with open(log_file, "a") as f:
             f.write(f"$ appliance doctor --json\n{proc.stdout}{proc.stderr}\n(exit {proc.returncode})\n")
-        try:  # exit 1 means "problems found": expected where the profile does not claim training
+        try:  # exit 1 means "problems found", which a profile that does not claim training may have
             report = json.loads(proc.stdout)
             assert proc.returncode in (0, 1) and isinstance(report.get("problems"), list)
         except (ValueError, AssertionError):
             raise Refusal(f"self-test `appliance doctor --json`: exit {proc.returncode}, no valid JSON report "
                           f"(full output: {log_file})") from None
-        done.append(f"appliance doctor --json: valid report, {len(report['problems'])} problem(s)")
+        (venv.parent / "doctor.json").write_text(proc.stdout)
+        if doctor == "ready" and (proc.returncode != 0 or not report.get("ready_to_train")):
+            raise Refusal(f"self-test `appliance doctor`: not ready to train: {'; '.join(report['problems'])}")
+        done.append("appliance doctor: ready to train" if doctor == "ready" else
+                    f"appliance doctor --json: valid report, {len(report['problems'])} problem(s)")
     return done
 
 

@@ -22,6 +22,8 @@ def test_offline_install_then_the_installed_appliance_runs(tmp_path, tmp_path_fa
     record = json.loads((prefix / "current" / "install.json").read_text())
     assert record["installer"] == use and record["profile"] == "test" and record["version"] == "0.1.0"
     assert "appliance doctor --json: valid report" in record["self_test"][-1]
+    saved = json.loads((prefix / "current" / "doctor.json").read_text())  # the install's doctor report
+    assert saved["python"]["executable"] == str(prefix.resolve() / release / "venv" / "bin" / "python")
 
     # The installed command, offline, from a shell with no PYTHONPATH: it is the venv's own copy.
     help_ = bundle_kit.installed(prefix, "--help")
