@@ -21,7 +21,6 @@ import datetime as _dt
 import fcntl
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys

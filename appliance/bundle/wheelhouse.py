@@ -1,7 +1,7 @@
 """Fetch exactly the locked wheels of a profile: binary only, each sha256 checked.
 
-The lock holds only names, versions and hashes; the index (PEP 691 JSON, PyPI by default or
-PIP_INDEX_URL) says which file of that version fits the profile's platform. Every missing or
+The lock holds only names, versions and hashes; the index (its PEP 691 JSON API: PyPI by default,
+or PIP_INDEX_URL for a mirror such as devpi) says which file of that version fits the profile's platform. Every missing or
 mismatched wheel is collected, so the build fails once with the whole list, before the gap.
 Downloads land in a cache keyed by sha256, so a second build re-hashes instead of re-downloading.
 """
@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +75,9 @@ def choose_wheels(profile: Profile, pins: list[Pin], problems: list[str], index:
     where = f"{profile.name}"
 
     def lookup(pin: Pin) -> Wheel | None:
+        page = f"{index}/{pin.name}/"
         try:
-            files = _get_json(f"{index}/{pin.name}/")["files"]
+            files = _get_json(page)["files"]
         except (urllib.error.URLError, OSError, ValueError) as err:
             problems.append(f"missing: {where}: {pin.name}=={pin.version}: index {index} unreachable ({err})")
             return None
@@ -101,7 +103,8 @@ def choose_wheels(profile: Profile, pins: list[Pin], problems: list[str], index:
         for _, f in fitting:
             digest = f.get("hashes", {}).get("sha256")
             if digest is None or digest in pin.hashes:
-                return Wheel(pin.name, pin.version, f["filename"], f["url"], pin.hashes, f.get("size"))
+                return Wheel(pin.name, pin.version, f["filename"], urllib.parse.urljoin(page, f["url"]), pin.hashes,
+                             f.get("size"))
         f = fitting[0][1]
         problems.append(f"mismatch: {where}: {f['filename']}: index sha256 {f['hashes']['sha256']} "
                         f"is not one the lock allows ({profile.lock_file.name})")
