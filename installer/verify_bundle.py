@@ -8,6 +8,7 @@ install.sh prints after "refused: ", naming the file and the reason.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import posixpath
 import sys
@@ -55,8 +56,12 @@ def _members(tar: tarfile.TarFile, bundle: Path, dest: Path) -> tuple[str, list[
     if not members:
         raise Refusal(f"{bundle}: empty tar")
     top = members[0].name.split("/", 1)[0]
+    seen = set()
     for member in members:
         _refuse_unsafe(member, top, dest)
+        if member.name in seen:  # a later copy would silently replace the checked one
+            raise Refusal(f"{member.name}: appears twice in the bundle")
+        seen.add(member.name)
     return top, members
 
 
@@ -66,8 +71,6 @@ def check_sums(bundle: Path, dest: Path) -> tuple[str, dict]:
     Member names and types are checked first (see _refuse_unsafe): a name that leaves the
     bundle is refused before any byte of it is read, and again at extraction.
     """
-    import json
-
     try:
         tar = tarfile.open(bundle, "r:")
     except (tarfile.TarError, OSError) as err:

@@ -16,7 +16,8 @@ minisign formats (https://jedisct1.github.io/minisign/), all base64 lines after 
   secret key   "Ed" | kdf "\\0\\0" (unencrypted) | "B2" | salt (32) | opslimit (8) | memlimit (8)
                | key id (8) | secret key: seed + public (64) | blake2b-256 checksum (32)
   signature    "ED" | key id (8) | ed25519(blake2b-512(file)) (64), then a trusted comment
-               line and ed25519(signature (64) + trusted comment) (64)
+               line and ed25519(signature (64) + trusted comment) (64). Legacy "Ed" signatures
+               (minisign -l, over the raw file) are refused: a bundle is too big to hold in memory.
 """
 
 from __future__ import annotations
@@ -248,15 +249,11 @@ def verify_file(path: str, signature_path: str, public_key: str, extra=None) -> 
     if sig_key_id != key_id:
         raise SignatureError(f"{signature_path}: signed by key {key_id_text(sig_key_id)}, "
                              f"not by the trusted key {key_id_text(key_id)}")
-    if algorithm == b"ED":
-        message = file_digest(path, extra)
-    elif algorithm == b"Ed":  # legacy minisign: the whole file is the message
-        with open(path, "rb") as f:
-            message = f.read()
-        if extra:
-            extra(message)
-    else:
+    if algorithm == b"Ed":  # minisign -l: the whole file is the message, too big to hold for a bundle
+        raise SignatureError(f"{signature_path}: legacy (not prehashed) signature; sign without minisign -l")
+    if algorithm != b"ED":
         raise SignatureError(f"{signature_path}: unknown signature algorithm {algorithm!r}")
+    message = file_digest(path, extra)
     if not ed25519_verify(public, message, signature):
         raise SignatureError(f"{signature_path}: signature does not match {os.path.basename(path)} "
                              "(the file was changed after signing, or the signature is damaged)")

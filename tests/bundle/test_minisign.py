@@ -82,6 +82,12 @@ def test_stock_minisign_verifies_our_signature_and_we_verify_its(tmp_path, stock
     subprocess.run([stock_minisign, "-V", "-m", str(payload), "-x", str(tmp_path / "x.minisig"), "-p",
                     str(tmp_path / "m.pub")], check=True, capture_output=True)
 
+    # Legacy signatures (minisign -l) would need the whole file in memory: refused, clearly.
+    subprocess.run([stock_minisign, "-S", "-l", "-s", str(tmp_path / "m.key"), "-m", str(payload), "-x",
+                    str(tmp_path / "l.minisig")], check=True, capture_output=True)
+    with pytest.raises(minisign.SignatureError, match="legacy"):
+        minisign.verify_file(str(payload), str(tmp_path / "l.minisig"), str(tmp_path / "m.pub"))
+
     # Tampering is caught: the file, the trusted comment, the key.
     payload.write_bytes(payload.read_bytes()[:-1] + b"?")
     with pytest.raises(minisign.SignatureError, match="does not match bundle.tar"):

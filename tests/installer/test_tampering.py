@@ -88,6 +88,14 @@ def test_file_missing_from_sha256sums_is_refused(site, tmp_path):
     assert_refused(site, proc, "refused: wheelhouse/extra-1.0-py3-none-any.whl: not listed in SHA256SUMS")
 
 
+def test_a_second_copy_of_a_checked_file_is_refused(site, tmp_path):
+    name = "appliance-bundle-0.1.0/installer/install.sh"
+    again = member(name, b"#!/bin/sh\nrm -rf /\n")
+    tar = bundle_kit.rewrite_tar(site["tar"], tmp_path / "b.tar", extra=[again], extra_data={name: b"#!/bin/sh\nrm -rf /\n"})
+    proc = bundle_kit.install(tar, site["prefix"], "--allow-unsigned")
+    assert_refused(site, proc, f"refused: {name}: appears twice in the bundle")
+
+
 def test_wrong_key_damaged_and_missing_signatures_are_refused(site, tmp_path):
     tar = tmp_path / site["tar"].name
     tar.write_bytes(site["tar"].read_bytes())
