@@ -6,7 +6,8 @@ Builds one signed bundle of the `midsize` profile (numpy, onnx, onnxruntime, pro
 tensorboardX and this project; downloads on first run, then from the cache), then installs it
 into fresh prefixes with `installer/install.sh --use uv` and `--use pip`, alternating, under
 `unshare -n` when available. Prints each path's wall time (whole install.sh: verify, extract,
-venv, install, self-test) and its package-install step alone, and the uv/pip ratios, twice:
+venv, install, self-test), its package-install step alone, the CPU seconds of the whole run
+(steadier than wall time on a shared machine), and the uv/pip ratios, twice:
 as shipped (both paths compile bytecode, pip's default, so a read-only PREFIX never recompiles)
 and with --no-compile (uv's default). Target: uv path <= 0.35x pip time.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -62,23 +64,25 @@ def main() -> int:
                 prefix = tmp / f"{use}-{i}"
                 cmd = [*offline, str(ROOT / "installer" / "install.sh"), str(tar), "--prefix", str(prefix),
                        "--pubkey", str(tmp / "k.pub"), "--python", python, "--use", use, *modes[mode]]
-                t0 = time.monotonic()
+                t0, cpu0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                wall = time.monotonic() - t0
+                wall, cpu1 = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
                 if proc.returncode != 0:
                     print(proc.stderr, file=sys.stderr)
                     return 1
                 record = json.loads((prefix / "current" / "install.json").read_text())
                 assert record["installer"] == use
-                runs.append((wall, record["timings"]["install_s"]))
+                runs.append((wall, record["timings"]["install_s"], cpu))
                 print(f"  {mode:31} {use:>3} run {i + 1}: install.sh {wall:6.1f} s, "
-                      f"package install step {record['timings']['install_s']:6.1f} s")
+                      f"package install step {record['timings']['install_s']:6.1f} s, CPU {cpu:6.1f} s")
                 shutil.rmtree(prefix)
 
     print(f"\n{'':33}{'':27}{'uv path':>9}{'pip path':>10}{'uv/pip':>8}")
     for mode in modes:
-        med = {use: [statistics.median(r[k] for r in results[(mode, use)]) for k in (0, 1)] for use in ("uv", "pip")}
-        for k, label in enumerate(("install.sh, whole (s)", "package install step (s)")):
+        med = {use: [statistics.median(r[k] for r in results[(mode, use)]) for k in (0, 1, 2)]
+               for use in ("uv", "pip")}
+        for k, label in enumerate(("install.sh, whole (s)", "package install step (s)", "CPU, whole (s)")):
             print(f"{mode:33}{label:27}{med['uv'][k]:9.1f}{med['pip'][k]:10.1f}{med['uv'][k] / med['pip'][k]:7.2f}x")
         ratio = med["uv"][1] / med["pip"][1]
         print(f"{'':33}target uv <= {TARGET}x pip (install step): {'met' if ratio <= TARGET else 'NOT met'} "
