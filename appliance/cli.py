@@ -20,6 +20,7 @@ VERB_MODULES = [
     "appliance.doctor",
     "appliance.pipeline.cli",
     "appliance.data_cli",
+    "appliance.bundle.cli",
 ]
 
 
