@@ -1,0 +1,86 @@
+"""Exact duplicates (same encoded bytes) and near duplicates (perceptual hashes within a distance).
+
+Records are named by a record id, any sortable key such as (file position, record number);
+"first" means smallest id, so the result does not depend on which worker finished first.
+Near duplicates are found with banded hashing: split the 64-bit hash into `bands` pieces;
+two hashes within Hamming distance < bands share at least one piece exactly (pigeonhole), so
+only records sharing a piece are compared, instead of every pair.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Hashable, Iterable
+
+
+def exact_groups(items: Iterable[tuple[Hashable, bytes]]) -> list[list]:
+    """Groups (sorted ids, two or more) of records whose content hash is equal."""
+    by_hash: dict[bytes, list] = defaultdict(list)
+    for rid, digest in items:
+        by_hash[digest].append(rid)
+    return sorted(sorted(ids) for ids in by_hash.values() if len(ids) > 1)
+
+
+def near_groups(items: Iterable[tuple[Hashable, int, bytes]], max_distance: int = 4, bands: int = 8) -> list[list]:
+    """Groups of records whose perceptual hashes are within max_distance bits, with 2+ distinct contents.
+
+    items: (record id, 64-bit perceptual hash, content hash). Exact copies are one member here
+    (their smallest id); they are already reported as exact duplicates.
+    """
+    if max_distance >= bands:
+        raise ValueError("max_distance must be below the number of bands for the pigeonhole search")
+    representative: dict[bytes, tuple] = {}
+    for rid, phash, digest in items:
+        if digest not in representative or rid < representative[digest][0]:
+            representative[digest] = (rid, phash)
+    reps = sorted(representative.values())
+    width = 64 // bands
+    mask = (1 << width) - 1
+    buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for pos, (_, phash) in enumerate(reps):
+        for band in range(bands):
+            buckets[(band, (phash >> (band * width)) & mask)].append(pos)
+
+    parent = list(range(len(reps)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for members in buckets.values():
+        if len(members) < 2:
+            continue
+        # A bucket of thousands (a flat region's hash) would be quadratic; those images are
+        # caught by the blank check or reported by the statistics instead.
+        for a_pos, a in enumerate(members[:256]):
+            for b in members[a_pos + 1:256]:
+                if bin(reps[a][1] ^ reps[b][1]).count("1") <= max_distance:
+                    parent[find(a)] = find(b)
+    groups: dict[int, list] = defaultdict(list)
+    for pos, (rid, _) in enumerate(reps):
+        groups[find(pos)].append(rid)
+    return sorted(sorted(g) for g in groups.values() if len(g) > 1)
+
+
+def copies_to_quarantine(groups: list[list], split_of) -> list[tuple]:
+    """(record id, check, detail, kept id) for every copy that is not the first of its group.
+
+    A copy in the validation split of an image that is also in the training split is
+    'leakage' (the model would be scored on data it trained on); any other later copy is a
+    'duplicate'. One copy per split is kept, the first in record-id order.
+    """
+    rejected = []
+    for ids in groups:
+        train_ids = [r for r in ids if split_of(r) == "train"]
+        first_in_split: dict = {}
+        for rid in ids:
+            split = split_of(rid)
+            if split == "val" and train_ids:
+                rejected.append((rid, "leakage", train_ids[0]))
+            elif split in first_in_split:
+                rejected.append((rid, "duplicate", first_in_split[split]))
+            else:
+                first_in_split[split] = rid
+    return rejected
