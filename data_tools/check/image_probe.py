@@ -53,8 +53,10 @@ def probe_image(encoded: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImagePr
         fmt = (img.format or "unknown").lower()
         width, height = img.size
         channels = len(img.getbands())
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
-        raise ImageProblem("image_decode", f"not a decodable image: {err}") from None
+    except UnidentifiedImageError:
+        raise ImageProblem("image_decode", f"not an image format Pillow reads (starts {encoded[:8]!r})") from None
+    except (OSError, ValueError, SyntaxError) as err:
+        raise ImageProblem("image_decode", f"image header does not decode: {err}") from None
     if width * height > max_pixels:
         raise ImageProblem("image_too_large", f"{width}x{height} = {width * height} pixels > limit {max_pixels}")
     try:

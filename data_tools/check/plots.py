@@ -5,7 +5,7 @@ from __future__ import annotations
 from html import escape
 
 WIDTH, HEIGHT = 560, 220
-PAD_LEFT, PAD_BOTTOM, PAD_TOP = 48, 40, 20
+PAD_LEFT, PAD_BOTTOM, PAD_TOP = 48, 40, 32
 
 
 def bar_chart(labels: list[str], counts: list[int], title: str, plot_id: str) -> str:
