@@ -67,9 +67,10 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
         if result.error:
             print(f"appliance data check: {result.path}: {result.error}", file=sys.stderr)
         elif result.offsets and not result.clean_records and result.reasons:
-            checks = Counter(r["check"] for r in result.reasons).most_common(1)[0]
+            check, count = result.checks.most_common(1)[0]
+            detail = next(r["detail"] for r in result.reasons if r["check"] == check)
             print(f"appliance data check: {result.path}: every record rejected "
-                  f"({checks[1]} x {checks[0]}: {result.reasons[0]['detail']})", file=sys.stderr)
+                  f"({count} x {check}, e.g. {detail})", file=sys.stderr)
 
     groups = exact_groups(((r.file_index, n), h) for r in results for n, h, _ in r.hashes)
     rejected = copies_to_quarantine(groups, lambda rid: results[rid[0]].split)

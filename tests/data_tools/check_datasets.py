@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from data_tools.example import encode_example
+from data_tools.example import decode_example, encode_example
 from data_tools.tfrecord import FRAME_BYTES, write_records
 
 CLASSES = ["cat", "dog", "owl", "fox", "eel"]
@@ -52,6 +52,7 @@ class Planted:
     corrupt_record: int  # record number (in train) whose bytes were damaged on disk
     huge: tuple  # (split, record_number) of the huge image
     duplicate: tuple  # (split, record_number) of the in-split duplicate copy
+    near: list  # [(split, record_number)]: the same picture encoded twice
     leaked: list  # [(split, record_number)] val copies of train images
     minority_class: int
     per_class: int
@@ -78,6 +79,11 @@ def make_planted(directory: Path, per_class: int = 30, minority: int = 2, seed: 
     train.append(example(jpeg(rng, size=(1600, 1200), quality=60), 3))
     duplicate = ("train", len(train))
     train.append(train[5])  # an exact copy of record 5
+    near = [("train", 0), ("train", len(train))]
+    original = Image.open(io.BytesIO(decode_example(train[0])["image/encoded"][0]))
+    reencoded = io.BytesIO()
+    original.save(reencoded, format="JPEG", quality=70)  # the same picture, different bytes
+    train.append(example(reencoded.getvalue(), 0))
     corrupt_record = len(train)
     train.append(example(jpeg(rng), 1))  # its bytes get damaged on disk below
     train.append(example(jpeg(rng), 2))
@@ -97,5 +103,5 @@ def make_planted(directory: Path, per_class: int = 30, minority: int = 2, seed: 
     raw = bytearray(train_path.read_bytes())
     raw[offset] ^= 0xFF
     train_path.write_bytes(bytes(raw))
-    return Planted(train_path, val_path, train, val, bad, corrupt_record, huge, duplicate, leaked,
+    return Planted(train_path, val_path, train, val, bad, corrupt_record, huge, duplicate, near, leaked,
                    len(CLASSES) - 1, per_class)
