@@ -44,17 +44,11 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
                   **augment) -> int:
     """Write the grid PNG; returns the number of rows (records shown)."""
     import numpy as np
-    import torch
     from PIL import Image, ImageOps, PngImagePlugin
 
-    from data_tools.augment import TrainTransform
     from data_tools.example import decode_example
     from data_tools.tfrecord import read_records
 
-    try:
-        transform = TrainTransform(size, seed=seed, mean=None, std=None, **augment)
-    except ValueError as err:
-        raise ConfigError(f"data preview: {err}") from None
     originals = []
     for number, data in enumerate(read_records(file)):
         try:
@@ -67,6 +61,16 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
             break
     if not originals:
         raise DataError(f"{file}: no record with a decodable {image_key!r} image to preview")
+    import torch  # only now: a bad file is reported without waiting for torch to load
+
+    torch.set_num_threads(1)  # a few small images: intra-op threads only add contention
+
+    from data_tools.augment import TrainTransform
+
+    try:
+        transform = TrainTransform(size, seed=seed, mean=None, std=None, **augment)
+    except ValueError as err:
+        raise ConfigError(f"data preview: {err}") from None
 
     pad = 4
     grid = Image.new("RGB", (pad + (variants + 1) * (size + pad), pad + len(originals) * (size + pad)), "white")

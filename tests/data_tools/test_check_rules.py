@@ -1,0 +1,80 @@
+"""The rules behind `appliance data check`, on values where the right answer is known by construction."""
+
+import numpy as np
+import pytest
+
+from appliance.errors import ConfigError
+from data_tools.check.duplicates import copies_to_quarantine, exact_groups, near_groups
+from data_tools.check.gate import evaluate, parse_fail_on
+from data_tools.check.image_probe import ImageProblem, probe_image
+from data_tools.check.outliers import flag_outliers, outlier_bounds
+from data_tools.check.schema import infer_schema, validate
+
+
+def test_mad_rule_finds_the_outlier_that_fools_three_sigma():
+    # With n values the largest possible z-score is (n-1)/sqrt(n): 2.67 for n = 9, so 3-sigma
+    # can never flag a single extreme value among 9; the median/MAD rule does.
+    values = np.array([100, 101, 99, 100, 102, 98, 100, 101, 5000.0])
+    flagged = flag_outliers(values, outlier_bounds(values))
+    assert flagged == [(8, ["median/MAD"])]
+
+
+def test_both_rules_agree_on_a_clear_outlier_in_many_values():
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.normal(50, 2, 500).clip(44, 56), [200.0]])
+    assert flag_outliers(values, outlier_bounds(values)) == [(500, ["3-sigma", "median/MAD"])]
+
+
+def test_equal_values_have_no_outliers():
+    assert flag_outliers(np.full(50, 64.0), outlier_bounds(np.full(50, 64.0))) == []
+
+
+def test_gate_parses_evaluates_and_rejects_typos():
+    conditions = parse_fail_on("corrupt>0, quarantined_fraction>0.05,imbalance>=10")
+    result = evaluate(conditions, {"corrupt": 0, "quarantined_fraction": 0.2, "imbalance": 10.0})
+    assert result["passed"] is False
+    assert [line.split(" (")[0] for line in result["failed"]] == [
+        "quarantined_fraction = 0.2 > 0.05", "imbalance = 10 >= 10"]
+    with pytest.raises(ConfigError, match="unknown metric 'corupt'"):
+        parse_fail_on("corupt>0")
+    with pytest.raises(ConfigError, match="is not METRIC>NUMBER"):
+        parse_fail_on("corrupt")
+
+
+def test_near_groups_use_hamming_distance_and_skip_exact_copies():
+    base = 0x0123_4567_89AB_CDEF
+    items = [((0, 0), base, b"a"), ((0, 1), base ^ 0b111, b"b"),  # 3 bits apart: near
+             ((0, 2), base ^ 0xFFFF_0000_0000_0000, b"c"),  # 16 bits apart: not near
+             ((0, 3), base, b"a")]  # an exact copy of (0, 0): counted once
+    assert near_groups(items, max_distance=4) == [[(0, 0), (0, 1)]]
+
+
+def test_copies_in_val_of_train_images_are_leakage_other_copies_duplicates():
+    groups = exact_groups([((0, 4), b"x"), ((1, 2), b"x"), ((0, 9), b"x"), ((1, 5), b"y"), ((1, 7), b"y")])
+    split = {0: "train", 1: "val"}
+    rejected = copies_to_quarantine(groups, lambda rid: split[rid[0]])
+    assert sorted(rejected) == [((0, 9), "duplicate", (0, 4)), ((1, 2), "leakage", (0, 4)),
+                                ((1, 7), "duplicate", (1, 5))]
+
+
+def test_schema_inference_ignores_a_stray_label_and_validation_names_the_problem():
+    sample = [{"image/encoded": [b"x"], "image/class/label": np.array([i % 4])} for i in range(40)]
+    sample.append({"image/encoded": [b"x"], "image/class/label": np.array([99])})
+    schema = infer_schema(sample, "image/encoded", "image/class/label")
+    assert schema["num_classes"] == 4
+    assert validate(sample[-1], schema) == [("label_range", "image/class/label = 99 outside 0..3")]
+    assert validate({"image/encoded": np.array([1.0], dtype=np.float32), "image/class/label": np.array([1])},
+                    schema) == [("schema", "feature 'image/encoded' is float, schema says bytes")]
+
+
+def test_probe_measures_and_rejects(tmp_path):
+    from check_datasets import blank_jpeg, jpeg
+
+    probe = probe_image(jpeg(np.random.default_rng(0), size=(80, 60)))
+    assert (probe.format, probe.width, probe.height, probe.channels) == ("jpeg", 80, 60, 3)
+    with pytest.raises(ImageProblem) as err:
+        probe_image(blank_jpeg())
+    assert err.value.check == "blank_image"
+    with pytest.raises(ImageProblem) as err:
+        probe_image(jpeg(np.random.default_rng(0), size=(300, 300)), max_pixels=200 * 200)
+    assert err.value.check == "image_too_large" and "300x300" in err.value.detail
