@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from appliance.errors import DataError
+from appliance.errors import ConfigError, DataError
 from appliance.manifest import atomic_write_text, write_manifest
 from data_tools.check import gate as gate_rules
 from data_tools.check.balance import label_balance
@@ -34,7 +34,7 @@ from data_tools.check.quarantine import move_to_quarantine, write_reasons
 from data_tools.check.report_html import write_html
 from data_tools.check.report_json import build_report, write_json
 from data_tools.check.scan import ScanTask, scan_file, shard_names
-from data_tools.check.schema import infer_schema, load_schema
+from data_tools.check.schema import infer_num_classes, infer_schema, load_schema
 from data_tools.check.thumbnails import collect_thumbnails
 
 SCHEMA_SAMPLE = 256  # records read to infer a schema
@@ -46,6 +46,8 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
               command: list[str] | None = None) -> tuple[dict, int]:
     """Check (path, split) inputs, write the output directory; returns (report, exit status)."""
     conditions = gate_rules.parse_fail_on(fail_on)
+    if not 0 <= near_distance <= 7:
+        raise ConfigError(f"--near-distance must be 0..7 bits (got {near_distance})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stage = out / ".check-partial"
@@ -72,11 +74,15 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
             print(f"appliance data check: {result.path}: every record rejected "
                   f"({count} x {check}, e.g. {detail})", file=sys.stderr)
 
-    groups = exact_groups(((r.file_index, n), h) for r in results for n, h, _ in r.hashes)
-    rejected = copies_to_quarantine(groups, lambda rid: results[rid[0]].split)
-    _quarantine_late(results, names, stage, rejected)
-    near = near_groups(((r.file_index, n), p, h) for r in results for n, h, p in r.hashes if p is not None)
-    near = [g for g in near if len(g) > 1]
+    late = _label_range_from_all(results, schema)
+    stray = {rid for rid, _, _ in late}
+    groups = exact_groups(((r.file_index, n), h) for r in results for n, h, _ in r.hashes
+                          if (r.file_index, n) not in stray)
+    late += [(rid, check, f"same image as {results[kept[0]].path} record {kept[1]}")
+             for rid, check, kept in copies_to_quarantine(groups, lambda rid: results[rid[0]].split)]
+    _quarantine_late(results, names, stage, late)
+    near = near_groups([((r.file_index, n), p, h) for r in results for n, h, p in r.hashes
+                        if p is not None and (r.file_index, n) not in stray], max_distance=near_distance)
 
     statistics, outliers = _statistics(results)
     _build_indexes(stage, results, names)
@@ -195,13 +201,27 @@ class _DirectProgress:
         self.bar.set_postfix(records=self.records, refresh=False)
 
 
+def _label_range_from_all(results, schema) -> list[tuple]:
+    """With an inferred schema the label range comes from every record; the strays are rejected."""
+    spec = schema["features"].get(schema.get("label_key") or "")
+    if spec is None or "max" in spec or spec["dtype"] != "int64":
+        return []  # a given range was checked during the scan
+    histogram = Counter(label for r in results for label in r.labels.values())
+    k = infer_num_classes(histogram)
+    if k is None:
+        return []
+    schema["num_classes"] = k
+    spec.update(min=0, max=k - 1)
+    return [((r.file_index, n), "label_range", f"{schema['label_key']} = {label} outside 0..{k - 1}")
+            for r in results for n, label in r.labels.items() if not 0 <= label < k]
+
+
 def _quarantine_late(results, names, stage: Path, rejected) -> None:
+    """Move records rejected after the scan (label range, duplicates, leakage) into the quarantine."""
     by_file: dict[int, set] = {}
-    for (file_index, number), check, kept in rejected:
+    for (file_index, number), check, detail in rejected:
         result = results[file_index]
-        kept_file = results[kept[0]].path
-        result.reasons.append({"record_number": number, "check": check,
-                               "detail": f"same image as {kept_file} record {kept[1]}"})
+        result.reasons.append({"record_number": number, "check": check, "detail": detail})
         result.checks[check] += 1
         result.labels.pop(number, None)
         by_file.setdefault(file_index, set()).add(number)

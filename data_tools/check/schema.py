@@ -48,28 +48,32 @@ def infer_schema(sample: list[dict], image_key: str, label_key: str) -> dict:
         spec = {"dtype": dtype, "required": presence[key] / n >= REQUIRED_FRACTION,
                 "min_count": min(counts[key]), "max_count": max(counts[key])}
         features[key] = spec
-    num_classes = None
-    if label_key in features:
-        labels = sorted({int(ex[label_key][0]) for ex in sample
-                         if dtype_of(ex.get(label_key, b"")) == "int64" and len(ex[label_key]) == 1})
-        num_classes = _contiguous_classes(labels)
-        if num_classes:
-            features[label_key].update(min=0, max=num_classes - 1)
-    return {"made_by": "appliance data check (inferred from the first records; edit and pass with --schema)",
+    return {"made_by": "appliance data check (keys and dtypes inferred from the first records, label range "
+                       "from all of them; edit and pass with --schema)",
             "image_key": image_key if image_key in features else None,
             "label_key": label_key if label_key in features else None,
-            "num_classes": num_classes, "features": features}
+            "num_classes": None, "features": features}
 
 
-def _contiguous_classes(labels: list[int]) -> int | None:
-    # Class labels are 0..K-1. A stray 99 among 0..4 is a bad label, not a sign of 100
-    # classes, so K ends where the run of consecutive labels from 0 first breaks.
+def infer_num_classes(histogram: dict[int, int], stray_fraction: float = 0.01) -> int | None:
+    """K for labels 0..K-1, from the label counts of the whole dataset.
+
+    A stray 9 among 0..4 is a bad label, not a sign of 10 classes: classes are the run of
+    consecutive labels from 0, and labels past a gap are strays when together they are at most
+    stray_fraction of the records, or each is under a tenth of a typical class. Plentiful labels
+    past a gap are classes (the gap is then an empty class, which the balance check reports).
+    """
+    labels = sorted(k for k in histogram if k >= 0)
     if not labels or labels[0] != 0:
-        return None
+        return (labels[-1] + 1) if labels else None
     k = 0
     while k < len(labels) and labels[k] == k:
         k += 1
-    return k
+    beyond = [histogram[label] for label in labels[k:]]
+    typical = float(np.median([histogram[label] for label in labels[:k]]))
+    if not beyond or sum(beyond) <= stray_fraction * sum(histogram.values()) or max(beyond) < 0.1 * typical:
+        return k
+    return labels[-1] + 1
 
 
 def validate(example: dict, schema: dict) -> list[tuple[str, str]]:

@@ -8,7 +8,7 @@ from data_tools.check.duplicates import copies_to_quarantine, exact_groups, near
 from data_tools.check.gate import evaluate, parse_fail_on
 from data_tools.check.image_probe import ImageProblem, probe_image
 from data_tools.check.outliers import flag_outliers, outlier_bounds
-from data_tools.check.schema import infer_schema, validate
+from data_tools.check.schema import infer_num_classes, infer_schema, validate
 
 
 def test_mad_rule_finds_the_outlier_that_fools_three_sigma():
@@ -57,12 +57,18 @@ def test_copies_in_val_of_train_images_are_leakage_other_copies_duplicates():
                                 ((1, 7), "duplicate", (1, 5))]
 
 
-def test_schema_inference_ignores_a_stray_label_and_validation_names_the_problem():
-    sample = [{"image/encoded": [b"x"], "image/class/label": np.array([i % 4])} for i in range(40)]
-    sample.append({"image/encoded": [b"x"], "image/class/label": np.array([99])})
-    schema = infer_schema(sample, "image/encoded", "image/class/label")
-    assert schema["num_classes"] == 4
-    assert validate(sample[-1], schema) == [("label_range", "image/class/label = 99 outside 0..3")]
+def test_label_range_comes_from_all_labels_and_strays_are_rare():
+    assert infer_num_classes({0: 30, 1: 30, 2: 30, 3: 30, 4: 2, 9: 1}) == 5  # 9 is a stray
+    assert infer_num_classes({0: 30, 1: 30, 3: 30}) == 4  # plentiful past a gap: class 2 is empty
+    assert infer_num_classes({0: 100, 1: 100, 2: 100, 99: 1}) == 3
+
+
+def test_validation_names_the_problem():
+    schema = infer_schema([{"image/encoded": [b"x"], "image/class/label": np.array([i % 4])} for i in range(40)],
+                          "image/encoded", "image/class/label")
+    schema["features"]["image/class/label"].update(min=0, max=3)
+    assert validate({"image/encoded": [b"x"], "image/class/label": np.array([99])}, schema) == [
+        ("label_range", "image/class/label = 99 outside 0..3")]
     assert validate({"image/encoded": np.array([1.0], dtype=np.float32), "image/class/label": np.array([1])},
                     schema) == [("schema", "feature 'image/encoded' is float, schema says bytes")]
 
