@@ -2,8 +2,8 @@
 
 Records are named by a record id, any sortable key such as (file position, record number);
 "first" means smallest id, so the result does not depend on which worker finished first.
-Near duplicates are found with banded hashing: split the 64-bit hash into `bands` pieces;
-two hashes within Hamming distance < bands share at least one piece exactly (pigeonhole), so
+Near duplicates are found with banded hashing: split the 64-bit hash into max_distance + 1
+pieces; two hashes within max_distance bits share at least one piece exactly (pigeonhole), so
 only records sharing a piece are compared, instead of every pair.
 """
 
@@ -21,25 +21,27 @@ def exact_groups(items: Iterable[tuple[Hashable, bytes]]) -> list[list]:
     return sorted(sorted(ids) for ids in by_hash.values() if len(ids) > 1)
 
 
-def near_groups(items: Iterable[tuple[Hashable, int, bytes]], max_distance: int = 4, bands: int = 8) -> list[list]:
+def near_groups(items: Iterable[tuple[Hashable, int, bytes]], max_distance: int = 4) -> list[list]:
     """Groups of records whose perceptual hashes are within max_distance bits, with 2+ distinct contents.
 
     items: (record id, 64-bit perceptual hash, content hash). Exact copies are one member here
     (their smallest id); they are already reported as exact duplicates.
     """
-    if max_distance >= bands:
-        raise ValueError("max_distance must be below the number of bands for the pigeonhole search")
+    if not 0 <= max_distance <= 7:
+        raise ValueError("max_distance must be 0..7 bits")
     representative: dict[bytes, tuple] = {}
     for rid, phash, digest in items:
         if digest not in representative or rid < representative[digest][0]:
             representative[digest] = (rid, phash)
     reps = sorted(representative.values())
-    width = 64 // bands
-    mask = (1 << width) - 1
+    # max_distance + 1 bands: as wide as possible, so buckets stay small (13 bits for distance 4).
+    bands = max_distance + 1
+    cuts = [round(64 * b / bands) for b in range(bands + 1)]
     buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
     for pos, (_, phash) in enumerate(reps):
         for band in range(bands):
-            buckets[(band, (phash >> (band * width)) & mask)].append(pos)
+            width = cuts[band + 1] - cuts[band]
+            buckets[(band, (phash >> cuts[band]) & ((1 << width) - 1))].append(pos)
 
     parent = list(range(len(reps)))
 
