@@ -14,7 +14,7 @@ from pathlib import Path
 from appliance.errors import ConfigError, DataError
 
 
-def register(data_subparsers) -> None:
+def register_data_verb(data_subparsers) -> None:
     p = data_subparsers.add_parser("preview", help="grid of original images beside augmented versions",
                                    description=__doc__.splitlines()[0])
     p.add_argument("file", metavar="FILE", help="TFRecord file")

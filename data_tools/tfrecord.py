@@ -67,18 +67,28 @@ class DamagedRange:
 
 
 def detect_compression(path: str | os.PathLike) -> str | None:
-    """None, "GZIP" or "ZLIB", from the first bytes (a valid plain record header wins)."""
+    """None, "GZIP" or "ZLIB", from the first bytes.
+
+    A valid plain record header wins; a compression header counts only if the bytes after it
+    really decompress, so a damaged plain file is never mistaken for a compressed one.
+    """
     with open(path, "rb") as f:
-        head = f.read(HEADER_BYTES)
-    if len(head) == HEADER_BYTES:
-        length, crc = _LEN.unpack(head)
+        head = f.read(1 << 16)
+    if len(head) >= HEADER_BYTES:
+        length, crc = _LEN.unpack_from(head)
         if masked_crc(head[:8]) == crc:
             return None
-    if head[:2] == b"\x1f\x8b":
-        return "GZIP"
-    if len(head) >= 2 and head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0:
-        return "ZLIB"
-    return None
+    if head[:3] == b"\x1f\x8b\x08":
+        kind, wbits = "GZIP", 31
+    elif len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0:
+        kind, wbits = "ZLIB", 15
+    else:
+        return None
+    try:
+        zlib.decompressobj(wbits).decompress(head, 1 << 16)
+    except zlib.error:
+        return None
+    return kind
 
 
 def _check_compression(compression):
@@ -223,6 +233,22 @@ def iter_records_with_offsets(
     on_damage: Callable[[DamagedRange], None] | None = None,
 ) -> Iterator[tuple[int, int, bytes]]:
     """Yield (record_number, offset, data) for every verified record; see the module docstring."""
+    return _records(path, strict, compression, on_damage, with_offsets=True)
+
+
+def read_records(
+    path: str | os.PathLike,
+    *,
+    strict: bool = False,
+    compression: str | None = "auto",
+    on_damage: Callable[[DamagedRange], None] | None = None,
+) -> Iterator[bytes]:
+    """Yield every verified record of a TFRecord file (lossless by default; strict raises)."""
+    return _records(path, strict, compression, on_damage, with_offsets=False)
+
+
+def _records(path, strict, compression, on_damage, with_offsets):
+    # One generator for both public forms: a wrapper generator would cost ~10% of the hot path.
     path = str(path)
     try:
         src = _open_source(path, compression)
@@ -234,11 +260,34 @@ def iter_records_with_offsets(
     damage_reason = None
     unpack_header = _LEN.unpack_from
     unpack_u32 = _U32.unpack_from
+    crc32c = _crc32c
     try:
         while True:
             if not src.eof:
                 src.fill(pos + HEADER_BYTES)
                 src.drop_before(pos)
+            if damage_start is None:
+                # Hot path: whole, valid records inside the buffer. Anything else (damage, a record
+                # running past the buffer, the end) breaks out to the careful path below.
+                buf, base = src.buf, src.base
+                n = len(buf)
+                off = pos - base
+                while off + HEADER_BYTES <= n:
+                    length, length_crc = unpack_header(buf, off)
+                    c = crc32c(buf[off:off + 8])
+                    if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
+                        break
+                    stop = off + HEADER_BYTES + length + FOOTER_BYTES
+                    if stop > n:
+                        break
+                    data = buf[off + HEADER_BYTES:stop - FOOTER_BYTES]
+                    c = crc32c(data)
+                    if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != unpack_u32(buf, stop - 4)[0]:
+                        break
+                    yield (record_number, base + off, data) if with_offsets else data
+                    record_number += 1
+                    off = stop
+                pos = base + off
             buf, base = src.buf, src.base
             end = base + len(buf)
             problem = None
@@ -270,7 +319,7 @@ def iter_records_with_offsets(
                 if damage_start is not None:
                     _report(path, damage_start, pos, record_number, damage_reason, on_damage)
                     damage_start = None
-                yield record_number, pos, data
+                yield (record_number, pos, data) if with_offsets else data
                 record_number += 1
                 pos = stop
                 continue
@@ -296,20 +345,6 @@ def iter_records_with_offsets(
 def _report(path, start, end, record_number, reason, on_damage):
     if on_damage is not None:
         on_damage(DamagedRange(path, start, end, record_number, reason))
-
-
-def read_records(
-    path: str | os.PathLike,
-    *,
-    strict: bool = False,
-    compression: str | None = "auto",
-    on_damage: Callable[[DamagedRange], None] | None = None,
-) -> Iterator[bytes]:
-    """Yield every verified record of a TFRecord file (lossless by default; strict raises)."""
-    for _, _, data in iter_records_with_offsets(
-        path, strict=strict, compression=compression, on_damage=on_damage
-    ):
-        yield data
 
 
 # --------------------------------------------------------------------------- writing

@@ -8,7 +8,7 @@ import sys
 from appliance.errors import ConfigError
 
 
-def register(data_subparsers) -> None:
+def register_data_verb(data_subparsers) -> None:
     p = data_subparsers.add_parser(
         "check", help="check TFRecord files: report, quarantine, clean shards, gate",
         description="Check TFRecord files in one streaming pass: framing/CRC, parse, schema, images, "
