@@ -210,3 +210,27 @@ def _per_channel(values: Sequence[float], channels: int) -> list[float]:
     if channels == len(values):
         return values
     return [float(np.mean(values))] * channels  # a grey image gets the mean of the RGB statistics
+
+
+class SeededAugmentation(torch.utils.data.Dataset):
+    """Wrap an (image, label) dataset so sample `index` gets transform(image, index).
+
+    TFRecordDataset hands its transform the image only; the index is what seeds a sample's
+    augmentation, so it is applied here. Call set_epoch each epoch before iterating; with
+    persistent DataLoader workers the workers keep the epoch they started with, so keep
+    persistent_workers=False (the default) or recreate the loader per epoch.
+    """
+
+    def __init__(self, dataset, transform):
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.transform, "set_epoch"):
+            self.transform.set_epoch(epoch)
+
+    def __getitem__(self, index: int):
+        image, label = self.dataset[index]
+        return self.transform(image, index), label

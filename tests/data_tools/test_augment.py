@@ -115,3 +115,22 @@ def test_eval_transform_is_deterministic():
     assert torch.equal(x, t(IMAGE, 5))
     grey = EvalTransform(32)(IMAGE[:1])
     assert grey.shape == (1, 32, 32)
+
+
+def test_seeded_augmentation_over_checked_tfrecords(tmp_path):
+    from check_datasets import make_planted
+    from data_tools.augment import SeededAugmentation
+    from data_tools.check.run import run_check
+    from data_tools.dataset import TFRecordDataset
+
+    planted = make_planted(tmp_path / "data", per_class=2, minority=2)
+    run_check([(str(planted.val), None)], tmp_path / "out", progress=False)
+    records = TFRecordDataset.for_classification([tmp_path / "out" / "clean" / "val.tfrecord"])
+    t = TrainTransform(32, seed=4)
+    data = SeededAugmentation(records, t)
+    data.set_epoch(1)
+    batches = list(DataLoader(data, batch_size=4, num_workers=2))
+    images = torch.cat([b[0] for b in batches])
+    assert images.shape == (len(records), 3, 32, 32)
+    for i in (0, len(records) - 1):
+        assert torch.equal(images[i], t(records[i][0], i, epoch=1))
