@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Hashable, Iterable
 
+import numpy as np
+
 
 def exact_groups(items: Iterable[tuple[Hashable, bytes]]) -> list[list]:
     """Groups (sorted ids, two or more) of records whose content hash is equal."""
@@ -51,14 +53,18 @@ def near_groups(items: Iterable[tuple[Hashable, int, bytes]], max_distance: int 
             i = parent[i]
         return i
 
+    hashes = np.array([phash for _, phash in reps], dtype=np.uint64)
     for members in buckets.values():
         if len(members) < 2:
             continue
-        # A bucket of thousands (a flat region's hash) would be quadratic; those images are
-        # caught by the blank check or reported by the statistics instead.
-        for a_pos, a in enumerate(members[:256]):
-            for b in members[a_pos + 1:256]:
-                if bin(reps[a][1] ^ reps[b][1]).count("1") <= max_distance:
+        members = np.array(members)
+        # Pairwise distances of one bucket, a block of rows at a time (bounded memory).
+        for start in range(0, len(members), 512):
+            rows = members[start:start + 512]
+            distance = np.bitwise_count(hashes[rows][:, None] ^ hashes[members][None, :])
+            for i, j in zip(*np.nonzero(distance <= max_distance)):
+                a, b = int(rows[i]), int(members[j])
+                if a < b:
                     parent[find(a)] = find(b)
     groups: dict[int, list] = defaultdict(list)
     for pos, (rid, _) in enumerate(reps):
