@@ -9,6 +9,7 @@ interruption leaves the old pair intact.
 from __future__ import annotations
 
 import json
+from array import array
 from pathlib import Path
 
 from appliance.manifest import atomic_write_text
@@ -44,7 +45,7 @@ def move_to_quarantine(result, out_dir: Path, shard_name: str, move: set[int]) -
                 writer.write(data)
     else:
         clean_path.unlink()
-    result.clean_records = kept_numbers
+    result.clean_records = array("q", kept_numbers)
     result.quarantined_records.extend(moved_numbers)
     return moved
 
@@ -57,7 +58,7 @@ def write_reasons(path: Path, results, shard_names) -> int:
         for reason in sorted(result.reasons, key=lambda r: r["record_number"]):
             number = reason["record_number"]
             lines.append(json.dumps({
-                "file": result.path, "offset": result.offsets.get(number), "record_number": number,
+                "file": result.path, "offset": result.offset(number), "record_number": number,
                 "check": reason["check"], "detail": reason["detail"],
                 "quarantine_shard": f"quarantine/{shard}", "quarantine_position": position[number]}))
         for damage in result.damaged:

@@ -68,7 +68,7 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
     for result in results:
         if result.error:
             print(f"appliance data check: {result.path}: {result.error}", file=sys.stderr)
-        elif result.offsets and not result.clean_records and result.reasons:
+        elif len(result.offsets) and not result.clean_records and result.reasons:
             check, count = result.checks.most_common(1)[0]
             detail = next(r["detail"] for r in result.reasons if r["check"] == check)
             print(f"appliance data check: {result.path}: every record rejected "
@@ -76,12 +76,12 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
 
     late = _label_range_from_all(results, schema)
     stray = {rid for rid, _, _ in late}
-    groups = exact_groups(((r.file_index, n), h) for r in results for n, h, _ in r.hashes
+    groups = exact_groups(((r.file_index, n), h) for r in results for n, h, _ in r.hashes()
                           if (r.file_index, n) not in stray)
     late += [(rid, check, f"same image as {results[kept[0]].path} record {kept[1]}")
              for rid, check, kept in copies_to_quarantine(groups, lambda rid: results[rid[0]].split)]
     _quarantine_late(results, names, stage, late)
-    near = near_groups([((r.file_index, n), p, h) for r in results for n, h, p in r.hashes
+    near = near_groups([((r.file_index, n), p, h) for r in results for n, h, p in r.hashes()
                         if p is not None and (r.file_index, n) not in stray], max_distance=near_distance)
 
     statistics, outliers = _statistics(results)
@@ -206,14 +206,14 @@ def _label_range_from_all(results, schema) -> list[tuple]:
     spec = schema["features"].get(schema.get("label_key") or "")
     if spec is None or "max" in spec or spec["dtype"] != "int64":
         return []  # a given range was checked during the scan
-    histogram = Counter(label for r in results for label in r.labels.values())
+    histogram = Counter(label for r in results for label in r.labels.values)
     k = infer_num_classes(histogram)
     if k is None:
         return []
     schema["num_classes"] = k
     spec.update(min=0, max=k - 1)
     return [((r.file_index, n), "label_range", f"{schema['label_key']} = {label} outside 0..{k - 1}")
-            for r in results for n, label in r.labels.items() if not 0 <= label < k]
+            for r in results for n, label in r.labels if not 0 <= label < k]
 
 
 def _quarantine_late(results, names, stage: Path, rejected) -> None:
@@ -223,7 +223,6 @@ def _quarantine_late(results, names, stage: Path, rejected) -> None:
         result = results[file_index]
         result.reasons.append({"record_number": number, "check": check, "detail": detail})
         result.checks[check] += 1
-        result.labels.pop(number, None)
         by_file.setdefault(file_index, set()).add(number)
     for file_index, numbers in by_file.items():
         move_to_quarantine(results[file_index], stage, names[file_index], numbers)
@@ -235,8 +234,10 @@ def _statistics(results) -> tuple[dict, list]:
     names = sorted({name for r in results for name in r.stats})
     statistics, outliers = {}, []
     for name in names:
-        rids = [(r.file_index, n) for r in results for n, _ in r.stats.get(name, [])]
-        values = np.array([v for r in results for _, v in r.stats.get(name, [])], dtype=np.float64)
+        columns = [(r.file_index, r.stats[name]) for r in results if name in r.stats]
+        files = np.concatenate([np.full(len(c), f, dtype=np.int64) for f, c in columns])
+        numbers = np.concatenate([np.frombuffer(c.numbers, dtype=np.int64) for _, c in columns])
+        values = np.concatenate([np.frombuffer(c.values, dtype=np.float64) for _, c in columns])
         bounds = outlier_bounds(values)
         # A histogram per statistic (30 bins) for the HTML report, computed here so the
         # report never needs the raw values again.
@@ -245,10 +246,10 @@ def _statistics(results) -> tuple[dict, list]:
             bounds["histogram"] = {"counts": counts.tolist(), "edges": edges.tolist()}
         statistics[name] = bounds
         for pos, rules in flag_outliers(values, bounds):
-            file_index, number = rids[pos]
+            file_index, number = int(files[pos]), int(numbers[pos])
             result = results[file_index]
             outliers.append({"file": result.path, "record_number": number,
-                             "offset": result.offsets.get(number), "statistic": name,
+                             "offset": result.offset(number), "statistic": name,
                              "value": float(values[pos]), "rules": rules})
     return statistics, outliers
 
@@ -256,7 +257,8 @@ def _statistics(results) -> tuple[dict, list]:
 def _labels(results, schema) -> dict:
     overall, by_split = Counter(), {}
     for r in results:
-        counts = Counter(r.labels[n] for n in r.clean_records if n in r.labels)
+        clean = set(r.clean_records)
+        counts = Counter(label for n, label in r.labels if n in clean)
         overall.update(counts)
         if r.split:
             by_split.setdefault(r.split, Counter()).update(counts)
