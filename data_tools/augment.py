@@ -60,28 +60,25 @@ def _as_uint8_tensor(image) -> torch.Tensor:
 def rgb_to_hsv(rgb: torch.Tensor) -> torch.Tensor:
     """CHW float RGB in [0, 1] -> CHW HSV with H in [0, 1) (fraction of the circle)."""
     r, g, b = rgb.unbind(0)
-    maxc, _ = rgb.max(0)
-    minc, _ = rgb.min(0)
+    minc, maxc = torch.aminmax(rgb, dim=0)
     delta = maxc - minc
-    s = torch.where(maxc > 0, delta / maxc.clamp_min(1e-12), torch.zeros_like(maxc))
+    s = delta / maxc.clamp_min(1e-12)
     safe = delta.clamp_min(1e-12)
-    rc, gc, bc = (maxc - r) / safe, (maxc - g) / safe, (maxc - b) / safe
-    h = torch.where(maxc == r, bc - gc, torch.where(maxc == g, 2.0 + rc - bc, 4.0 + gc - rc))
-    h = torch.where(delta > 0, (h / 6.0) % 1.0, torch.zeros_like(h))
+    h = torch.where(maxc == r, (g - b) / safe,
+                    torch.where(maxc == g, 2.0 + (b - r) / safe, 4.0 + (r - g) / safe))
+    h = torch.where(delta > 0, (h / 6.0).remainder_(1.0), torch.zeros_like(h))
     return torch.stack((h, s, maxc))
 
 
+_SECTOR_OFFSETS = torch.tensor([5.0, 3.0, 1.0]).view(3, 1, 1)
+
+
 def hsv_to_rgb(hsv: torch.Tensor) -> torch.Tensor:
-    h, s, v = hsv.unbind(0)
-    i = torch.floor(h * 6.0)
-    f = h * 6.0 - i
-    i = i.to(torch.int64) % 6
-    p, q, t = v * (1.0 - s), v * (1.0 - s * f), v * (1.0 - s * (1.0 - f))
-    # Row k of each table is the (r, g, b) choice for sector k of the hue circle.
-    r = torch.stack((v, q, p, p, t, v)).gather(0, i.unsqueeze(0)).squeeze(0)
-    g = torch.stack((t, v, v, q, p, p)).gather(0, i.unsqueeze(0)).squeeze(0)
-    b = torch.stack((p, p, t, v, v, q)).gather(0, i.unsqueeze(0)).squeeze(0)
-    return torch.stack((r, g, b))
+    # The closed form f(n) = v - v*s*clamp(min(k, 4-k), 0, 1), k = (n + 6h) mod 6, for n = 5, 3, 1
+    # gives R, G, B in one broadcast instead of a six-way case split per pixel.
+    h, s, v = hsv[0:1], hsv[1:2], hsv[2:3]
+    k = (_SECTOR_OFFSETS + h * 6.0).remainder_(6.0)
+    return v - v * s * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0)
 
 
 def jitter_hsv(image: torch.Tensor, hue_shift: float, saturation_factor: float, value_factor: float) -> torch.Tensor:
