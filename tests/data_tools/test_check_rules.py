@@ -84,3 +84,21 @@ def test_probe_measures_and_rejects(tmp_path):
     with pytest.raises(ImageProblem) as err:
         probe_image(jpeg(np.random.default_rng(0), size=(300, 300)), max_pixels=200 * 200)
     assert err.value.check == "image_too_large" and "300x300" in err.value.detail
+
+
+def test_declared_format_that_disagrees_with_the_bytes_is_reported_not_rejected():
+    import io
+
+    from PIL import Image
+
+    from check_datasets import example
+    from data_tools.check.scan import check_record
+
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(png, "PNG")
+    schema = {"features": {"image/encoded": {"dtype": "bytes", "required": True}},
+              "image_key": "image/encoded", "label_key": "image/class/label"}
+    problems, summary = check_record(example(png.getvalue(), 1, fmt=b"jpeg"), schema, 10**6)
+    assert problems == []
+    assert summary["note"] == ("format_mismatch", "image/format says b'jpeg', the bytes are png")
+    assert summary["label"] == 1
