@@ -60,3 +60,27 @@ def _fmt(x: float) -> str:
     if math.isinf(x):
         return "inf"
     return str(int(x)) if float(x).is_integer() else f"{x:.4g}"
+
+
+def require_passing_report(report_path) -> dict:
+    """Load a data check report.json and raise DataError unless its gate passed (for training configs)."""
+    import json
+    from pathlib import Path
+
+    from appliance.errors import DataError
+
+    path = Path(report_path)
+    try:
+        report = json.loads(path.read_text())
+    except OSError as err:
+        raise DataError(f"{path}: cannot read the data check report: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: line {err.lineno}: not a data check report (invalid JSON)") from None
+    gate = report.get("gate") if isinstance(report, dict) else None
+    if not isinstance(gate, dict) or "passed" not in gate:
+        raise DataError(f"{path}: not a data check report (no \"gate\"); run appliance data check")
+    if not gate["conditions"]:
+        raise DataError(f"{path}: the data check ran without --fail-on, so nothing was required of the data")
+    if not gate["passed"]:
+        raise DataError(f"{path}: data check gate failed: {'; '.join(gate['failed'])}")
+    return report

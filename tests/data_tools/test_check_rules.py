@@ -102,3 +102,42 @@ def test_declared_format_that_disagrees_with_the_bytes_is_reported_not_rejected(
     assert problems == []
     assert summary["note"] == ("format_mismatch", "image/format says b'jpeg', the bytes are png")
     assert summary["label"] == 1
+
+
+def test_training_can_require_a_passing_report(tmp_path):
+    import json
+
+    from appliance.errors import DataError
+    from data_tools.check.gate import require_passing_report
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"gate": {"passed": False, "conditions": ["corrupt>0"],
+                                           "failed": ["corrupt = 2 > 0 (damaged byte ranges ...)"]}}))
+    with pytest.raises(DataError, match=r"report.json: data check gate failed: corrupt = 2 > 0"):
+        require_passing_report(report)
+    report.write_text(json.dumps({"gate": {"passed": True, "conditions": [], "failed": []}}))
+    with pytest.raises(DataError, match="without --fail-on"):
+        require_passing_report(report)
+    report.write_text(json.dumps({"gate": {"passed": True, "conditions": ["corrupt>0"], "failed": []}}))
+    assert require_passing_report(report)["gate"]["passed"] is True
+
+
+def test_per_record_memory_is_a_small_constant(tmp_path):
+    import pickle
+
+    from check_datasets import example, jpeg
+    from data_tools.check.scan import ScanTask, scan_file
+    from data_tools.check.schema import infer_schema
+    from data_tools.example import decode_example
+    from data_tools.tfrecord import write_records
+
+    rng = np.random.default_rng(0)
+    records = [example(jpeg(rng, size=(32, 32)), i % 3) for i in range(600)]
+    write_records(tmp_path / "d.tfrecord", records)
+    schema = infer_schema([decode_example(r) for r in records[:50]], "image/encoded", "image/class/label")
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "quarantine").mkdir()
+    result = scan_file(ScanTask(0, str(tmp_path / "d.tfrecord"), None, "d.tfrecord", str(tmp_path), schema, 10**6))
+    assert len(result.clean_records) == 600
+    # What the parent holds per record (summaries travel pickled from the workers): no images.
+    assert len(pickle.dumps(result)) / 600 < 200
