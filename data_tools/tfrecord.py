@@ -24,14 +24,19 @@ import numpy as np
 from google_crc32c import value as _crc32c
 
 from appliance.errors import DataError
+from data_tools.compression import DecompressedSource
 
 HEADER_BYTES = 12  # u64 length + u32 masked crc of the length
 FOOTER_BYTES = 4  # u32 masked crc of the data
 FRAME_BYTES = HEADER_BYTES + FOOTER_BYTES
 COMPRESSIONS = (None, "GZIP", "ZLIB")
 _MASK_DELTA = 0xA282EAD8
-_CHUNK = 1 << 22  # decompressed bytes pulled per step from a GZIP/ZLIB file
+# Largest record read from a GZIP/ZLIB stream (protobuf's own limit): the stream's length is
+# unknown until it is decompressed, so this bounds the memory a damaged length can claim.
+# Plain files need no bound: a length past the end of the mapped file is simply a truncation.
+MAX_STREAMED_RECORD = (1 << 31) - 1
 _LEN = struct.Struct("<QI")
+_LENGTH_CRCS: dict[int, int] = {}  # length -> masked CRC of its 8 bytes, filled as lengths verify
 _U32 = struct.Struct("<I")
 
 
@@ -121,76 +126,11 @@ class _PlainSource:
         self._file.close()
 
 
-class _DecompressedSource:
-    """A sliding window over the decompressed stream of a GZIP/ZLIB file.
-
-    Memory holds at most the bytes from the current record to the furthest byte a length field
-    asked for that the stream actually has; an absurd length stops at the end of the stream.
-    """
-
-    def __init__(self, path, compression):
-        self._file = open(path, "rb")
-        self._wbits = 31 if compression == "GZIP" else 15
-        self._z = zlib.decompressobj(self._wbits)
-        self._pending = b""  # compressed input not yet fed to the decompressor
-        self.buf = b""
-        self.base = 0
-        self.eof = False
-        self.stream_problem: str | None = None  # why the compressed stream ended early, if it did
-
-    def fill(self, need_end: int) -> None:
-        """Decompress until the window reaches absolute offset need_end or the stream ends."""
-        parts = [self.buf]
-        have = self.base + len(self.buf)
-        while have < need_end and not self.eof:
-            if not self._pending:
-                self._pending = self._file.read(1 << 20)
-                if not self._pending:
-                    out = self._z.flush()
-                    self.eof = True
-                    if not self._z.eof:
-                        self.stream_problem = "compressed stream ends early (file truncated)"
-                    parts.append(out)
-                    have += len(out)
-                    break
-            try:
-                # bounded output per step, so a compression bomb cannot flood memory
-                out = self._z.decompress(self._pending, _CHUNK)
-            except zlib.error as err:
-                self.eof = True
-                self.stream_problem = f"compressed stream is corrupt ({err})"
-                break
-            self._pending = self._z.unconsumed_tail
-            if self._z.eof:
-                rest = self._z.unused_data + self._pending + self._file.read()
-                if self._wbits == 31 and rest[:2] == b"\x1f\x8b":
-                    # concatenated gzip members form one stream (as `cat a.gz b.gz` makes)
-                    self._z = zlib.decompressobj(self._wbits)
-                    self._pending = rest
-                else:
-                    self.eof = True
-                    if rest.strip(b"\0"):
-                        self.stream_problem = "unexpected bytes after the end of the compressed stream"
-            parts.append(out)
-            have += len(out)
-        if len(parts) > 1:
-            self.buf = b"".join(parts)
-
-    def drop_before(self, pos: int) -> None:
-        """Forget decompressed bytes before pos (in steps, so the copy cost stays small)."""
-        if pos - self.base > _CHUNK:
-            self.buf = self.buf[pos - self.base:]
-            self.base = pos
-
-    def close(self):
-        self._file.close()
-
-
 def _open_source(path, compression):
     if compression == "auto":
         compression = detect_compression(path)
     _check_compression(compression)
-    return _PlainSource(path) if compression is None else _DecompressedSource(path, compression)
+    return _PlainSource(path) if compression is None else DecompressedSource(path, compression)
 
 
 def _find_next_header(src, start: int) -> int | None:
@@ -218,7 +158,7 @@ def _find_next_header(src, start: int) -> int | None:
             left = avail - np.arange(n, dtype=np.int64) - FRAME_BYTES  # data bytes that could follow
             fits = (left >= 0) & (lengths <= np.clip(left, 0, None).astype(np.uint64))
         else:
-            fits = lengths < np.uint64(1 << 40)
+            fits = lengths <= np.uint64(MAX_STREAMED_RECORD)
         for i in np.flatnonzero(fits).tolist():
             if masked_crc(window[i:i + 8]) == _U32.unpack_from(window, i + 8)[0]:
                 return pos + i
@@ -261,6 +201,7 @@ def _records(path, strict, compression, on_damage, with_offsets):
     unpack_header = _LEN.unpack_from
     unpack_u32 = _U32.unpack_from
     crc32c = _crc32c
+    length_crcs = _LENGTH_CRCS
     try:
         while True:
             if not src.eof:
@@ -274,9 +215,12 @@ def _records(path, strict, compression, on_damage, with_offsets):
                 off = pos - base
                 while off + HEADER_BYTES <= n:
                     length, length_crc = unpack_header(buf, off)
-                    c = crc32c(buf[off:off + 8])
-                    if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
-                        break
+                    if length_crcs.get(length) != length_crc:
+                        # the CRC of a length depends on the length alone: compute each one once
+                        if masked_crc(buf[off:off + 8]) != length_crc:
+                            break
+                        if len(length_crcs) < 1 << 16:
+                            length_crcs[length] = length_crc
                     stop = off + HEADER_BYTES + length + FOOTER_BYTES
                     if stop > n:
                         break
@@ -288,11 +232,13 @@ def _records(path, strict, compression, on_damage, with_offsets):
                     record_number += 1
                     off = stop
                 pos = base + off
+                if not src.eof:  # the window may end inside the next record: extend it first
+                    src.fill(pos + HEADER_BYTES)
             buf, base = src.buf, src.base
             end = base + len(buf)
             problem = None
             if pos >= end:
-                problem = src.stream_problem if isinstance(src, _DecompressedSource) else None
+                problem = src.stream_problem if isinstance(src, DecompressedSource) else None
                 if problem is None:
                     break
             elif pos + HEADER_BYTES > end:
@@ -304,13 +250,16 @@ def _records(path, strict, compression, on_damage, with_offsets):
                 else:
                     stop = pos + HEADER_BYTES + length + FOOTER_BYTES
                     if stop > end and not src.eof:
-                        src.fill(stop)
-                        buf, base = src.buf, src.base
-                        end = base + len(buf)
-                    if stop > end:
+                        if length <= MAX_STREAMED_RECORD:
+                            src.fill(stop)
+                            buf, base = src.buf, src.base
+                            end = base + len(buf)
+                        else:  # a GZIP/ZLIB stream: filling that far could hold gigabytes
+                            problem = f"absurd record length {length} (over 2 GiB, protobuf's limit)"
+                    if problem is None and stop > end:
                         problem = (f"truncated record: header says {length} bytes of data, "
                                    f"only {max(0, end - pos - FRAME_BYTES)} left in the file")
-                    else:
+                    elif problem is None:
                         start = pos + HEADER_BYTES - base
                         data = buf[start:start + length]
                         if masked_crc(data) != unpack_u32(buf, start + length)[0]:
@@ -333,7 +282,7 @@ def _records(path, strict, compression, on_damage, with_offsets):
             nxt = _find_next_header(src, pos + 1)
             if nxt is None:
                 end = src.base + len(src.buf)
-                if isinstance(src, _DecompressedSource) and src.stream_problem:
+                if isinstance(src, DecompressedSource) and src.stream_problem:
                     damage_reason = f"{damage_reason}; {src.stream_problem}"
                 _report(path, damage_start, end, record_number, damage_reason, on_damage)
                 break
