@@ -140,12 +140,15 @@ def scan_file(task: ScanTask) -> FileResult:
         result.error = str(err).removeprefix(f"{path}: ")
     finally:
         for writer, records in ((clean, result.clean_records), (quarantine, result.quarantined_records)):
-            writer.close() if records else writer.abort()
+            if records:
+                writer.close()
+            else:
+                writer.abort()  # no empty shards
         progress.finish(result.bytes)
     if result.damaged:
         result.checks["framing"] += len(result.damaged)
         if not len(result.offsets):
-            result.error = "not a TFRecord file: no record framing found in its " f"{result.bytes} bytes"
+            result.error = f"not a TFRecord file: no record framing found in its {result.bytes} bytes"
     return result
 
 
