@@ -51,9 +51,9 @@ def render(report: dict, thumbs: dict) -> str:
     labels = report["labels"]
     out.append("<h2>Label balance</h2>")
     if labels["histogram"]:
-        names = (report["schema"].get("class_names") or {})
+        names = labels.get("class_names", {})
         keys = list(labels["histogram"])
-        out.append(bar_chart([names.get(k, k) if isinstance(names, dict) else k for k in keys],
+        out.append(bar_chart([f"{k} {names[k]}" if k in names else k for k in keys],
                              list(labels["histogram"].values()), "records per class (valid records)",
                              "plot-label-balance"))
         imbalance = labels["imbalance"]

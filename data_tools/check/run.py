@@ -263,6 +263,11 @@ def _labels(results, schema) -> dict:
         if r.split:
             by_split.setdefault(r.split, Counter()).update(counts)
     balance = label_balance(overall, schema.get("num_classes"))
+    names: dict[int, str] = {}
+    for r in results:
+        for label, name in r.class_names.items():
+            names.setdefault(label, name)
+    balance["class_names"] = {str(k): v for k, v in sorted(names.items())}
     balance["by_split"] = {s: label_balance(c, schema.get("num_classes")) for s, c in by_split.items()}
     return balance
 

@@ -81,6 +81,7 @@ class FileResult:
     has_perceptual_hash: bytearray = dataclasses.field(default_factory=bytearray)
     stats: dict = dataclasses.field(default_factory=dict)  # statistic -> Column
     notes: list = dataclasses.field(default_factory=list)  # reported, not quarantined: (record, check, detail)
+    class_names: dict = dataclasses.field(default_factory=dict)  # label -> first image/class/text seen
 
     def offset(self, number: int) -> int | None:
         return self.offsets[number] if 0 <= number < len(self.offsets) and self.offsets[number] >= 0 else None
@@ -164,6 +165,9 @@ def check_record(data: bytes, schema: dict, max_pixels: int) -> tuple[list, dict
     label = example.get(label_key)
     if label is not None and len(label) == 1 and getattr(label, "dtype", None) is not None:
         summary["label"] = int(label[0])
+        text = example.get("image/class/text")
+        if isinstance(text, list) and len(text) == 1:
+            summary["class_name"] = text[0][:64].decode("utf-8", "replace")
     for key, spec in schema["features"].items():
         value = example.get(key)
         if (key != label_key and spec["dtype"] != "bytes" and spec.get("max_count") == 1
@@ -189,6 +193,8 @@ def check_record(data: bytes, schema: dict, max_pixels: int) -> tuple[list, dict
 def _keep_summary(result: FileResult, number: int, summary: dict) -> None:
     if "label" in summary:
         result.labels.append(number, summary["label"])
+        if "class_name" in summary:
+            result.class_names.setdefault(summary["label"], summary["class_name"])
     result.hash_numbers.append(number)
     result.content_hashes += summary["content"]
     result.perceptual_hashes.append(summary.get("phash") or 0)

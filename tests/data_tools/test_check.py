@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from check_datasets import make_planted
+from check_datasets import CLASSES, make_planted
 from conftest import run_appliance
 from data_tools.example import decode_example
 from data_tools.index import load_index
@@ -131,6 +131,7 @@ def test_label_balance_and_gate(checked):
              for r in read_records(out / "clean" / name)]
     assert report["labels"]["histogram"] == {str(k): v for k, v in sorted(Counter(map(int, clean)).items())}
     assert report["labels"]["histogram"][str(planted.minority_class)] == 2
+    assert report["labels"]["class_names"] == {str(i): name for i, name in enumerate(CLASSES)}
     assert report["schema"]["num_classes"] == 5  # the stray label 9 did not widen the range
     assert proc.returncode == 3, proc.stderr
     failed = [line for line in proc.stderr.splitlines() if line.startswith("gate failed:")]

@@ -38,6 +38,7 @@ def test_report_renders_with_plots_offline(tmp_path):
     rendered = dom.stdout
     assert re.search(r'<svg id="plot-label-balance"[^>]*class="plot bar-chart"', rendered)
     assert len(re.findall(r'<rect class="bar"', rendered)) == 5  # one bar per class
+    assert ">0 cat</text>" in rendered and ">4 eel</text>" in rendered
     for stat in ("width", "height", "brightness", "contrast", "aspect", "encoded_size"):
         assert f'id="plot-stat-{stat}"' in rendered, stat
     assert rendered.count('class="bound sigma_low"') == 6 and rendered.count('class="bound mad_high"') == 6
