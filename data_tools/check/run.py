@@ -266,7 +266,8 @@ def _labels(results, schema) -> dict:
     names: dict[int, str] = {}
     for r in results:
         for label, name in r.class_names.items():
-            names.setdefault(label, name)
+            if label in overall:  # not a stray label quarantined after the scan
+                names.setdefault(label, name)
     balance["class_names"] = {str(k): v for k, v in sorted(names.items())}
     balance["by_split"] = {s: label_balance(c, schema.get("num_classes")) for s, c in by_split.items()}
     return balance
