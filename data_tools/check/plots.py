@@ -45,7 +45,7 @@ def histogram(counts: list[int], edges: list[float], bounds: dict, title: str, p
 
     parts = [_open(plot_id, title, "histogram")]
     for count, a, b in zip(counts, edges[:-1], edges[1:]):
-        h = inner_h * count / top
+        h = max(inner_h * count / top, 2.0 if count else 0.0)  # one outlier in a bin stays visible
         parts.append(f'<rect class="bin" x="{sx(a):.1f}" y="{PAD_TOP + inner_h - h:.1f}" '
                      f'width="{max(sx(b) - sx(a), 0.5):.1f}" height="{h:.1f}" fill="#6c9a5c">'
                      f'<title>{a:.4g}..{b:.4g}: {count}</title></rect>')
