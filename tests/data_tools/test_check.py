@@ -134,6 +134,7 @@ def test_label_balance_and_gate(checked):
     assert report["labels"]["class_names"] == {str(i): name for i, name in enumerate(CLASSES)}
     assert report["schema"]["num_classes"] == 5  # the stray label 9 did not widen the range
     assert proc.returncode == 3, proc.stderr
+    assert "data check: 100%" in proc.stderr and "B/s" in proc.stderr and "records=" in proc.stderr  # progress
     failed = [line for line in proc.stderr.splitlines() if line.startswith("gate failed:")]
     assert len(failed) == 2 and failed[0].startswith("gate failed: corrupt = 2 > 0")
     assert failed[1].startswith("gate failed: imbalance = ")
