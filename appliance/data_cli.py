@@ -15,7 +15,10 @@ from pathlib import Path
 from appliance.errors import DataError
 
 # Modules contributing `appliance data VERB` sub-verbs via register_data_verb(subparsers).
-DATA_VERB_MODULES: list[str] = []
+DATA_VERB_MODULES: list[str] = [
+    "data_tools.check.cli",
+    "data_tools.preview",
+]
 
 
 def register(subparsers) -> None:
