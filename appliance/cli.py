@@ -18,6 +18,11 @@ from appliance.errors import ApplianceError
 # so `appliance --help` stays fast.
 VERB_MODULES = [
     "appliance.doctor",
+    "appliance.deploy.export",
+    "appliance.deploy.quantize",
+    "appliance.deploy.compile",
+    "appliance.deploy.package",
+    "appliance.deploy.edge_verify",
 ]
 
 
