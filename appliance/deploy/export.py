@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +94,8 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
     if len(example) < (batch or 1):
         example = torch.zeros((batch, c, s, s))
     dynamic = None if batch else {"input": {0: "batch"}, "logits": {0: "batch"}}
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
         # The TorchScript exporter: the dynamo one needs onnxscript, which the appliance does not ship.
         torch.onnx.export(model, (example,), str(tmp), dynamo=False, input_names=["input"],
                           output_names=["logits"], dynamic_axes=dynamic, opset_version=opset)

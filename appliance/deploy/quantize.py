@@ -109,7 +109,7 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     preprocessing = metadata(model).get("preprocessing", {})
     calib = load_samples(calib_files, preprocessing, limit=calib_samples)
     check_input_shape(calib, inp.shape, inp.name, model_path)
-    val = load_samples(val_files, preprocessing, limit=val_samples) if val_files else calib
+    val = load_samples(val_files or calib_files, preprocessing, limit=val_samples)
     check_input_shape(val, inp.shape, inp.name, model_path)
     if val.y is None:
         raise DataError(f"{val.files[0]}: validation data has no labels (need image/class/label, or 'y' in the .npz)")
