@@ -49,6 +49,37 @@ def val_npz(tmp_path_factory, val_images, card):
     return path
 
 
+def write_image_tfrecord(path, images, labels, class_names):
+    """Real TFRecord bytes of tf.train.Example images with the TF-slim keys, PNG-encoded."""
+    import io
+
+    from PIL import Image
+
+    from data_tools.example import encode_example
+    from data_tools.tfrecord import write_records
+
+    def example(img, label):
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="PNG")
+        return encode_example({"image/encoded": buf.getvalue(), "image/format": b"png",
+                               "image/class/label": int(label), "image/class/text": class_names[label]})
+
+    write_records(path, (example(img, label) for img, label in zip(images, labels)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def val_tfrecord(tmp_path_factory, val_images, card):
+    images, labels = val_images
+    return write_image_tfrecord(tmp_path_factory.mktemp("data") / "val.tfrecord", images, labels, card.class_names)
+
+
+@pytest.fixture(scope="session")
+def calib_tfrecord(tmp_path_factory, card):
+    images, labels = synthetic_images(64, seed=2)
+    return write_image_tfrecord(tmp_path_factory.mktemp("data") / "calib.tfrecord", images, labels, card.class_names)
+
+
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory, card):
     """RUN_DIR/model/ as training writes it: a small_cnn trained to high accuracy."""
@@ -74,11 +105,11 @@ def run_dir(tmp_path_factory, card):
 
 
 @pytest.fixture(scope="session")
-def exported(tmp_path_factory, run_dir, val_npz):
+def exported(tmp_path_factory, run_dir, val_tfrecord):
     from appliance.deploy.export import export_model
 
     out = tmp_path_factory.mktemp("export")
-    export_model(run_dir, out, sample_files=[val_npz])
+    export_model(run_dir, out, sample_files=[val_tfrecord])
     return out
 
 

@@ -10,17 +10,17 @@ from conftest import offline_cmd, run_appliance
 from appliance.manifest import read_manifest, verify_outputs
 
 
-def test_export_offline_from_run_dir_with_parity(tmp_path, run_dir, val_npz):
+def test_export_offline_from_run_dir_with_parity(tmp_path, run_dir, val_tfrecord, val_npz):
     import subprocess
 
     from conftest import appliance_cmd
 
     out = tmp_path / "export"
     proc = subprocess.run(offline_cmd(appliance_cmd("export", str(run_dir), "--out", str(out),
-                                                    "--samples", str(val_npz))),
+                                                    "--samples", str(val_tfrecord))),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "parity on 64 tensors samples" in proc.stdout
+    assert "parity on 64 tfrecord samples" in proc.stdout
     report = json.loads((out / "parity.json").read_text())
     assert report["parity"]["passed"] and report["parity"]["max_rel_error"] <= 1e-5
     assert report["parity"]["top1_agreement"] == 1.0
@@ -37,7 +37,7 @@ def test_export_offline_from_run_dir_with_parity(tmp_path, run_dir, val_npz):
     manifest = read_manifest(out)
     assert manifest["stage"] == "export" and verify_outputs(out) == []
     assert {p.rsplit("/", 1)[-1] for p in (i["path"] for i in manifest["inputs"])} >= {
-        "model.safetensors", "model.json", "val.npz"}
+        "model.safetensors", "model.json", "val.tfrecord"}
 
     # The dynamic batch axis really is dynamic.
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])

@@ -44,7 +44,7 @@ def test_package_contents_checksums_and_lineage(unpacked):
     assert info["class_names"][3] == "south-east" and info["preprocessing"]["image_size"] == 16
     manifest = json.loads((unpacked / "manifest.json").read_text())
     assert [s["stage"] for s in manifest["params"]["lineage"]] == ["export", "compile"]
-    assert any(i["path"].endswith("val.npz") for i in manifest["params"]["lineage"][0]["inputs"])
+    assert any(i["path"].endswith("val.tfrecord") for i in manifest["params"]["lineage"][0]["inputs"])
 
 
 def test_native_runner_runs_under_qemu(unpacked, val_npz, tmp_path):
@@ -57,8 +57,8 @@ def test_native_runner_runs_under_qemu(unpacked, val_npz, tmp_path):
     assert [line["sample"] for line in lines] == [0, 1, 2] and all(len(line["top_k"]) == 2 for line in lines)
 
 
-def test_edge_verify_agrees_on_every_sample(edge_package, val_npz, tmp_path):
-    proc = run_appliance("edge", "verify", str(edge_package), "--samples", str(val_npz), "--num-samples", "24",
+def test_edge_verify_agrees_on_every_sample(edge_package, val_tfrecord, tmp_path):
+    proc = run_appliance("edge", "verify", str(edge_package), "--samples", str(val_tfrecord), "--num-samples", "24",
                          "--out", str(tmp_path / "verify"))
     assert proc.returncode == 0, proc.stderr
     assert "24 samples under qemu-aarch64: top-1 agreement 1.0000" in proc.stdout and "PASS" in proc.stdout

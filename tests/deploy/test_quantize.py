@@ -11,15 +11,15 @@ from appliance.manifest import read_manifest
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp16"])
-def test_quantize_passes_the_gate_with_a_report(tmp_path, exported, val_npz, mode):
+def test_quantize_passes_the_gate_with_a_report(tmp_path, exported, calib_tfrecord, val_tfrecord, mode):
     out = tmp_path / mode
-    proc = run_appliance("quantize", str(exported / "model.onnx"), "--calib", str(val_npz), "--out", str(out),
-                         "--mode", mode, "--calib-samples", "48")
+    proc = run_appliance("quantize", str(exported / "model.onnx"), "--calib", str(calib_tfrecord),
+                         "--val", str(val_tfrecord), "--out", str(out), "--mode", mode, "--calib-samples", "48")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "accuracy.json").read_text())
     assert report["fp32"]["top1"] >= 0.9  # the fixture model really learned the task
     assert report["gate_passed"] and report["top1_drop_points"] <= 1.0
-    assert report["validation_samples"] == 96 and report["prediction_agreement"] >= 0.98
+    assert report["validation_samples"] == 96 and report["calibration_samples"] == 48 and report["prediction_agreement"] >= 0.98
     assert report["quantized"]["bytes"] < report["fp32"]["bytes"] * (0.35 if mode == "int8" else 0.6)
 
     model = onnx.load(str(out / f"model.{mode}.onnx"))
@@ -36,15 +36,16 @@ def test_quantize_passes_the_gate_with_a_report(tmp_path, exported, val_npz, mod
     page = (out / "accuracy.html").read_text()
     assert "<svg" in page and "PASS" in page and "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     manifest = read_manifest(out)
+    assert {i["path"] for i in manifest["inputs"]} >= {str(calib_tfrecord), str(val_tfrecord)}
     assert manifest["params"]["gate_passed"] and manifest["params"]["lineage"][-1]["stage"] == "export"
 
 
-def test_gate_fails_when_calibration_misses_the_signal(tmp_path, exported, val_npz):
+def test_gate_fails_when_calibration_misses_the_signal(tmp_path, exported, val_tfrecord):
     # Calibrating on flat background images sets activation ranges that clip every bright square.
     flat = tmp_path / "flat.npz"
     np.savez(flat, x=np.full((4, 3, 16, 16), -0.66, np.float32), y=np.zeros(4, np.int64))
     out = tmp_path / "bad"
-    proc = run_appliance("quantize", str(exported / "model.onnx"), "--calib", str(flat), "--val", str(val_npz),
+    proc = run_appliance("quantize", str(exported / "model.onnx"), "--calib", str(flat), "--val", str(val_tfrecord),
                          "--out", str(out))
     assert proc.returncode == 1
     assert "top-1 dropped" in proc.stderr and "more than --max-drop 1" in proc.stderr
