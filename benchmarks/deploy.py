@@ -1,0 +1,95 @@
+"""Host CPU latency of the deploy routes, side by side in one process run.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/deploy.py [--models resnet18 mobilenet_v2] [--runs 20]
+
+For each model at 1x3x224x224 (untrained weights; latency does not depend on them): onnxruntime
+FP32, onnxruntime INT8 (S8S8 QDQ, as `appliance quantize` makes it) and the TVM host build (as
+`appliance compile --target x86_64` makes it, untuned). Prints median latency, ratios against
+onnxruntime FP32 and file sizes. Targets from the issue: INT8 <= 0.6x FP32, TVM <= 1.0x ORT FP32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def median_ms(fn, runs: int, budget_s: float = 60.0) -> tuple[float, int]:
+    """Median of up to `runs` timed calls after 2 warm-ups, stopping early past budget_s (slow TVM)."""
+    for _ in range(2):
+        fn()
+    times, start = [], time.perf_counter()
+    while len(times) < runs and (len(times) < 5 or time.perf_counter() - start < budget_s):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times), len(times)
+
+
+def bench_model(arch: str, work: Path, runs: int) -> dict:
+    import tvm
+    from tvm import relax
+
+    from appliance.deploy.compile import compile_model
+    from appliance.deploy.export import export_model
+    from appliance.deploy.onnx_model import ort_session
+    from appliance.deploy.quantize import quantize_int8
+    from appliance.train.models import ModelCard, build_model, save_trained_model
+
+    card = ModelCard(arch, 1000, 3, 224)
+    save_trained_model(work / "model", build_model(arch, 1000), card)
+    export_model(work, work / "export", batch=1, max_rel_error=1e-4)
+    fp32 = work / "export" / "model.onnx"
+    rng = np.random.default_rng(0)
+    calib = rng.standard_normal((16, 3, 224, 224)).astype(np.float32)
+    int8 = work / "model.int8.onnx"
+    quantize_int8(fp32, int8, calib, "input", "minmax", per_channel=False)
+    start = time.perf_counter()
+    info = compile_model(fp32, "x86_64", work / "tvm")
+    compile_s = time.perf_counter() - start
+
+    x = calib[:1]
+    s_fp32, s_int8 = ort_session(fp32), ort_session(int8)
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(work / "tvm" / "model.so")), tvm.cpu())
+    x_tvm = tvm.runtime.tensor(x)
+    ort_fp32, n1 = median_ms(lambda: s_fp32.run(None, {"input": x}), runs)
+    ort_int8, n2 = median_ms(lambda: s_int8.run(None, {"input": x}), runs)
+    tvm_ms, n3 = median_ms(lambda: vm["main"](x_tvm), runs)
+    return {"model": arch, "ort_fp32_ms": ort_fp32, "ort_int8_ms": ort_int8, "tvm_ms": tvm_ms,
+            "runs": [n1, n2, n3], "int8_ratio": ort_int8 / ort_fp32, "tvm_ratio": tvm_ms / ort_fp32,
+            "fp32_mb": fp32.stat().st_size / 1e6, "int8_mb": int8.stat().st_size / 1e6,
+            "tvm_mb": (work / "tvm" / "model.so").stat().st_size / 1e6, "tvm_compile_s": compile_s,
+            "tvm_max_abs_diff_vs_ort": info["check"]["max_abs_diff"]}
+
+
+def main() -> None:
+    import onnxruntime
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    print(f"host: onnxruntime {onnxruntime.__version__} threads={onnxruntime.SessionOptions().intra_op_num_threads} "
+          f"(0 = all cores); TVM untuned (default Relax pipeline)")
+    results = []
+    for arch in args.models:
+        with tempfile.TemporaryDirectory(prefix=f"bench-{arch}-") as tmp:
+            results.append(bench_model(arch, Path(tmp), args.runs))
+        r = results[-1]
+        print(f"{arch:>13}  ORT FP32 {r['ort_fp32_ms']:8.2f} ms | ORT INT8 {r['ort_int8_ms']:8.2f} ms "
+              f"(x{r['int8_ratio']:.2f}, target <= 0.6) | TVM {r['tvm_ms']:9.2f} ms (x{r['tvm_ratio']:.2f}, "
+              f"target <= 1.0) | sizes FP32 {r['fp32_mb']:.1f} MB, INT8 {r['int8_mb']:.1f} MB, "
+              f"TVM .so {r['tvm_mb']:.1f} MB | TVM compile {r['tvm_compile_s']:.0f} s, runs {r['runs']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
