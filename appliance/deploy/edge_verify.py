@@ -35,18 +35,27 @@ def register(subparsers) -> None:
     p.add_argument("--max-logit-diff", type=float, default=DEFAULT_MAX_LOGIT_DIFF,
                    help="allowed max |edge - host| logit, times max(1, max |host logit|) (default 1e-4)")
     p.add_argument("--sysroot", default=DEFAULT_SYSROOT, help="aarch64 libc for qemu -L")
+    p.add_argument("--python", action="store_true",
+                   help="also run python/run.py inside an arm64 Python sysroot under qemu (about 15 s more)")
+    p.add_argument("--sysroot-debs", metavar="DIR",
+                   help="arm64 .debs from `appliance edge sysroot` (default: wheelhouse/edge-sysroot-arm64)")
     p.add_argument("--out", metavar="DIR", help="also write verify.json and manifest.json here")
     p.set_defaults(func=run)
+    from appliance.deploy.edge_sysroot import register_sysroot
+
+    register_sysroot(verbs)
 
 
 def run(args) -> int:
     report = verify_package(args.package, sample_files=args.samples, num_samples=args.num_samples,
                             min_agreement=args.min_agreement, max_logit_diff=args.max_logit_diff,
-                            sysroot=args.sysroot, out_dir=args.out)
-    print(f"{args.package}: {report['samples']} samples under qemu-aarch64: top-1 agreement "
-          f"{report['top1_agreement']:.4f} (need {args.min_agreement:g}), max logit diff "
-          f"{report['max_logit_diff']:.3g} (allowed {report['allowed_logit_diff']:.3g}): "
-          f"{'PASS' if report['passed'] else 'FAIL'}")
+                            sysroot=args.sysroot, out_dir=args.out, python=args.python,
+                            sysroot_debs=args.sysroot_debs)
+    for route in report["routes"]:
+        print(f"{args.package}: {route['runner']}: {report['samples']} samples: top-1 agreement "
+              f"{route['top1_agreement']:.4f} (need {args.min_agreement:g}), max logit diff "
+              f"{route['max_logit_diff']:.3g} (allowed {route['allowed_logit_diff']:.3g}), "
+              f"{route['seconds']:.1f} s: {'PASS' if route['passed'] else 'FAIL'}")
     return 0 if report["passed"] else 1
 
 
@@ -99,8 +108,23 @@ def run_native(root: Path, x: np.ndarray, sysroot: str) -> tuple[np.ndarray, flo
     return np.load(root / "verify-output.npy"), seconds
 
 
+def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: float, package,
+                      min_agreement: float, max_logit_diff: float) -> dict:
+    if edge.shape != host.shape:
+        raise DataError(f"{package}: {runner} returned logits {edge.shape}, host {host.shape}")
+    diff = float(np.abs(edge.astype(np.float64) - host).max())
+    allowed = max_logit_diff * max(1.0, float(np.abs(host).max()))
+    agreement = float((edge.argmax(1) == host.argmax(1)).mean())
+    return {"runner": runner, "seconds": round(seconds, 2), "top1_agreement": agreement, "max_logit_diff": diff,
+            "allowed_logit_diff": allowed,
+            "disagreeing_samples": [int(i) for i in np.flatnonzero(edge.argmax(1) != host.argmax(1))],
+            "passed": bool(agreement >= min_agreement and diff <= allowed)}
+
+
 def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=1.0,
-                   max_logit_diff=DEFAULT_MAX_LOGIT_DIFF, sysroot=DEFAULT_SYSROOT, out_dir=None) -> dict:
+                   max_logit_diff=DEFAULT_MAX_LOGIT_DIFF, sysroot=DEFAULT_SYSROOT, out_dir=None,
+                   python=False, sysroot_debs=None) -> dict:
+    from appliance.deploy.edge_sysroot import build_python_sysroot, default_debs_dir, run_python_runner
     from appliance.deploy.export import synthetic_samples
     from appliance.deploy.onnx_model import ort_session, run_ort
     from appliance.deploy.samples import check_input_shape, load_samples
@@ -117,17 +141,19 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         check_input_shape(samples, shape, info["input"]["name"], package)
         host = run_ort(ort_session(root / "reference" / "model.onnx", optimize=False), samples.x)
         edge, seconds = run_native(root, samples.x, sysroot)
-    if edge.shape != host.shape:
-        raise DataError(f"{package}: native runner returned logits {edge.shape}, host {host.shape}")
-    diff = float(np.abs(edge.astype(np.float64) - host).max())
-    allowed = max_logit_diff * max(1.0, float(np.abs(host).max()))
-    agreement = float((edge.argmax(1) == host.argmax(1)).mean())
+        routes = [compare_with_host("native runner (qemu-aarch64)", edge, host, seconds, package,
+                                    min_agreement, max_logit_diff)]
+        if python:
+            debs = Path(sysroot_debs) if sysroot_debs else default_debs_dir()
+            py_sysroot, site = build_python_sysroot(debs, root, Path(tmp) / "python-sysroot")
+            start = time.perf_counter()
+            run_python_runner(root, py_sysroot, site, root / "verify-input.npy", root / "verify-python.npy")
+            routes.append(compare_with_host("Python runner (arm64 python3.11 under qemu-aarch64)",
+                                            np.load(root / "verify-python.npy"), host,
+                                            time.perf_counter() - start, package, min_agreement, max_logit_diff))
     report = {"made_by": "appliance edge verify", "package": str(package.resolve()), "samples": int(len(host)),
-              "sample_source": samples.source, "runner": "native (qemu-aarch64)", "qemu_seconds": round(seconds, 2),
-              "top1_agreement": agreement, "min_agreement": min_agreement, "max_logit_diff": diff,
-              "allowed_logit_diff": allowed,
-              "disagreeing_samples": [int(i) for i in np.flatnonzero(edge.argmax(1) != host.argmax(1))],
-              "passed": bool(agreement >= min_agreement and diff <= allowed)}
+              "sample_source": samples.source, "min_agreement": min_agreement, "routes": routes,
+              "passed": all(r["passed"] for r in routes)}
     if out_dir:
         from appliance.manifest import atomic_write_text, write_manifest
 
@@ -135,5 +161,6 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / "verify.json", json.dumps(report, indent=2) + "\n")
         write_manifest(out_dir, "verify", [package, *samples.files],
-                       {"min_agreement": min_agreement, "max_logit_diff": max_logit_diff, "sysroot": sysroot})
+                       {"min_agreement": min_agreement, "max_logit_diff": max_logit_diff, "sysroot": sysroot,
+                        "python": python})
     return report

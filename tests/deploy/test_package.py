@@ -61,9 +61,34 @@ def test_edge_verify_agrees_on_every_sample(edge_package, val_tfrecord, tmp_path
     proc = run_appliance("edge", "verify", str(edge_package), "--samples", str(val_tfrecord), "--num-samples", "24",
                          "--out", str(tmp_path / "verify"))
     assert proc.returncode == 0, proc.stderr
-    assert "24 samples under qemu-aarch64: top-1 agreement 1.0000" in proc.stdout and "PASS" in proc.stdout
+    assert "native runner (qemu-aarch64): 24 samples: top-1 agreement 1.0000" in proc.stdout
+    assert proc.stdout.rstrip().endswith("PASS")
     report = json.loads((tmp_path / "verify" / "verify.json").read_text())
-    assert report["disagreeing_samples"] == [] and report["max_logit_diff"] <= 1e-4
+    [native] = report["routes"]
+    assert report["passed"] and native["disagreeing_samples"] == [] and native["max_logit_diff"] <= 1e-4
+
+
+@pytest.fixture(scope="session")
+def sysroot_debs(tmp_path_factory):
+    """The arm64 python3.11 .debs: the bundle's copy when present, else fetched (a connected step)."""
+    from appliance.deploy.edge_sysroot import default_debs_dir
+
+    if (default_debs_dir() / "manifest.json").is_file():
+        return default_debs_dir()
+    out = tmp_path_factory.mktemp("sysroot-debs")
+    proc = run_appliance("edge", "sysroot", "--out", str(out))
+    assert proc.returncode == 0, f"fetching arm64 .debs needs the Debian mirror: {proc.stderr}"
+    return out
+
+
+def test_edge_verify_python_route_under_qemu(edge_package, val_tfrecord, sysroot_debs, tmp_path):
+    proc = run_appliance("edge", "verify", str(edge_package), "--samples", str(val_tfrecord), "--num-samples", "8",
+                         "--python", "--sysroot-debs", str(sysroot_debs), "--out", str(tmp_path / "v"), offline=True)
+    assert proc.returncode == 0, proc.stderr
+    native, python = json.loads((tmp_path / "v" / "verify.json").read_text())["routes"]
+    assert python["runner"].startswith("Python runner (arm64 python3.11")
+    assert python["top1_agreement"] == 1.0 and python["max_logit_diff"] <= 1e-4
+    assert len(proc.stdout.strip().splitlines()) == 2
 
 
 def test_tampered_package_is_one_line(edge_package, tmp_path):
@@ -91,8 +116,8 @@ def test_package_without_the_aarch64_wheelhouse_is_one_line(tmp_path, compiled_a
 
 
 def test_python_runner_decodes_an_image_like_the_host(unpacked, exported, card, tmp_path):
-    """run.py with the runtime-only TVM, here on a host build of the same model (the aarch64 route
-    needs an arm64 Python sysroot, which edge verify --python would provide; not built)."""
+    """run.py decoding a PNG, with the runtime-only TVM on a host build of the same model (the
+    aarch64 route is test_edge_verify_python_route_under_qemu, which feeds tensors)."""
     from appliance.deploy.compile import compile_model
     from appliance.deploy.onnx_model import ort_session, run_ort
     from appliance.deploy.preprocessing import preprocess_image, preprocessing_of
