@@ -134,3 +134,21 @@ def test_python_runner_decodes_an_image_like_the_host(unpacked, exported, card, 
     assert [t["class"] for t in top] == list(np.argsort(-expected, kind="stable"))
     assert top[0]["name"] == card.class_names[top[0]["class"]]
     assert abs(top[0]["logit"] - float(expected.max())) < 1e-4
+
+
+def test_int8_model_through_compile_package_and_verify(tmp_path, exported, calib_tfrecord, val_tfrecord):
+    """The usual edge route: S8S8 QDQ model -> aarch64 library -> package -> agrees with host onnxruntime."""
+    from appliance.deploy.compile import compile_model
+    from appliance.deploy.package import build_package
+    from appliance.deploy.quantize import quantize_model
+    from appliance.deploy.edge_verify import verify_package
+
+    quantize_model(exported / "model.onnx", [calib_tfrecord], tmp_path / "int8", val_files=[val_tfrecord])
+    compile_model(tmp_path / "int8" / "model.int8.onnx", "aarch64", tmp_path / "arm")
+    build_package(tmp_path / "arm", tmp_path / "int8.tar")
+    report = verify_package(tmp_path / "int8.tar", sample_files=[val_tfrecord], num_samples=16)
+    assert report["passed"] and report["routes"][0]["top1_agreement"] == 1.0
+    with tarfile.open(tmp_path / "int8.tar") as tar:
+        manifest = json.load(tar.extractfile("edge-package/manifest.json"))
+    assert [s["stage"] for s in manifest["params"]["lineage"]] == ["export", "quantize", "compile"]
+    assert any(i["path"] == str(calib_tfrecord) for i in manifest["params"]["lineage"][1]["inputs"])
