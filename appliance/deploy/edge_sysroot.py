@@ -70,7 +70,9 @@ def fetch_sysroot_debs(out_dir, *, mirror=MIRROR, suite=SUITE) -> list[Path]:
             "Dir::Cache": apt / "cache", "Dir::Etc::SourceList": apt / "etc" / "sources.list",
             "Dir::Etc::SourceParts": apt / "etc" / "sources.list.d", "Dir::Etc::Preferences": apt / "etc" / "preferences",
             "Dir::Etc::PreferencesParts": apt / "etc" / "preferences.d", "Dir::Etc::Parts": apt / "etc" / "apt.conf.d",
-        }.items()) + 'APT::Architectures { "arm64"; };\n')
+        }.items()) + 'APT::Architectures { "arm64"; };\n'
+            # Our private directories are not readable by the _apt sandbox user.
+            + ('APT::Sandbox::User "root";\n' if os.geteuid() == 0 else ""))
         env = {**os.environ, "APT_CONFIG": str(apt / "apt.conf"), "DEBIAN_FRONTEND": "noninteractive"}
         for cmd in (["apt-get", "update", "-q"],
                     ["apt-get", "install", "--download-only", "-y", "-q", "--no-install-recommends", *PACKAGES]):
@@ -78,6 +80,11 @@ def fetch_sysroot_debs(out_dir, *, mirror=MIRROR, suite=SUITE) -> list[Path]:
             if done.returncode != 0:
                 errors = [line for line in (done.stderr + done.stdout).splitlines() if line.startswith(("E:", "W:", "Err"))]
                 raise EnvironmentProblem(f"{mirror}: `{' '.join(cmd[:2])}` failed ({(errors or ['?'])[0]}); "
+                                         "fetching the sysroot needs a connected host")
+            if cmd[1] == "update" and not list((apt / "state" / "lists").glob("*Packages*")):
+                # apt-get update exits 0 when every download failed; the lists tell the truth.
+                warnings = [line for line in (done.stderr + done.stdout).splitlines() if line.startswith(("W:", "Err"))]
+                raise EnvironmentProblem(f"{mirror}: no package lists downloaded ({(warnings or ['?'])[0]}); "
                                          "fetching the sysroot needs a connected host")
         debs = sorted((apt / "cache" / "archives").glob("*.deb"))
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -152,3 +152,13 @@ def test_int8_model_through_compile_package_and_verify(tmp_path, exported, calib
         manifest = json.load(tar.extractfile("edge-package/manifest.json"))
     assert [s["stage"] for s in manifest["params"]["lineage"]] == ["export", "quantize", "compile"]
     assert any(i["path"] == str(calib_tfrecord) for i in manifest["params"]["lineage"][1]["inputs"])
+
+
+def test_sysroot_fetch_offline_and_missing_debs_are_one_line(tmp_path, edge_package):
+    proc = run_appliance("edge", "sysroot", "--out", str(tmp_path / "debs"), offline=True)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "no package lists downloaded" in proc.stderr and "needs a connected host" in proc.stderr
+    assert not (tmp_path / "debs" / "manifest.json").exists()
+    proc = run_appliance("edge", "verify", str(edge_package), "--python", "--sysroot-debs", str(tmp_path / "none"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert f"{tmp_path / 'none'}: no arm64 sysroot .debs (run `appliance edge sysroot" in proc.stderr
