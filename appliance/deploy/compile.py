@@ -36,10 +36,14 @@ def register(subparsers) -> None:
                    help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help="x86_64 check: max |tvm - onnxruntime| allowed, times max(1, max |logit|) (default 1e-4)")
+    p.add_argument("--allow-failed-gate", action="store_true",
+                   help="compile a quantized model even though `appliance quantize` failed its accuracy gate")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if not args.allow_failed_gate:
+        refuse_failed_gate(args.model)
     info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance)
     line = f"wrote {info['library']} for {args.target} ({info['library_bytes'] / 1e6:.2f} MB) in {info['compile_seconds']:.1f} s"
     if "check" in info:
@@ -58,6 +62,21 @@ def target_for(name: str) -> dict:
     return target
 
 
+def refuse_failed_gate(model_path) -> None:
+    """A model from a quantize run whose top-1 drop exceeded --max-drop does not go to devices by accident."""
+    import json
+
+    manifest = Path(model_path).parent / "manifest.json"
+    try:
+        params = json.loads(manifest.read_text()).get("params", {})
+        stage = json.loads(manifest.read_text()).get("stage")
+    except (OSError, json.JSONDecodeError):
+        return
+    if stage == "quantize" and params.get("gate_passed") is False:
+        raise DataError(f"{model_path}: failed the accuracy gate of `appliance quantize` (see "
+                        f"{manifest.parent / 'accuracy.html'}); re-quantize, or pass --allow-failed-gate")
+
+
 def check_cross_compiler() -> str:
     path = shutil.which(CROSS_COMPILER)
     if path is None:
@@ -71,8 +90,9 @@ def find_unsupported(model) -> list[str]:
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
     known = _get_convert_map()
+    standard = ("", "ai.onnx")
     return [f"{n.op_type} (node {n.name or '?'})" for n in model.graph.node
-            if n.domain in ("", "ai.onnx") and n.op_type not in known or n.domain not in ("", "ai.onnx")]
+            if n.domain not in standard or n.op_type not in known]
 
 
 def import_relax(model, path, shape: list):

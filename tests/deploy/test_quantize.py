@@ -52,6 +52,9 @@ def test_gate_fails_when_calibration_misses_the_signal(tmp_path, exported, val_t
     report = json.loads((out / "accuracy.json").read_text())
     assert not report["gate_passed"] and report["top1_drop_points"] > 1.0
     assert "FAIL" in (out / "accuracy.html").read_text()
+    # ... and that model does not slip through to a device.
+    proc = run_appliance("compile", str(out / "model.int8.onnx"), "--target", "aarch64", "--out", str(tmp_path / "c"))
+    assert proc.returncode == 2 and "failed the accuracy gate of `appliance quantize`" in proc.stderr
 
 
 def test_calibration_set_of_the_wrong_shape_is_one_line(tmp_path, exported):
