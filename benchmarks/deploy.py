@@ -76,8 +76,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    print(f"host: onnxruntime {onnxruntime.__version__} threads={onnxruntime.SessionOptions().intra_op_num_threads} "
-          f"(0 = all cores); TVM untuned (default Relax pipeline)")
+    import os
+
+    print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (a shared machine inflates every "
+          f"figure alike; compare ratios); onnxruntime {onnxruntime.__version__}; TVM untuned (default Relax pipeline)")
     results = []
     for arch in args.models:
         with tempfile.TemporaryDirectory(prefix=f"bench-{arch}-") as tmp:
