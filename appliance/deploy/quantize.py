@@ -1,7 +1,8 @@
 """`appliance quantize`: FP32 ONNX -> INT8 (onnxruntime static QDQ) or FP16, gated on top-1 drop.
 
-INT8 is S8S8 QDQ: onnxruntime's U8S8 kernels saturate on AVX2 CPUs without VNNI (measured up to
-7.7 % output error), and QDQ is the form TVM can import. Calibration and evaluation tensors go
+INT8 is S8S8 QDQ by default: onnxruntime's U8S8 kernels saturate on AVX2 CPUs without VNNI
+(measured up to 7.7 % output error) unless weights use 7 bits (`--scheme u8s8`, reduce_range),
+and QDQ is the form TVM can import. Calibration and evaluation tensors go
 through the same preprocessing as export and the edge runner.
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from appliance.errors import DataError
 
 METHODS = ("minmax", "entropy", "percentile")
+SCHEMES = ("s8s8", "u8s8")
 
 
 def register(subparsers) -> None:
@@ -28,6 +30,9 @@ def register(subparsers) -> None:
     p.add_argument("--mode", choices=["int8", "fp16"], default="int8")
     p.add_argument("--method", choices=METHODS, default="minmax", help="INT8 calibration method")
     p.add_argument("--per-channel", action="store_true", help="INT8: per-channel weight scales")
+    p.add_argument("--scheme", choices=SCHEMES, default="s8s8",
+                   help="INT8 types: s8s8 (default, accurate on any CPU) or u8s8 with 7-bit weights "
+                   "(reduce_range: onnxruntime's faster x86 kernels without their AVX2 saturation)")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--val-samples", type=int, default=1000)
     p.add_argument("--max-drop", type=float, default=1.0, help="allowed top-1 drop in points (default 1.0)")
@@ -36,7 +41,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     report = quantize_model(args.model, args.calib, args.out, val_files=args.val, mode=args.mode,
-                            method=args.method, per_channel=args.per_channel, calib_samples=args.calib_samples,
+                            method=args.method, per_channel=args.per_channel, scheme=args.scheme, calib_samples=args.calib_samples,
                             val_samples=args.val_samples, max_drop=args.max_drop)
     q, f = report["quantized"], report["fp32"]
     print(f"wrote {q['model']}: top-1 {f['top1'] * 100:.2f}% -> {q['top1'] * 100:.2f}% "
@@ -66,7 +71,8 @@ class CalibrationSet:
         self.i = 0
 
 
-def quantize_int8(model_path: Path, out_path: Path, calib_x, input_name: str, method: str, per_channel: bool):
+def quantize_int8(model_path: Path, out_path: Path, calib_x, input_name: str, method: str, per_channel: bool,
+                  scheme: str = "s8s8"):
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -75,8 +81,9 @@ def quantize_int8(model_path: Path, out_path: Path, calib_x, input_name: str, me
         # Folds and infers shapes first, as onnxruntime recommends before static quantization.
         quant_pre_process(str(model_path), str(prepared), skip_symbolic_shape=True)
         quantize_static(str(prepared), str(out_path), CalibrationSet(input_name, calib_x),
-                        quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
-                        weight_type=QuantType.QInt8, per_channel=per_channel,
+                        quant_format=QuantFormat.QDQ, weight_type=QuantType.QInt8, per_channel=per_channel,
+                        activation_type=QuantType.QInt8 if scheme == "s8s8" else QuantType.QUInt8,
+                        reduce_range=scheme == "u8s8",
                         calibrate_method={"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                                           "percentile": CalibrationMethod.Percentile}[method])
     finally:
@@ -94,7 +101,7 @@ def quantize_fp16(model, out_path: Path):
 
 
 def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="int8", method="minmax",
-                   per_channel=False, calib_samples=128, val_samples=1000, max_drop=1.0) -> dict:
+                   per_channel=False, scheme="s8s8", calib_samples=128, val_samples=1000, max_drop=1.0) -> dict:
     import onnx
 
     from appliance.deploy.accuracy_report import compare, evaluate, write_reports
@@ -118,7 +125,7 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     out_path = out_dir / f"model.{mode}.onnx"
     tmp = out_dir / f".model.{mode}.onnx.tmp"
     if mode == "int8":
-        quantize_int8(model_path, tmp, calib.x, inp.name, method, per_channel)
+        quantize_int8(model_path, tmp, calib.x, inp.name, method, per_channel, scheme)
     else:
         quantize_fp16(model, tmp)
     quantized = onnx.load(str(tmp))
@@ -131,12 +138,12 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     report = compare(model_path, out_path, evaluate(ort_session(model_path), val.x, val.y),
                      evaluate(ort_session(out_path), val.x, val.y), mode, len(val.x), max_drop)
     report.update({"method": method if mode == "int8" else None, "per_channel": per_channel,
-                   "format": "QDQ S8S8" if mode == "int8" else "float16, float32 inputs/outputs",
+                   "format": f"QDQ {scheme.upper()}{' reduce_range' if scheme == 'u8s8' else ''}" if mode == "int8" else "float16, float32 inputs/outputs",
                    "calibration_samples": int(len(calib.x)),
                    "validation_source": "calibration data (no --val given)" if not val_files else "--val"})
     write_reports(out_dir, report)
     write_manifest(out_dir, "quantize", [model_path, *calib.files, *(val.files if val_files else [])],
-                   {"mode": mode, "method": method, "per_channel": per_channel, "calib_samples": calib_samples,
+                   {"mode": mode, "method": method, "per_channel": per_channel, "scheme": scheme, "calib_samples": calib_samples,
                     "max_drop": max_drop, "gate_passed": report["gate_passed"],
                     "lineage": lineage_from(model_path.parent)})
     return report

@@ -10,11 +10,12 @@ from conftest import run_appliance
 from appliance.manifest import read_manifest
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp16"])
-def test_quantize_passes_the_gate_with_a_report(tmp_path, exported, calib_tfrecord, val_tfrecord, mode):
+@pytest.mark.parametrize("mode,scheme", [("int8", "s8s8"), ("int8", "u8s8"), ("fp16", "s8s8")])
+def test_quantize_passes_the_gate_with_a_report(tmp_path, exported, calib_tfrecord, val_tfrecord, mode, scheme):
     out = tmp_path / mode
     proc = run_appliance("quantize", str(exported / "model.onnx"), "--calib", str(calib_tfrecord),
-                         "--val", str(val_tfrecord), "--out", str(out), "--mode", mode, "--calib-samples", "48")
+                         "--val", str(val_tfrecord), "--out", str(out), "--mode", mode, "--calib-samples", "48",
+                         "--scheme", scheme)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "accuracy.json").read_text())
     assert report["fp32"]["top1"] >= 0.9  # the fixture model really learned the task
@@ -28,7 +29,9 @@ def test_quantize_passes_the_gate_with_a_report(tmp_path, exported, calib_tfreco
         assert {"QuantizeLinear", "DequantizeLinear"} <= ops
         scales = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
         zero_points = {i.name: i for i in model.graph.initializer}
-        assert all(zero_points[n.input[2]].data_type == onnx.TensorProto.INT8 for n in scales)  # S8S8
+        activation = onnx.TensorProto.INT8 if scheme == "s8s8" else onnx.TensorProto.UINT8
+        # Weights are stored already quantized: every QuantizeLinear is an activation.
+        assert scales and all(zero_points[n.input[2]].data_type == activation for n in scales)
     else:
         assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
     assert "appliance.preprocessing" in {p.key for p in model.metadata_props}
