@@ -157,7 +157,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
             "library": str(library), "library_bytes": library.stat().st_size,
             "compile_seconds": round(seconds, 2), **meta}
     if not cross:
-        info["check"] = check_against_ort(library, model_path, shape, sample_files, meta, tolerance)
+        info["check"] = check_against_ort(library, model_path, shape, sample_files, meta, tolerance, inp.name)
     atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2) + "\n")
     inputs = [model_path, *(Path(f) for f in sample_files or [])]
     write_manifest(out_dir, "compile", inputs, {"target": target_name, "tvm_target": target,
@@ -169,7 +169,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     return info
 
 
-def check_against_ort(library, model_path, shape, sample_files, meta, tolerance) -> dict:
+def check_against_ort(library, model_path, shape, sample_files, meta, tolerance, input_name="input") -> dict:
     """Run the host library through the Relax VM and onnxruntime on the same tensors."""
     import tvm
     from tvm import relax
@@ -179,7 +179,7 @@ def check_against_ort(library, model_path, shape, sample_files, meta, tolerance)
 
     if sample_files:
         samples = load_samples(sample_files, meta.get("preprocessing", {}), limit=32)
-        check_input_shape(samples, shape, "input", model_path)
+        check_input_shape(samples, shape, input_name, model_path)
         x = samples.x
     else:
         x = np.random.default_rng(0).standard_normal((8, *shape[1:])).astype(np.float32)

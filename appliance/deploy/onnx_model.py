@@ -86,5 +86,10 @@ def run_ort(session, x, batch: int | None = None):
     dtype = np.float16 if "float16" in session.get_inputs()[0].type else np.float32
     fixed = session.get_inputs()[0].shape[0]
     step = fixed if isinstance(fixed, int) and fixed > 0 else (batch or len(x))
-    outs = [session.run(None, {name: x[i:i + step].astype(dtype)})[0] for i in range(0, len(x), step)]
+    outs = []
+    for i in range(0, len(x), step):
+        chunk = x[i:i + step].astype(dtype)
+        if len(chunk) < step:  # a fixed batch axis: pad the last chunk, keep only the real rows
+            chunk = np.concatenate([chunk, np.zeros((step - len(chunk), *chunk.shape[1:]), dtype)])
+        outs.append(session.run(None, {name: chunk})[0][:len(x) - i])
     return np.concatenate(outs).astype(np.float32)

@@ -47,11 +47,11 @@ def test_export_offline_from_run_dir_with_parity(tmp_path, run_dir, val_tfrecord
 
 def test_export_fixed_batch_from_checkpoint_dir(tmp_path, run_dir):
     out = tmp_path / "export"
-    proc = run_appliance("export", str(run_dir / "model"), "--out", str(out), "--batch", "1")
+    proc = run_appliance("export", str(run_dir / "model"), "--out", str(out), "--batch", "3")
     assert proc.returncode == 0, proc.stderr
     assert "16 synthetic samples" in proc.stdout
     dim = onnx.load(str(out / "model.onnx")).graph.input[0].type.tensor_type.shape.dim[0]
-    assert dim.dim_value == 1
+    assert dim.dim_value == 3  # 16 samples: the last chunk of 3 is padded for the parity run
 
 
 def test_export_rejects_a_directory_without_a_model(tmp_path):
