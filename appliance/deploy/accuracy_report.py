@@ -46,43 +46,23 @@ def compare(fp32_path, quant_path, fp32: dict, quant: dict, mode: str, samples: 
     }
 
 
-def _bars(title: str, unit: str, values: list[tuple[str, float]], fmt: str) -> str:
-    """One horizontal bar chart as inline SVG (no scripts, no CDN)."""
-    top = max(v for _, v in values) or 1.0
-    rows = []
-    for i, (label, value) in enumerate(values):
-        y = 30 + i * 34
-        width = 300 * value / top
-        rows.append(f'<text x="0" y="{y + 17}" font-size="13">{html.escape(label)}</text>'
-                    f'<rect x="110" y="{y}" width="{width:.1f}" height="24" fill="{"#4c72b0" if i == 0 else "#dd8452"}"/>'
-                    f'<text x="{115 + width:.1f}" y="{y + 17}" font-size="13">{fmt.format(value)} {unit}</text>')
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="520" height="{40 + 34 * len(values)}" role="img">'
-            f'<text x="0" y="16" font-size="14" font-weight="bold">{html.escape(title)}</text>{"".join(rows)}</svg>')
-
-
 def write_reports(out_dir: Path, report: dict) -> None:
+    from appliance.deploy.html_report import bars_svg, page
     from appliance.manifest import atomic_write_text
 
     atomic_write_text(out_dir / "accuracy.json", json.dumps(report, indent=2) + "\n")
     q, f, mode = report["quantized"], report["fp32"], report["mode"].upper()
-    verdict = "PASS" if report["gate_passed"] else "FAIL"
     charts = "".join([
-        _bars("Top-1 accuracy", "%", [("FP32", f["top1"] * 100), (mode, q["top1"] * 100)], "{:.2f}"),
-        _bars("Model size", "MB", [("FP32", f["bytes"] / 1e6), (mode, q["bytes"] / 1e6)], "{:.3f}"),
-        _bars("Host latency (median, batch 1)", "ms", [("FP32", f["latency_ms_median"]),
+        bars_svg("Top-1 accuracy", "%", [("FP32", f["top1"] * 100), (mode, q["top1"] * 100)], "{:.2f}"),
+        bars_svg("Model size", "MB", [("FP32", f["bytes"] / 1e6), (mode, q["bytes"] / 1e6)], "{:.3f}"),
+        bars_svg("Host latency (median, batch 1)", "ms", [("FP32", f["latency_ms_median"]),
                                                        (mode, q["latency_ms_median"])], "{:.3f}"),
     ])
-    page = f"""<!DOCTYPE html>
-<!-- made by appliance quantize; data in accuracy.json -->
-<html><head><meta charset="utf-8"><title>Quantization accuracy: {mode}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:60em}}td,th{{padding:.2em .8em;text-align:left}}
-.PASS{{color:#1a7f37}}.FAIL{{color:#cf222e}}</style></head><body>
-<h1>FP32 vs {mode}: <span class="{verdict}">{verdict}</span></h1>
-<p>Top-1 drop {report['top1_drop_points']:.2f} points (allowed {report['max_drop_points']:.2f}) on
+    body = f"""<p>Top-1 drop {report['top1_drop_points']:.2f} points (allowed {report['max_drop_points']:.2f}) on
 {report['validation_samples']} validation samples; predictions agree on {report['prediction_agreement'] * 100:.2f}%.</p>
 <table><tr><th></th><th>top-1</th><th>size</th><th>latency (median)</th><th>model</th></tr>
 <tr><td>FP32</td><td>{f['top1'] * 100:.2f}%</td><td>{f['bytes']:,} B</td><td>{f['latency_ms_median']:.3f} ms</td><td>{html.escape(f['model'])}</td></tr>
 <tr><td>{mode}</td><td>{q['top1'] * 100:.2f}%</td><td>{q['bytes']:,} B</td><td>{q['latency_ms_median']:.3f} ms</td><td>{html.escape(q['model'])}</td></tr>
-</table>{charts}</body></html>
-"""
-    atomic_write_text(out_dir / "accuracy.html", page)
+</table>{charts}"""
+    page_html = page(f"FP32 vs {mode}", "appliance quantize", "accuracy.json", report["gate_passed"], body)
+    atomic_write_text(out_dir / "accuracy.html", page_html)

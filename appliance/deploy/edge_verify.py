@@ -118,6 +118,7 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
     return {"runner": runner, "seconds": round(seconds, 2), "top1_agreement": agreement, "max_logit_diff": diff,
             "allowed_logit_diff": allowed,
             "disagreeing_samples": [int(i) for i in np.flatnonzero(edge.argmax(1) != host.argmax(1))],
+            "max_logit_diff_per_sample": [float(v) for v in np.abs(edge.astype(np.float64) - host).max(1)],
             "passed": bool(agreement >= min_agreement and diff <= allowed)}
 
 
@@ -160,7 +161,28 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / "verify.json", json.dumps(report, indent=2) + "\n")
+        atomic_write_text(out_dir / "verify.html", verify_html(report))
         write_manifest(out_dir, "verify", [package, *samples.files],
                        {"min_agreement": min_agreement, "max_logit_diff": max_logit_diff, "sysroot": sysroot,
                         "python": python})
     return report
+
+
+def verify_html(report: dict) -> str:
+    import html
+
+    from appliance.deploy.html_report import PALETTE, columns_svg, page
+
+    rows, charts = [], []
+    for i, r in enumerate(report["routes"]):
+        rows.append(f"<tr><td>{html.escape(r['runner'])}</td><td>{r['top1_agreement'] * 100:.2f}%</td>"
+                    f"<td>{r['max_logit_diff']:.3g} (allowed {r['allowed_logit_diff']:.3g})</td>"
+                    f"<td>{r['seconds']:.1f} s</td><td class=\"{'PASS' if r['passed'] else 'FAIL'}\">"
+                    f"{'PASS' if r['passed'] else 'FAIL'}</td></tr>")
+        charts.append(columns_svg(f"max |edge - host| logit per sample: {r['runner']}",
+                                  r["max_logit_diff_per_sample"], r["allowed_logit_diff"], PALETTE[i % len(PALETTE)]))
+    body = (f"<p>{html.escape(report['package'])}: {report['samples']} {report['sample_source']} samples, each "
+            "run on the host with onnxruntime and inside the package under qemu-aarch64.</p>"
+            "<table><tr><th>runner</th><th>top-1 agreement</th><th>max logit difference</th><th>time</th><th></th></tr>"
+            + "".join(rows) + "</table>" + "".join(charts))
+    return page("Edge package vs host", "appliance edge verify", "verify.json", report["passed"], body)

@@ -120,6 +120,7 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
               "batch": batch or "dynamic", "preprocessing": preprocessing,
               "class_names": list(card.class_names), "parity": parity}
     atomic_write_text(out_dir / "parity.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out_dir / "parity.html", parity_html(report, np.abs(expected - got).max(1)))
     atomic_write_text(out_dir / CARD_NAME, card.to_json())
     write_manifest(out_dir, "export", [model_dir / WEIGHTS_NAME, model_dir / CARD_NAME, *samples.files],
                    {"opset": opset, "batch": batch or "dynamic", "max_rel_error": max_rel_error,
@@ -140,6 +141,18 @@ def parity_report(expected, got, source: str, max_rel_error: float) -> dict:
             "max_rel_error": max_rel, "relative_to": "max |pytorch logit|",
             "top1_agreement": float((expected.argmax(1) == got.argmax(1)).mean()),
             "max_rel_error_allowed": max_rel_error, "passed": bool(max_rel <= max_rel_error)}
+
+
+def parity_html(report: dict, per_sample) -> str:
+    from appliance.deploy.html_report import columns_svg, page
+
+    p = report["parity"]
+    body = (f"<p>{p['samples']} {p['source']} samples through PyTorch and onnxruntime: max abs error "
+            f"{p['max_abs_error']:.3g}, max relative error {p['max_rel_error']:.3g} (allowed "
+            f"{p['max_rel_error_allowed']:g}, relative to the largest PyTorch logit), top-1 agreement "
+            f"{p['top1_agreement'] * 100:.2f}%.</p>"
+            + columns_svg("max |pytorch - onnxruntime| logit per sample", [float(v) for v in per_sample]))
+    return page("ONNX export parity", "appliance export", "parity.json", p["passed"], body)
 
 
 def synthetic_samples(preprocessing: dict, channels: int, count: int):

@@ -22,6 +22,7 @@ def test_export_offline_from_run_dir_with_parity(tmp_path, run_dir, val_tfrecord
     assert proc.returncode == 0, proc.stderr
     assert "parity on 64 tfrecord samples" in proc.stdout
     report = json.loads((out / "parity.json").read_text())
+    assert "<svg" in (out / "parity.html").read_text()
     assert report["parity"]["passed"] and report["parity"]["max_rel_error"] <= 1e-5
     assert report["parity"]["top1_agreement"] == 1.0
 

@@ -65,6 +65,8 @@ def test_edge_verify_agrees_on_every_sample(edge_package, val_tfrecord, tmp_path
     assert proc.stdout.rstrip().endswith("PASS")
     report = json.loads((tmp_path / "verify" / "verify.json").read_text())
     [native] = report["routes"]
+    page = (tmp_path / "verify" / "verify.html").read_text()
+    assert "<svg" in page and "PASS" in page and "<script" not in page
     assert report["passed"] and native["disagreeing_samples"] == [] and native["max_logit_diff"] <= 1e-4
 
 
