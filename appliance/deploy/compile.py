@@ -21,7 +21,6 @@ TARGETS = {
     "x86_64": {"kind": "llvm", "mtriple": "x86_64-linux-gnu"},  # mcpu: the host's, added at compile time
 }
 ELF_MACHINE = {"aarch64": 183, "x86_64": 62}
-DEFAULT_TOLERANCE = 1e-4
 
 
 def register(subparsers) -> None:
@@ -34,8 +33,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
-    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                   help="x86_64 check: max |tvm - onnxruntime| allowed, times max(1, max |logit|) (default 1e-4)")
+    p.add_argument("--tolerance", type=float,
+                   help="x86_64 check: max |tvm - onnxruntime| allowed, times max(1, max |logit|) "
+                   "(default 1e-4; 1e-2 for FP16 models)")
     p.add_argument("--allow-failed-gate", action="store_true",
                    help="compile a quantized model even though `appliance quantize` failed its accuracy gate")
     p.set_defaults(func=run)
@@ -115,7 +115,7 @@ def import_relax(model, path, shape: list):
     return relax.transform.DecomposeOpsForInference()(mod)
 
 
-def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=DEFAULT_TOLERANCE,
+def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
                   batch: int = 1) -> dict:
     import time
 
@@ -123,7 +123,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     import tvm.support.cc
 
     from appliance.deploy.lineage import lineage_from
-    from appliance.deploy.onnx_model import image_input, load_onnx, metadata
+    from appliance.deploy.onnx_model import default_tolerance, image_input, load_onnx, metadata, precision
     from appliance.manifest import atomic_write_text, write_manifest
 
     cross = target_name.startswith("aarch64")
@@ -133,6 +133,8 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     model = load_onnx(model_path)
     inp = image_input(model, model_path)
     meta = metadata(model)
+    model_precision = precision(model)
+    tolerance = default_tolerance(model_precision) if tolerance is None else tolerance
     shape = [batch, *[_dim(d, meta, model_path, inp) for d in inp.shape[1:]]]
 
     out_dir = Path(out_dir)
@@ -154,6 +156,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
 
     info = {"made_by": "appliance compile", "source_model": str(model_path.resolve()), "target": target_name,
             "tvm_target": target, "input": {"name": inp.name, "shape": shape, "dtype": "float32"},
+            "precision": model_precision,
             "library": str(library), "library_bytes": library.stat().st_size,
             "compile_seconds": round(seconds, 2), **meta}
     if not cross:

@@ -17,7 +17,6 @@ import numpy as np
 from appliance.errors import DataError, EnvironmentProblem
 
 DEFAULT_SYSROOT = "/usr/aarch64-linux-gnu"
-DEFAULT_MAX_LOGIT_DIFF = 1e-4
 
 
 def register(subparsers) -> None:
@@ -32,8 +31,9 @@ def register(subparsers) -> None:
                    help="validation TFRecord files or a .npz of tensors (default: 16 seeded random images)")
     p.add_argument("--num-samples", type=int, default=32)
     p.add_argument("--min-agreement", type=float, default=1.0, help="required top-1 agreement (default 1.0)")
-    p.add_argument("--max-logit-diff", type=float, default=DEFAULT_MAX_LOGIT_DIFF,
-                   help="allowed max |edge - host| logit, times max(1, max |host logit|) (default 1e-4)")
+    p.add_argument("--max-logit-diff", type=float,
+                   help="allowed max |edge - host| logit, times max(1, max |host logit|) "
+                   "(default 1e-4; 1e-2 for FP16 models)")
     p.add_argument("--sysroot", default=DEFAULT_SYSROOT, help="aarch64 libc for qemu -L")
     p.add_argument("--python", action="store_true",
                    help="also run python/run.py inside an arm64 Python sysroot under qemu (about 15 s more)")
@@ -123,11 +123,11 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
 
 
 def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=1.0,
-                   max_logit_diff=DEFAULT_MAX_LOGIT_DIFF, sysroot=DEFAULT_SYSROOT, out_dir=None,
+                   max_logit_diff=None, sysroot=DEFAULT_SYSROOT, out_dir=None,
                    python=False, sysroot_debs=None) -> dict:
     from appliance.deploy.edge_sysroot import build_python_sysroot, default_debs_dir, run_python_runner
     from appliance.deploy.export import synthetic_samples
-    from appliance.deploy.onnx_model import ort_session, run_ort
+    from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
     from appliance.deploy.samples import check_input_shape, load_samples
 
     package = Path(package)
@@ -135,6 +135,8 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         root = unpack_checked(package, Path(tmp))
         info = json.loads((root / "model.json").read_text())
         shape, preprocessing = info["input"]["shape"], info["preprocessing"]
+        if max_logit_diff is None:
+            max_logit_diff = default_tolerance(info.get("precision", "fp32"))
         if sample_files:
             samples = load_samples(sample_files, preprocessing, limit=num_samples)
         else:

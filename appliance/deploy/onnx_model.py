@@ -58,6 +58,18 @@ def _shape(value_info) -> list:
             for d in value_info.type.tensor_type.shape.dim]
 
 
+def precision(model) -> str:
+    """"fp16" when the weights are float16 (outputs then differ from other runtimes by ~1e-3 relative)."""
+    from onnx import TensorProto
+
+    return "fp16" if any(t.data_type == TensorProto.FLOAT16 for t in model.graph.initializer) else "fp32"
+
+
+def default_tolerance(model_precision: str) -> float:
+    """Allowed max |a - b| logit between two runtimes, times max(1, max |logit|)."""
+    return 1e-2 if model_precision == "fp16" else 1e-4
+
+
 def metadata(model) -> dict:
     """Our metadata_props (preprocessing, class names, model card) decoded from JSON."""
     props = {p.key: p.value for p in model.metadata_props}

@@ -128,7 +128,8 @@ def build_package(compiled, out, *, wheelhouse=None) -> dict:
         for w in wheels:
             shutil.copyfile(w, root / "wheels" / w.name)
         model_info = {"made_by": "appliance package", "target": info["target"], "tvm_target": info["tvm_target"],
-                      "input": info["input"], "preprocessing": info.get("preprocessing"),
+                      "input": info["input"], "precision": info.get("precision", "fp32"),
+                      "preprocessing": info.get("preprocessing"),
                       "class_names": info.get("class_names", []), "model_card": info.get("model_card")}
         atomic_write_text(root / "model.json", json.dumps(model_info, indent=2) + "\n")
         files = sorted(p for p in root.rglob("*") if p.is_file())

@@ -9,6 +9,7 @@ through the same preprocessing as export and the edge runner.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 from appliance.errors import DataError
@@ -96,8 +97,12 @@ def quantize_fp16(model, out_path: Path):
     import onnx
     from onnxconverter_common import float16
 
-    # keep_io_types: callers still feed float32 tensors and read float32 logits.
-    onnx.save(float16.convert_float_to_float16(model, keep_io_types=True), str(out_path))
+    # keep_io_types: callers still feed float32 tensors and read float32 logits. The converter warns
+    # once per weight it clamps to float16's range; the accuracy report measures what that costs.
+    with warnings.catch_warnings(record=True) as clamped:
+        warnings.simplefilter("always", UserWarning)
+        onnx.save(float16.convert_float_to_float16(model, keep_io_types=True), str(out_path))
+    return len(clamped)
 
 
 def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="int8", method="minmax",
@@ -124,10 +129,11 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / f"model.{mode}.onnx"
     tmp = out_dir / f".model.{mode}.onnx.tmp"
+    clamped = 0
     if mode == "int8":
         quantize_int8(model_path, tmp, calib.x, inp.name, method, per_channel, scheme)
     else:
-        quantize_fp16(model, tmp)
+        clamped = quantize_fp16(model, tmp)
     quantized = onnx.load(str(tmp))
     del quantized.metadata_props[:]
     quantized.metadata_props.extend(model.metadata_props)  # preprocessing and class names travel on
@@ -139,7 +145,7 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
                      evaluate(ort_session(out_path), val.x, val.y), mode, len(val.x), max_drop)
     report.update({"method": method if mode == "int8" else None, "per_channel": per_channel,
                    "format": f"QDQ {scheme.upper()}{' reduce_range' if scheme == 'u8s8' else ''}" if mode == "int8" else "float16, float32 inputs/outputs",
-                   "calibration_samples": int(len(calib.x)),
+                   "calibration_samples": int(len(calib.x)), "fp16_clamped_weight_warnings": clamped,
                    "validation_source": "calibration data (no --val given)" if not val_files else "--val"})
     write_reports(out_dir, report)
     write_manifest(out_dir, "quantize", [model_path, *calib.files, *(val.files if val_files else [])],

@@ -101,3 +101,20 @@ def test_operator_tvm_cannot_import_is_named(tmp_path, exported, val_npz):
                     quant_format=QuantFormat.QOperator)
     line = one_line_error(run_appliance("compile", str(qop), "--target", "x86_64", "--out", str(tmp_path / "o")))
     assert "TVM cannot import operator QLinearConv (node" in line and "FP32" in line
+
+
+def test_fp16_model_is_checked_at_fp16_tolerance(tmp_path, exported, val_npz):
+    from appliance.deploy.quantize import quantize_fp16
+
+    fp16 = tmp_path / "model.fp16.onnx"
+    quantize_fp16(onnx.load(str(exported / "model.onnx")), fp16)
+    proc = run_appliance("compile", str(fp16), "--target", "x86_64", "--out", str(tmp_path / "o"),
+                         "--samples", str(val_npz))
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((tmp_path / "o" / "compile.json").read_text())
+    # TVM and onnxruntime round float16 differently: well above 1e-4, well inside 1e-2.
+    assert info["precision"] == "fp16" and info["check"]["top1_agreement"] == 1.0
+    assert info["check"]["max_abs_diff"] <= info["check"]["allowed"]
+    proc = run_appliance("compile", str(fp16), "--target", "x86_64", "--out", str(tmp_path / "strict"),
+                         "--samples", str(val_npz), "--tolerance", "1e-6")
+    assert proc.returncode == 2 and "TVM output differs from onnxruntime by" in proc.stderr
