@@ -118,3 +118,10 @@ def test_fp16_model_is_checked_at_fp16_tolerance(tmp_path, exported, val_npz):
     proc = run_appliance("compile", str(fp16), "--target", "x86_64", "--out", str(tmp_path / "strict"),
                          "--samples", str(val_npz), "--tolerance", "1e-6")
     assert proc.returncode == 2 and "TVM output differs from onnxruntime by" in proc.stderr
+
+
+def test_dotprod_target_builds_an_arm_elf(tmp_path, exported):
+    proc = run_appliance("compile", str(exported / "model.onnx"), "--target", "aarch64-dotprod", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert machine_of(tmp_path / "model.so") == "AArch64"
+    assert "+dotprod" in json.loads((tmp_path / "compile.json").read_text())["tvm_target"]["mattr"]
