@@ -127,14 +127,17 @@ def build_python_sysroot(debs_dir, package_root: Path, into: Path) -> tuple[Path
     return sysroot, site
 
 
-def run_python_runner(root: Path, sysroot: Path, site: Path, inputs: Path, outputs: Path) -> None:
+def run_python_runner(root: Path, sysroot: Path, site: Path, inputs: Path, outputs: Path, total: int) -> None:
     python = sysroot / "usr" / "bin" / "python3.11"
     if not python.exists():
         raise DataError(f"{sysroot}: the arm64 .debs hold no usr/bin/python3.11")
     env = {**os.environ, "PYTHONPATH": str(site), "TVM_USE_RUNTIME_LIB": "1"}
-    done = subprocess.run([shutil.which("qemu-aarch64") or "qemu-aarch64", "-L", str(sysroot), str(python), "-s",
-                           str(root / "python" / "run.py"), "--input", str(inputs), "--output", str(outputs),
-                           "--top-k", "1"], env=env, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise DataError(f"{root / 'python' / 'run.py'}: Python runner failed under qemu (exit {done.returncode}): {tail}")
+    from appliance.deploy.edge_verify import run_counting_samples
+
+    returncode, stderr = run_counting_samples(
+        [shutil.which("qemu-aarch64") or "qemu-aarch64", "-L", str(sysroot), str(python), "-s",
+         str(root / "python" / "run.py"), "--input", str(inputs), "--output", str(outputs), "--top-k", "1"],
+        total, "Python runner", env=env)
+    if returncode != 0:
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        raise DataError(f"{root / 'python' / 'run.py'}: Python runner failed under qemu (exit {returncode}): {tail}")

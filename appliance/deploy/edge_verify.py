@@ -98,14 +98,30 @@ def run_native(root: Path, x: np.ndarray, sysroot: str) -> tuple[np.ndarray, flo
         raise EnvironmentProblem(f"{sysroot}: no aarch64 libc here (install libc6-arm64-cross or pass --sysroot)")
     np.save(root / "verify-input.npy", x)
     start = time.perf_counter()
-    done = subprocess.run([qemu, "-L", sysroot, str(root / "bin" / "run"), "--input", str(root / "verify-input.npy"),
-                           "--output", str(root / "verify-output.npy"), "--top-k", "1"],
-                          capture_output=True, text=True, timeout=3600)
+    returncode, stderr = run_counting_samples(
+        [qemu, "-L", sysroot, str(root / "bin" / "run"), "--input", str(root / "verify-input.npy"),
+         "--output", str(root / "verify-output.npy"), "--top-k", "1"], len(x), "native runner")
     seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise DataError(f"{root / 'bin' / 'run'}: native runner failed under qemu (exit {done.returncode}): {tail}")
+    if returncode != 0:
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        raise DataError(f"{root / 'bin' / 'run'}: native runner failed under qemu (exit {returncode}): {tail}")
     return np.load(root / "verify-output.npy"), seconds
+
+
+def run_counting_samples(cmd: list[str], total: int, desc: str, env=None) -> tuple[int, str]:
+    """Run a runner that prints one JSON line per sample, with a progress bar (emulated ResNets
+    take tens of seconds per sample). Returns (exit status, stderr)."""
+    from tqdm import tqdm
+
+    with tempfile.TemporaryFile("w+") as err, tqdm(total=total, desc=f"{desc} under qemu", unit="sample",
+                                                    disable=None) as bar:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        for line in proc.stdout:
+            if line.startswith('{"sample"'):
+                bar.update(1)
+        proc.wait()
+        err.seek(0)
+        return proc.returncode, err.read()
 
 
 def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: float, package,
@@ -150,7 +166,8 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
             debs = Path(sysroot_debs) if sysroot_debs else default_debs_dir()
             py_sysroot, site = build_python_sysroot(debs, root, Path(tmp) / "python-sysroot")
             start = time.perf_counter()
-            run_python_runner(root, py_sysroot, site, root / "verify-input.npy", root / "verify-python.npy")
+            run_python_runner(root, py_sysroot, site, root / "verify-input.npy", root / "verify-python.npy",
+                              len(samples.x))
             routes.append(compare_with_host("Python runner (arm64 python3.11 under qemu-aarch64)",
                                             np.load(root / "verify-python.npy"), host,
                                             time.perf_counter() - start, package, min_agreement, max_logit_diff))

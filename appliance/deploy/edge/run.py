@@ -47,7 +47,8 @@ def main() -> int:
         all_logits.append(logits)
         top = np.argsort(-logits, kind="stable")[: args.top_k]
         print(json.dumps({"sample": i, "top_k": [
-            {"class": int(c), "name": names[c] if c < len(names) else str(c), "logit": float(logits[c])} for c in top]}))
+            {"class": int(c), "name": names[c] if c < len(names) else str(c), "logit": float(logits[c])} for c in top]}),
+              flush=True)
     if args.output:
         np.save(args.output, np.stack(all_logits).astype(np.float32))
     return 0

@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
       std::snprintf(buf, sizeof(buf), "%.9g", out[order[j]]);
       std::cout << (j ? ", " : "") << "{\"class\": " << order[j] << ", \"logit\": " << buf << "}";
     }
-    std::cout << "]}\n";
+    std::cout << "]}" << std::endl;  // flushed: callers count lines for progress
   }
   if (!output.empty()) WriteNpy(output, {n, classes}, logits);
   return 0;
