@@ -18,7 +18,9 @@ from appliance.errors import ApplianceError
 # so `appliance --help` stays fast.
 VERB_MODULES = [
     "appliance.doctor",
+    "appliance.pipeline.cli",
     "appliance.data_cli",
+    "appliance.bundle.cli",
     "appliance.deploy.export",
     "appliance.deploy.quantize",
     "appliance.deploy.compile",

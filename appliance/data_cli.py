@@ -15,7 +15,10 @@ from pathlib import Path
 from appliance.errors import DataError
 
 # Modules contributing `appliance data VERB` sub-verbs via register_data_verb(subparsers).
-DATA_VERB_MODULES: list[str] = []
+DATA_VERB_MODULES: list[str] = [
+    "data_tools.check.cli",
+    "data_tools.preview",
+]
 
 
 def register(subparsers) -> None:
@@ -140,6 +143,13 @@ def convert(args) -> int:
 
     if args.decompress:
         outputs = []
+        from data_tools.tfrecord import detect_compression
+
+        for source in args.sources:  # check them all before any progress bar starts
+            if not Path(source).is_file():
+                raise DataError(f"{source}: no such file")
+            if detect_compression(source) is None:
+                raise DataError(f"{source}: not GZIP or ZLIB compressed; nothing to decompress")
         for source in args.sources:
             damage = []
             size = Path(source).stat().st_size if Path(source).is_file() else 0

@@ -96,10 +96,12 @@ class TFRecordDataset(Dataset):
             if kind not in KINDS:
                 raise ConfigError(f"feature {key!r}: unknown kind {kind!r} (one of {', '.join(KINDS)})")
         self.files = [str(f) for f in files]
+        if features is None and (image_key or label_key):
+            features = {}  # decode just the image and label
         self.features = dict(features) if features is not None else None
-        if image_key and self.features is not None:
+        if image_key:
             self.features.setdefault(image_key, "image")
-        if label_key and self.features is not None:
+        if label_key:
             self.features.setdefault(label_key, "int")
         self.image_key, self.label_key = image_key, label_key
         self.transform = transform
@@ -221,6 +223,12 @@ class ShardedSampler(Sampler[int]):
         """Start `epoch` from its beginning, unless it is the epoch a resumed state is already in."""
         if epoch != self.epoch:
             self.epoch, self.position = int(epoch), 0
+
+    def seek(self, epoch: int, position: int) -> None:
+        """Start iterating `epoch` at sample `position` of this rank's share (e.g. batches done x batch size)."""
+        if not 0 <= position <= len(self):
+            raise ConfigError(f"sampler: position {position} is outside this rank's {len(self)} samples")
+        self.epoch, self.position = int(epoch), int(position)
 
     def advance(self, samples: int) -> None:
         """Record that the training loop consumed `samples` more samples of this rank's share."""

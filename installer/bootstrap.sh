@@ -8,7 +8,7 @@
 #                                      manifests/edge-aarch64.lock into wheelhouse/edge-aarch64
 #                                      (what edge packages carry; needs a connected host)
 #   installer/bootstrap.sh --system    also apt-get install the Debian tools the tests need
-#                                      (aarch64 cross compiler, qemu-user, chromium), when missing
+#                                      (aarch64 cross compiler, qemu-user, chromium, minisign), when missing
 #
 # Idempotent: a venv whose lock and pyproject.toml are unchanged since its last
 # successful bootstrap is left alone (a stamp file records their sha256).
@@ -29,8 +29,9 @@ for arg in "$@"; do
   esac
 done
 
-DEBIAN_PACKAGES=(g++-aarch64-linux-gnu qemu-user chromium)
-DEBIAN_BINARIES=(aarch64-linux-gnu-g++ qemu-aarch64 chromium)
+# minisign: the bundle tests check that stock minisign verifies our bundle signatures.
+DEBIAN_PACKAGES=(g++-aarch64-linux-gnu qemu-user chromium minisign)
+DEBIAN_BINARIES=(aarch64-linux-gnu-g++ qemu-aarch64 chromium minisign)
 
 install_system() {
   local missing=() i

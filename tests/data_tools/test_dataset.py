@@ -92,6 +92,9 @@ def test_resume_mid_epoch_yields_exactly_the_rest(shards):
     resumed.set_epoch(3)  # a loop re-entering the same epoch keeps the position
     rest = ids_of(loader(dataset, resumed))
     assert seen + rest == full and len(rest) == len(full) - 8
+    sought = ShardedSampler(dataset, rank=1, world_size=2, seed=5)
+    sought.seek(3, 8)  # what a loop that counts batches does: 2 batches x 4 samples
+    assert list(sought) == rest
     with pytest.raises(ConfigError, match="world_size"):
         ShardedSampler(dataset, rank=0, world_size=3, seed=5).load_state_dict(state)
 
@@ -122,5 +125,49 @@ def test_classification_samples_and_errors(tmp_path):
         dataset[2]
     with pytest.raises(DataError, match=r"record 3: feature 'image/encoded' is missing"):
         dataset[3]
+    by_keys = TFRecordDataset([path], image_key="image/encoded", label_key="image/class/label", image_mode="L")
+    assert by_keys[0][0].mode == "L" and by_keys[0][1] == 1
     raw = TFRecordDataset([path], features={"image/format": "str", "image/class/label": "int64[]"})
     assert raw[0] == {"image/format": "png", "image/class/label": np.array([1])}
+
+
+DDP_SCRIPT = r"""
+import json, sys
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from data_tools.dataset import ShardedSampler, TFRecordDataset
+
+dist.init_process_group("gloo")
+files, out = json.loads(sys.argv[1]), sys.argv[2]
+dataset = TFRecordDataset(files, features={"id": "int"})
+sampler = ShardedSampler(dataset, seed=7)  # rank and world size from torch.distributed
+sampler.set_epoch(2)
+loader = DataLoader(dataset, batch_size=3, sampler=sampler, num_workers=3,
+                    collate_fn=lambda items: [it["id"] for it in items])
+ids = [i for batch in loader for i in batch]
+with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
+    json.dump({"ids": ids, "world": dist.get_world_size()}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_real_torchrun_ranks_share_an_epoch_exactly_once(shards, tmp_path):
+    """Two real gloo ranks under torchrun (offline, loopback only), three loader workers each."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import offline_cmd
+
+    script = tmp_path / "ddp_epoch.py"
+    script.write_text(DDP_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), json.dumps([str(f) for f in shards]), str(tmp_path)]
+    done = subprocess.run(offline_cmd(cmd, loopback=True), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["world"] == 2 for r in ranks)
+    assert sorted(ranks[0]["ids"] + ranks[1]["ids"]) == list(range(sum(FILE_SIZES)))
+    expected = [ShardedSampler(sum(FILE_SIZES), rank=r, world_size=2, seed=7).share(2).tolist() for r in range(2)]
+    assert [r["ids"] for r in ranks] == expected

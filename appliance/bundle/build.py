@@ -1,0 +1,217 @@
+"""`appliance bundle build`: the one file that crosses the air gap.
+
+Layout of appliance-bundle-<version>.tar (one top directory of the same name):
+  bundle.json                      what is inside: profiles, platforms, glibc floor, Python, CUDA
+  SHA256SUMS                       sha256 of every other file (`sha256sum -c` reads it)
+  wheelhouse/*.whl                 every locked wheel of every profile, once, plus this project's
+  profiles/<P>/requirements.lock   the profile's lock plus the project's wheel and its hash
+  profiles/<P>/sbom.cdx.json       CycloneDX SBOM
+  installer/                       install.sh and its standard-library helpers
+Beside the tar: <tar>.minisig when signed (stock `minisign -V` verifies it), manifest.json.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+from appliance import __version__
+from appliance.bundle import minisign
+from appliance.bundle.profiles import Profile, load_profiles, read_lock
+from appliance.bundle.sbom import build_sbom
+from appliance.bundle.wheelhouse import choose_wheels, fetch, index_url
+from appliance.errors import ApplianceError, ConfigError, EnvironmentProblem
+from appliance.manifest import atomic_write_text, sha256_file, write_manifest
+
+MADE_BY = f"appliance bundle build {__version__}"
+INSTALLER_FILES = ("installer/install.sh", "installer/install_bundle.py", "installer/verify_bundle.py",
+                   "appliance/bundle/minisign.py")
+_SOURCE_FILES = ("pyproject.toml", "README.md", "setup.py", "setup.cfg", "MANIFEST.in")
+_SOURCE_DIRS = ("appliance", "data_tools")
+
+
+class BundleError(ApplianceError):
+    """The bundle cannot be built as asked (a wheel is missing or does not match its lock)."""
+
+
+def default_source() -> Path:
+    """The source checkout this `appliance` runs from (it holds manifests/ and installer/)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def project_version(source: Path) -> str:
+    try:
+        return tomllib.loads((source / "pyproject.toml").read_text())["project"]["version"]
+    except (FileNotFoundError, KeyError):
+        raise ConfigError(f"{source / 'pyproject.toml'}: no [project] version "
+                          "(bundle build runs from a source checkout; pass --source)") from None
+
+
+def build_project_wheel(source: Path, work: Path) -> Path:
+    """This project's wheel, built offline from a copy of the source (the checkout stays clean)."""
+    copy = work / "project-source"
+    copy.mkdir()
+    for name in _SOURCE_FILES:
+        if (source / name).exists():
+            shutil.copy2(source / name, copy / name)
+    for name in _SOURCE_DIRS:
+        if (source / name).is_dir():
+            shutil.copytree(source / name, copy / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    out = work / "project-wheel"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                           "--no-index", "--disable-pip-version-check", "-w", str(out), str(copy)],
+                          capture_output=True, text=True)
+    wheels = list(out.glob("*.whl")) if out.exists() else []
+    if proc.returncode != 0 or len(wheels) != 1:
+        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel written"]
+        raise EnvironmentProblem(f"{source / 'pyproject.toml'}: building the project's wheel failed: {last[0]}")
+    return wheels[0]
+
+
+def _tar_add(tar: tarfile.TarFile, arcname: str, path: Path | None = None, data: bytes | None = None,
+             mode: int = 0o644, mtime: int = 0) -> None:
+    info = tarfile.TarInfo(arcname)
+    info.size = path.stat().st_size if path is not None else len(data)
+    info.mode, info.mtime = mode, mtime
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    if path is not None:
+        with open(path, "rb") as f:
+            tar.addfile(info, f)
+    else:
+        tar.addfile(info, io.BytesIO(data))
+
+
+def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key: Path | None,
+                 cache: Path) -> Path:
+    started = time.monotonic()
+    manifests = source / "manifests"
+    profiles = load_profiles(manifests)
+    unknown = [p for p in profile_names if p not in profiles]
+    if unknown:
+        raise ConfigError(f"{manifests / 'profiles.toml'}: no profile {unknown[0]!r} "
+                          f"(profiles: {', '.join(sorted(profiles))})")
+    chosen: list[Profile] = [profiles[p] for p in dict.fromkeys(profile_names)]
+    version = project_version(source)
+    if sign_key is not None:
+        minisign.read_secret_key(str(sign_key))  # a bad key fails now, not after the downloads
+    index = index_url()
+
+    # 1. Every locked file of every profile, found and hash-checked before anything is written.
+    problems: list[str] = []
+    planned = {}
+    for profile in chosen:
+        pins = read_lock(profile)
+        print(f"bundle: {profile.name}: {len(pins)} locked distributions for {profile.platform} "
+              f"(CPython {profile.python}) from {index}", file=sys.stderr, flush=True)
+        planned[profile.name] = choose_wheels(profile, pins, problems, index)
+    unique = {w.filename: w for ws in planned.values() for w in ws}
+    files = fetch(list(unique.values()), cache, problems) if not problems else {}
+    if problems:
+        for line in sorted(problems):
+            print(f"bundle: {line}", file=sys.stderr)
+        raise BundleError(f"{len(problems)} locked wheel(s) missing or mismatched (listed above); "
+                          f"nothing was written to {out_dir}")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    top = f"appliance-bundle-{version}"
+    tar_path = out_dir / f"{top}.tar"
+    with tempfile.TemporaryDirectory(prefix=".bundle-build-", dir=out_dir) as tmp:
+        work = Path(tmp)
+        # 2. This project's own wheel, hashed into each profile's lock.
+        project = None
+        if any(p.project for p in chosen):
+            wheel = build_project_wheel(source, work)
+            project = {"file": f"wheelhouse/{wheel.name}", "name": "appliance", "version": version,
+                       "sha256": sha256_file(wheel), "bytes": wheel.stat().st_size}
+            files[wheel.name] = (wheel, project["sha256"])
+
+        # 3. Generated files: per-profile lock and SBOM, bundle.json, SHA256SUMS.
+        generated: dict[str, bytes] = {}
+        bundle_profiles = {}
+        for profile in chosen:
+            wheels = [{"file": f"wheelhouse/{w.filename}", "name": w.name, "version": w.version,
+                       "sha256": files[w.filename][1], "bytes": files[w.filename][0].stat().st_size}
+                      for w in planned[profile.name]]
+            lock_text = profile.lock_file.read_text()
+            if profile.project:
+                wheels.append(project)
+                lock_text += (f"# Added by {MADE_BY}: this project's own wheel.\n"
+                              f"appliance=={version} \\\n    --hash=sha256:{project['sha256']}\n")
+            facts = {"platform": profile.platform, "glibc_floor": profile.glibc_floor, "python": profile.python,
+                     "cuda_major": profile.cuda_major}
+            generated[f"profiles/{profile.name}/requirements.lock"] = lock_text.encode()
+            sbom = build_sbom(profile.name, version, MADE_BY, wheels,
+                              {Path(n).name: p for n, (p, _) in files.items()}, facts)
+            generated[f"profiles/{profile.name}/sbom.cdx.json"] = (json.dumps(sbom, indent=2) + "\n").encode()
+            bundle_profiles[profile.name] = {
+                "description": profile.description, **facts, "install": profile.install,
+                "self_test": profile.self_test, "lock": f"profiles/{profile.name}/requirements.lock",
+                "sbom": f"profiles/{profile.name}/sbom.cdx.json", "wheels": wheels,
+                "bytes": sum(w["bytes"] for w in wheels),
+            }
+        manifest = {
+            "format": "appliance-bundle/1",
+            "made_by": f"{MADE_BY}: appliance bundle build " + " ".join(f"--profile {p.name}" for p in chosen),
+            "version": version,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "platforms": sorted({p.platform for p in chosen}),
+            "glibc_floor": max((p.glibc_floor for p in chosen), key=lambda v: tuple(map(int, v.split(".")))),
+            "python": sorted({p.python for p in chosen}),
+            "cuda_major": sorted({p.cuda_major for p in chosen if p.cuda_major is not None}),
+            "profiles": bundle_profiles,
+        }
+        generated["bundle.json"] = (json.dumps(manifest, indent=2) + "\n").encode()
+        installer = {f"installer/{Path(f).name}": source / f for f in INSTALLER_FILES}
+        for path in installer.values():
+            if not path.exists():
+                raise ConfigError(f"{path}: missing from the source checkout (the bundle carries it)")
+
+        sums = {name: hashlib.sha256(data).hexdigest() for name, data in generated.items()}
+        sums.update({f"wheelhouse/{n}": digest for n, (_, digest) in files.items()})
+        sums.update({name: sha256_file(p) for name, p in installer.items()})
+        generated["SHA256SUMS"] = "".join(f"{sums[n]}  {n}\n" for n in sorted(sums)).encode()
+
+        # 4. The tar, written beside its final name and renamed only when complete.
+        mtime = int(time.time())
+        partial = work / f"{top}.tar"
+        with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
+            for name in sorted(generated):
+                _tar_add(tar, f"{top}/{name}", data=generated[name], mtime=mtime)
+            for name in sorted(installer):
+                _tar_add(tar, f"{top}/{name}", path=installer[name], mtime=mtime,
+                         mode=0o755 if name.endswith(".sh") else 0o644)
+            for n in sorted(files):
+                _tar_add(tar, f"{top}/wheelhouse/{n}", path=files[n][0], mtime=mtime)
+        with open(partial, "rb+") as f:
+            os.fsync(f.fileno())
+        signature = out_dir / f"{top}.tar.minisig"
+        if sign_key is not None:
+            comment = f"timestamp:{mtime}\tfile:{top}.tar\tprofiles:{','.join(p.name for p in chosen)}"
+            sig_text = minisign.sign_file(str(partial), str(sign_key), comment)
+        os.replace(partial, tar_path)
+        if sign_key is not None:
+            atomic_write_text(signature, sig_text)
+        else:
+            signature.unlink(missing_ok=True)  # a stale signature would not match this tar
+
+    outputs = [tar_path] + ([signature] if sign_key is not None else [])
+    write_manifest(out_dir, "bundle", inputs=[manifests / "profiles.toml"] + [p.lock_file for p in chosen],
+                   params={"profiles": [p.name for p in chosen], "signed": sign_key is not None,
+                           "index": index}, outputs=outputs)
+    size = tar_path.stat().st_size
+    print(f"bundle: wrote {tar_path} ({size / 1e6:.1f} MB, {len(sums) + 1} files"
+          f"{', signed' if sign_key is not None else ', UNSIGNED'}) in {time.monotonic() - started:.0f} s",
+          file=sys.stderr)
+    return tar_path

@@ -1,0 +1,66 @@
+"""`appliance bundle build` and `appliance bundle keygen` (argument parsing only)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def _build(args) -> int:
+    from appliance.bundle.build import build_bundle, default_source
+
+    source = Path(args.source) if args.source else default_source()
+    tar = build_bundle(args.profile, Path(args.out), source, Path(args.sign_key) if args.sign_key else None,
+                       Path(args.cache))
+    print(tar)
+    return 0
+
+
+def _keygen(args) -> int:
+    from appliance import __version__
+    from appliance.bundle import minisign
+    from appliance.errors import ConfigError
+
+    pub, key = Path(f"{args.out}.pub"), Path(f"{args.out}.key")
+    for path in (pub, key):
+        if path.exists() and not args.force:
+            raise ConfigError(f"{path}: exists; refusing to overwrite a key (pass --force)")
+    pub_text, key_text, key_id = minisign.generate_key_pair(f"appliance bundle keygen {__version__}")
+    key.parent.mkdir(parents=True, exist_ok=True)
+    # The secret key is created readable by its owner only, before any byte is written.
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key_text)
+    pub.write_text(pub_text)
+    print(f"key id {key_id}: secret key {key} (keep it on the build host), public key {pub} "
+          "(give it to sites: install.sh --pubkey, or minisign -V -p)", file=sys.stderr)
+    return 0
+
+
+def register(subparsers) -> None:
+    bundle = subparsers.add_parser("bundle", help="build the signed, offline bundle that crosses the air gap",
+                                   description="Build appliance-bundle-<version>.tar from the hash-pinned "
+                                   "profiles in manifests/ (run on a connected host).")
+    verbs = bundle.add_subparsers(dest="bundle_verb", metavar="VERB", required=True)
+
+    build = verbs.add_parser("build", help="download the locked wheels and write the bundle tar",
+                             description="Download exactly the locked wheels of each profile (binary only, "
+                             "sha256 checked), add this project's wheel, SHA256SUMS, a CycloneDX SBOM per "
+                             "profile and bundle.json, write appliance-bundle-<version>.tar into --out and "
+                             "sign it (minisign format) with --sign-key.")
+    build.add_argument("--profile", action="append", required=True,
+                       help="profile from manifests/profiles.toml (repeat for several)")
+    build.add_argument("--out", required=True, help="output directory")
+    build.add_argument("--sign-key", help="minisign secret key (from `appliance bundle keygen`)")
+    build.add_argument("--source", help="source checkout holding manifests/ and installer/ "
+                       "(default: the one this appliance runs from)")
+    build.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "appliance", "wheels"),
+                       help="download cache, keyed by sha256 (default: %(default)s)")
+    build.set_defaults(func=_build)
+
+    keygen = verbs.add_parser("keygen", help="make an Ed25519 signing key pair (minisign format)",
+                              description="Write PREFIX.key (secret, mode 0600, unencrypted) and PREFIX.pub.")
+    keygen.add_argument("--out", required=True, help="path prefix of the key files")
+    keygen.add_argument("--force", action="store_true", help="overwrite existing key files")
+    keygen.set_defaults(func=_keygen)

@@ -1,0 +1,116 @@
+"""Bundle profiles (manifests/profiles.toml) and the hash-pinned locks they name."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.errors import ConfigError
+
+PROFILES_FILE = "profiles.toml"
+_KEYS = {"description", "platform", "glibc_floor", "python", "cuda_major", "project", "install", "self_test"}
+_REQUIRED = {"description", "platform", "glibc_floor", "python", "project", "install"}
+_SELF_TEST_KEYS = {"commands", "doctor", "imports"}
+_PLATFORM = re.compile(r"^(x86_64|aarch64)-manylinux_2_(\d+)$")
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One locked distribution: name==version with every hash the lock allows."""
+
+    name: str
+    version: str
+    hashes: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    platform: str  # uv's --python-platform, e.g. x86_64-manylinux_2_28
+    glibc_floor: str
+    python: str
+    cuda_major: int | None
+    project: bool
+    install: bool
+    self_test: dict = field(default_factory=dict)
+    lock_file: Path = Path()
+
+    @property
+    def arch(self) -> str:
+        return self.platform.split("-", 1)[0]
+
+    def wheel_platforms(self) -> list[str]:
+        """Platform tags a wheel for this profile may carry, most specific first."""
+        major, minor = (int(x) for x in self.glibc_floor.split("."))
+        legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+        tags = []
+        for m in range(minor, 4, -1):
+            tags.append(f"manylinux_{major}_{m}_{self.arch}")
+            if m in legacy:
+                tags.append(f"{legacy[m]}_{self.arch}")
+        return tags
+
+
+def load_profiles(manifests: Path) -> dict[str, Profile]:
+    path = manifests / PROFILES_FILE
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing (bundle profiles are declared there)") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    profiles = {}
+    for name, table in data.get("profiles", {}).items():
+        where = f"{path}: profiles.{name}"
+        unknown = set(table) - _KEYS
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(_KEYS))})")
+        missing = _REQUIRED - set(table)
+        if missing:
+            raise ConfigError(f"{where}: missing key {sorted(missing)[0]!r}")
+        m = _PLATFORM.match(table["platform"])
+        if not m:
+            raise ConfigError(f"{where}: platform {table['platform']!r} is not ARCH-manylinux_2_N "
+                              "(ARCH x86_64 or aarch64)")
+        if table["glibc_floor"] != f"2.{m.group(2)}":
+            raise ConfigError(f"{where}: glibc_floor {table['glibc_floor']!r} disagrees with platform "
+                              f"{table['platform']!r}")
+        self_test = table.get("self_test", {})
+        if set(self_test) - _SELF_TEST_KEYS or self_test.get("doctor", "json") not in ("json", "ready"):
+            raise ConfigError(f"{where}: self_test takes commands, doctor (\"json\" or \"ready\"), imports")
+        if table["install"] and not table["project"]:
+            raise ConfigError(f"{where}: an installed profile needs project = true (its self-test runs appliance)")
+        lock = manifests / f"{name}.lock"
+        profiles[name] = Profile(name=name, description=table["description"], platform=table["platform"],
+                                 glibc_floor=table["glibc_floor"], python=str(table["python"]),
+                                 cuda_major=table.get("cuda_major"), project=bool(table["project"]),
+                                 install=bool(table["install"]), self_test=self_test, lock_file=lock)
+    return profiles
+
+
+def read_lock(profile: Profile) -> list[Pin]:
+    """Every pin of the profile's lock; the lock must have been resolved for its platform."""
+    path = profile.lock_file
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing: compile it with the command in manifests/README.md") from None
+    header = "\n".join(text.splitlines()[:3])
+    if f"--python-platform {profile.platform}" not in header:
+        raise ConfigError(f"{path}: header does not say --python-platform {profile.platform}: "
+                          f"the lock was not resolved for profile {profile.name}'s platform")
+    pins = []
+    logical = re.sub(r"\\\n", " ", text)
+    for number, line in enumerate(logical.splitlines(), 1):
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)((?:\s+--hash=sha256:[0-9a-f]{64})+)\s*$", line)
+        if not m:
+            raise ConfigError(f"{path}: line {line[:60]!r} is not `name==version --hash=sha256:...`")
+        hashes = frozenset(re.findall(r"sha256:([0-9a-f]{64})", m.group(3)))
+        pins.append(Pin(re.sub(r"[-_.]+", "-", m.group(1)).lower(), m.group(2), hashes))
+    return pins

@@ -1,0 +1,1 @@
+"""`appliance pipeline` (every stage from one config) and `appliance demo` (the same on bundled data)."""

@@ -1,0 +1,40 @@
+"""Verbs `appliance pipeline PIPELINE.toml` and `appliance demo`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from appliance.pipeline.runner import STAGES
+
+
+def run_pipeline_command(args) -> int:
+    from appliance.pipeline.runner import run_pipeline
+
+    run_pipeline(args.config, from_stage=args.from_stage)
+    return 0
+
+
+def run_demo_command(args) -> int:
+    from appliance.pipeline.demo import run_demo
+
+    run_demo(args.out)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "pipeline", help="run every stage from one config: check, train, export, quantize, compile, package, verify",
+        description="Run the stages in order, each into OUT/<stage>/ with a manifest.json. A rerun skips "
+        "stages whose inputs and parameters are unchanged and resumes an interrupted training run.")
+    p.add_argument("config", help="PIPELINE.toml (see README: 'Pipeline config, key by key')")
+    p.add_argument("--from", dest="from_stage", metavar="STAGE", choices=STAGES,
+                   help=f"rerun from this stage even if unchanged ({', '.join(STAGES)})")
+    p.set_defaults(func=run_pipeline_command)
+
+    d = subparsers.add_parser(
+        "demo", help="the whole pipeline on scikit-learn's bundled digits, ending on ARM under qemu",
+        description="Build TFRecord shards from the handwritten digits that ship inside scikit-learn "
+        "(no download), then run the pipeline on them: data check, small CNN training, ONNX export, "
+        "INT8 quantization, TVM builds for x86_64 and aarch64, an edge package verified under qemu-aarch64.")
+    d.add_argument("--out", type=Path, default=Path("appliance-demo"), help="output directory (default: %(default)s)")
+    d.set_defaults(func=run_demo_command)

@@ -1,0 +1,134 @@
+"""The pipeline config: a training config plus one section per later stage.
+
+A PIPELINE.toml holds the training sections exactly as `appliance train` reads them
+([run], [data], [model], [optimizer], [schedule], [train], [checkpoint]) and the sections
+below for the other stages. The pipeline writes the training sections out as the train
+stage's config, with the data files replaced by the check stage's clean shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.errors import ConfigError
+
+TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint")
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    out: str = "pipeline-out"  # each stage writes OUT/<stage>/; relative to the config file
+    nproc_per_node: str = "auto"
+    max_restarts: int = 3  # elastic restarts of training after a crash
+
+
+@dataclass(frozen=True)
+class CheckSection:
+    enabled: bool = True
+    fail_on: str = "corrupt>0,quarantined_fraction>0.05"
+
+
+@dataclass(frozen=True)
+class ExportSection:
+    opset: int = 17
+    max_rel_error: float = 1e-5
+
+
+@dataclass(frozen=True)
+class QuantizeSection:
+    mode: str = "int8"  # "int8" | "fp16" | "none"
+    method: str = "minmax"
+    per_channel: bool = True
+    calib_samples: int = 256
+    max_drop: float = 1.0  # top-1 points
+
+
+@dataclass(frozen=True)
+class CompileSection:
+    targets: tuple[str, ...] = ("x86_64", "aarch64")
+
+
+@dataclass(frozen=True)
+class PackageSection:
+    target: str = "aarch64"
+
+
+@dataclass(frozen=True)
+class VerifySection:
+    samples: int = 0  # 0: every validation sample
+    min_agreement: float = 0.995
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    source: Path
+    training: dict  # the training sections, as read (validated by appliance.train.config)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    check: CheckSection = field(default_factory=CheckSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    quantize: QuantizeSection = field(default_factory=QuantizeSection)
+    compile: CompileSection = field(default_factory=CompileSection)
+    package: PackageSection = field(default_factory=PackageSection)
+    verify: VerifySection = field(default_factory=VerifySection)
+
+    @property
+    def out_dir(self) -> Path:
+        return (self.source.parent / self.pipeline.out).resolve()
+
+
+_STAGE_SECTIONS = {"pipeline": PipelineSection, "check": CheckSection, "export": ExportSection,
+                   "quantize": QuantizeSection, "compile": CompileSection, "package": PackageSection,
+                   "verify": VerifySection}
+
+
+def _section(cls, raw, source: Path, name: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: [{name}] must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(f"{source}: [{name}] unknown key {key!r} (known: {', '.join(fields)})")
+        default = fields[key].default
+        expected = type(default)
+        if expected is tuple:
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{source}: [{name}] {key} must be a list of strings")
+            value = tuple(value)
+        elif expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ConfigError(f"{source}: [{name}] {key} must be {expected.__name__}, got {value!r}")
+        values[key] = value
+    return cls(**values)
+
+
+def load_pipeline_config(path: str | Path) -> PipelineConfig:
+    source = Path(path).resolve()
+    try:
+        raw = tomllib.loads(source.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such pipeline config") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    unknown = set(raw) - set(TRAIN_SECTIONS) - set(_STAGE_SECTIONS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown section [{sorted(unknown)[0]}] (known: "
+                          f"{', '.join(TRAIN_SECTIONS + tuple(_STAGE_SECTIONS))})")
+    sections = {name: _section(cls, raw.get(name, {}), source, name) for name, cls in _STAGE_SECTIONS.items()}
+    q = sections["quantize"]
+    if q.mode not in ("int8", "fp16", "none"):
+        raise ConfigError(f"{path}: [quantize] mode must be int8, fp16 or none, got {q.mode!r}")
+    for target in sections["compile"].targets:
+        if target not in ("x86_64", "aarch64", "aarch64-dotprod"):
+            raise ConfigError(f"{path}: [compile] unknown target {target!r} (x86_64, aarch64, aarch64-dotprod)")
+    if sections["package"].target not in sections["compile"].targets:
+        raise ConfigError(f"{path}: [package] target {sections['package'].target!r} is not among "
+                          f"[compile] targets {list(sections['compile'].targets)}")
+    training = {name: raw[name] for name in TRAIN_SECTIONS if name in raw}
+    if "data" not in training or "train" not in training.get("data", {}):
+        raise ConfigError(f"{path}: [data] train = [...] is required (the TFRecord files to train on)")
+    return PipelineConfig(source=source, training=training, **sections)

@@ -1,0 +1,50 @@
+"""`appliance data check`: argument parsing only; the work is in data_tools.check.run."""
+
+from __future__ import annotations
+
+import sys
+
+from appliance.errors import ConfigError
+
+
+def register_data_verb(data_subparsers) -> None:
+    p = data_subparsers.add_parser(
+        "check", help="check TFRecord files: report, quarantine, clean shards, gate",
+        description="Check TFRecord files in one streaming pass: framing/CRC, parse, schema, images, "
+                    "statistics (3-sigma and median/MAD), duplicates, label balance, train/val leakage. "
+                    "Writes report.json, report.html, schema.json, quarantine/ and clean/ into --out. "
+                    "Exit status: 0 passed, 2 an input file could not be read, 3 the --fail-on gate failed.")
+    p.add_argument("files", nargs="*", metavar="FILE", help="TFRecord files (plain, GZIP or ZLIB)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--train", nargs="+", default=[], metavar="FILE", help="files of the training split")
+    p.add_argument("--val", nargs="+", default=[], metavar="FILE",
+                   help="files of the validation split (checked for leakage against --train)")
+    p.add_argument("--schema", help="schema JSON (default: inferred from the first records, written to OUT/schema.json)")
+    p.add_argument("--fail-on", default=None,
+                   help="gate thresholds, e.g. 'corrupt>0,quarantined_fraction>0.05,imbalance>10'; metrics: "
+                        "corrupt, quarantined, quarantined_fraction, imbalance, duplicates, near_duplicates, "
+                        "leakage, outliers, unreadable_files")
+    p.add_argument("--image-key", default="image/encoded", help="feature holding the encoded image (default image/encoded)")
+    p.add_argument("--label-key", default="image/class/label", help="feature holding the class (default image/class/label)")
+    p.add_argument("--max-pixels", type=int, default=None, help="larger images are quarantined (default 64M)")
+    p.add_argument("--near-distance", type=int, default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
+    p.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per file, up to the cores)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=check_command)
+
+
+def check_command(args) -> int:
+    from data_tools.check.image_probe import DEFAULT_MAX_PIXELS
+    from data_tools.check.run import run_check
+
+    inputs = [(f, None) for f in args.files] + [(f, "train") for f in args.train] + [(f, "val") for f in args.val]
+    if not inputs:
+        raise ConfigError("data check: give TFRecord files, or --train and --val files")
+    if args.val and not args.train:
+        raise ConfigError("data check: --val needs --train (leakage is checked between the two)")
+    _, status = run_check(
+        inputs, args.out, schema_path=args.schema, fail_on=args.fail_on, image_key=args.image_key,
+        label_key=args.label_key, max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
+        near_distance=args.near_distance, jobs=args.jobs, progress=not args.no_progress,
+        command=["appliance", *sys.argv[1:]])
+    return status

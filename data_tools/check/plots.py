@@ -1,0 +1,76 @@
+"""Inline SVG plots for the HTML report: no plotting library, no CDN, readable offline."""
+
+from __future__ import annotations
+
+from html import escape
+
+WIDTH, HEIGHT = 560, 220
+PAD_LEFT, PAD_BOTTOM, PAD_TOP = 48, 40, 32
+
+
+def bar_chart(labels: list[str], counts: list[int], title: str, plot_id: str) -> str:
+    """Vertical bars, one per label, with counts on top."""
+    n = max(len(counts), 1)
+    top = max(counts, default=0) or 1
+    inner_w, inner_h = WIDTH - PAD_LEFT - 10, HEIGHT - PAD_BOTTOM - PAD_TOP
+    bar_w = inner_w / n
+    parts = [_open(plot_id, title, "bar-chart")]
+    for i, (label, count) in enumerate(zip(labels, counts)):
+        h = inner_h * count / top
+        x = PAD_LEFT + i * bar_w
+        y = PAD_TOP + inner_h - h
+        parts.append(f'<rect class="bar" x="{x + 1:.1f}" y="{y:.1f}" width="{max(bar_w - 2, 1):.1f}" '
+                     f'height="{h:.1f}" fill="#4a7ab5"><title>{escape(label)}: {count}</title></rect>')
+        if n <= 40:
+            parts.append(f'<text x="{x + bar_w / 2:.1f}" y="{y - 3:.1f}" font-size="10" '
+                         f'text-anchor="middle">{count}</text>')
+            parts.append(f'<text x="{x + bar_w / 2:.1f}" y="{HEIGHT - PAD_BOTTOM + 14}" font-size="10" '
+                         f'text-anchor="middle">{escape(label)}</text>')
+    parts.append(_axes())
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def histogram(counts: list[int], edges: list[float], bounds: dict, title: str, plot_id: str) -> str:
+    """A histogram with the 3-sigma bounds (red, dashed) and the median/MAD bounds (orange) drawn."""
+    lo, hi = edges[0], edges[-1]
+    for key in ("sigma_low", "sigma_high", "mad_low", "mad_high"):
+        lo, hi = min(lo, bounds[key]), max(hi, bounds[key])
+    span = (hi - lo) or 1.0
+    inner_w, inner_h = WIDTH - PAD_LEFT - 10, HEIGHT - PAD_BOTTOM - PAD_TOP
+    top = max(counts, default=0) or 1
+
+    def sx(v: float) -> float:
+        return PAD_LEFT + inner_w * (v - lo) / span
+
+    parts = [_open(plot_id, title, "histogram")]
+    for count, a, b in zip(counts, edges[:-1], edges[1:]):
+        h = max(inner_h * count / top, 2.0 if count else 0.0)  # one outlier in a bin stays visible
+        parts.append(f'<rect class="bin" x="{sx(a):.1f}" y="{PAD_TOP + inner_h - h:.1f}" '
+                     f'width="{max(sx(b) - sx(a), 0.5):.1f}" height="{h:.1f}" fill="#6c9a5c">'
+                     f'<title>{a:.4g}..{b:.4g}: {count}</title></rect>')
+    for key, colour, dash in (("sigma_low", "#c0392b", "6,3"), ("sigma_high", "#c0392b", "6,3"),
+                              ("mad_low", "#e67e22", "2,2"), ("mad_high", "#e67e22", "2,2")):
+        x = sx(bounds[key])
+        parts.append(f'<line class="bound {key}" x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_TOP}" '
+                     f'y2="{PAD_TOP + inner_h}" stroke="{colour}" stroke-width="1.5" stroke-dasharray="{dash}">'
+                     f'<title>{key} = {bounds[key]:.4g}</title></line>')
+    for v in (lo, (lo + hi) / 2, hi):
+        parts.append(f'<text x="{sx(v):.1f}" y="{HEIGHT - PAD_BOTTOM + 14}" font-size="10" '
+                     f'text-anchor="middle">{v:.4g}</text>')
+    parts.append(_axes())
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _open(plot_id: str, title: str, kind: str) -> str:
+    return (f'<svg id="{escape(plot_id)}" class="plot {kind}" xmlns="http://www.w3.org/2000/svg" '
+            f'width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
+            f'aria-label="{escape(title)}"><text x="{PAD_LEFT}" y="14" font-size="12" '
+            f'font-weight="bold">{escape(title)}</text>')
+
+
+def _axes() -> str:
+    y = HEIGHT - PAD_BOTTOM
+    return (f'<line x1="{PAD_LEFT}" x2="{WIDTH - 10}" y1="{y}" y2="{y}" stroke="#333"/>'
+            f'<line x1="{PAD_LEFT}" x2="{PAD_LEFT}" y1="{PAD_TOP}" y2="{y}" stroke="#333"/>')

@@ -1,0 +1,93 @@
+"""`appliance data preview FILE --out grid.png`: originals beside their augmented versions.
+
+Row i is record i: the original (resized to fit), then what TrainTransform makes of it in
+epochs E, E+1, ... (the same seeded parameters training uses), so a person sees what the model
+will see before spending GPU hours on it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+from appliance.errors import ConfigError, DataError
+
+
+def register_data_verb(data_subparsers) -> None:
+    p = data_subparsers.add_parser("preview", help="grid of original images beside augmented versions",
+                                   description=__doc__.splitlines()[0])
+    p.add_argument("file", metavar="FILE", help="TFRecord file")
+    p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--count", type=int, default=8, help="records (rows)")
+    p.add_argument("--variants", type=int, default=4, help="augmented versions per record (epochs)")
+    p.add_argument("--size", type=int, default=128, help="output image size in pixels")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epoch", type=int, default=0, help="first epoch shown")
+    p.add_argument("--degrees", type=float, default=15.0, help="rotation range, +/- degrees")
+    p.add_argument("--hue", type=float, default=0.1, help="hue shift, +/- fraction of the colour circle (0.1 = 36 deg)")
+    p.add_argument("--saturation", type=float, default=0.1, help="saturation factor 1 +/- this")
+    p.add_argument("--value", type=float, default=0.1, help="value (brightness) factor 1 +/- this")
+    p.add_argument("--image-key", default="image/encoded")
+    p.set_defaults(func=preview_command)
+
+
+def preview_command(args) -> int:
+    rows = write_preview(args.file, args.out, count=args.count, variants=args.variants, size=args.size,
+                         seed=args.seed, epoch=args.epoch, image_key=args.image_key,
+                         degrees=args.degrees, hue=args.hue, saturation=args.saturation, value=args.value)
+    print(f"wrote {args.out}: {rows} records x (original + {args.variants} augmented)")
+    return 0
+
+
+def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, image_key="image/encoded",
+                  **augment) -> int:
+    """Write the grid PNG; returns the number of rows (records shown)."""
+    import numpy as np
+    from PIL import Image, ImageOps, PngImagePlugin
+
+    from data_tools.example import decode_example
+    from data_tools.tfrecord import read_records
+
+    originals = []
+    for number, data in enumerate(read_records(file)):
+        try:
+            encoded = decode_example(bytes(data), keys=[image_key]).get(image_key)
+            if encoded:
+                originals.append((number, Image.open(io.BytesIO(encoded[0])).convert("RGB")))
+        except (DataError, OSError, ValueError):
+            continue  # `appliance data check` reports these; a preview shows what decodes
+        if len(originals) >= count:
+            break
+    if not originals:
+        raise DataError(f"{file}: no record with a decodable {image_key!r} image to preview")
+    import torch  # only now: a bad file is reported without waiting for torch to load
+
+    torch.set_num_threads(1)  # a few small images: intra-op threads only add contention
+
+    from data_tools.augment import TrainTransform
+
+    try:
+        transform = TrainTransform(size, seed=seed, mean=None, std=None, **augment)
+    except ValueError as err:
+        raise ConfigError(f"data preview: {err}") from None
+
+    pad = 4
+    grid = Image.new("RGB", (pad + (variants + 1) * (size + pad), pad + len(originals) * (size + pad)), "white")
+    for row, (number, image) in enumerate(originals):
+        y = pad + row * (size + pad)
+        shown = ImageOps.contain(image, (size, size))
+        grid.paste(shown, (pad + (size - shown.width) // 2, y + (size - shown.height) // 2))
+        for v in range(variants):
+            tensor = transform(image, index=number, epoch=epoch + v)
+            pixels = (tensor.clamp(0, 1) * 255).round().to(dtype=torch.uint8)
+            tile = Image.fromarray(np.ascontiguousarray(pixels.permute(1, 2, 0).numpy()))
+            grid.paste(tile, (pad + (v + 1) * (size + pad), y))
+    info = PngImagePlugin.PngInfo()
+    info.add_text("Software", f"appliance data preview {file} (seed {seed}, epochs {epoch}..{epoch + variants - 1})")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    grid.save(tmp, format="PNG", pnginfo=info)
+    os.replace(tmp, out)
+    return len(originals)

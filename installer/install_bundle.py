@@ -1,0 +1,357 @@
+"""Install an appliance bundle offline: the steps behind installer/install.sh.
+
+Standard library only (python3 >= 3.10). Order: signature, SHA256SUMS, safe extraction,
+versioned venv, install with --no-index --only-binary :all: --require-hashes (uv from the
+bundle when it carries one, else pip), self-test, then `current` is switched atomically.
+
+PREFIX/
+  releases/<version>-<sha12>/  venv/, bundle/ (bundle.json, lock, SBOM), wheelhouse/<carried profile>/,
+                               doctor.json (the `appliance doctor --json` report of the self-test),
+                               install.json (written last: a release without it is incomplete)
+  logs/                        full output of pip/uv and the self-test, one file per install
+  current -> releases/...      what users run: PREFIX/current/venv/bin/appliance
+  previous -> releases/...     what --rollback returns to
+A failure at any step removes only the new release; current and previous are not touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verify_bundle import Refusal, check_signature, check_sums, extract  # noqa: E402
+
+SELF_TEST_TIMEOUT_S = 900
+
+
+def log(message: str) -> None:
+    print(f"install: {message}", file=sys.stderr, flush=True)
+
+
+def clean_env(venv: Path | None = None) -> dict:
+    """The environment for every child: no PYTHONPATH/pip/uv settings from the caller's shell."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTHON", "PIP_", "UV_", "VIRTUAL_ENV", "CONDA"))}
+    if venv is not None:
+        env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
+        env["VIRTUAL_ENV"] = str(venv)
+    return env
+
+
+def run(cmd: list, what: str, log_file: Path, env: dict, timeout: float | None = None, cwd=None):
+    """Run cmd; on failure refuse with its last line, keeping the whole output in log_file."""
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=timeout,
+                              cwd=cwd)
+    except subprocess.TimeoutExpired:
+        raise Refusal(f"{what}: did not finish within {timeout} s") from None
+    with open(log_file, "a") as f:
+        f.write(f"$ {' '.join(map(str, cmd))}\n{proc.stdout}{proc.stderr}\n"
+                f"(exit {proc.returncode}, {time.monotonic() - t0:.2f} s)\n")
+    if proc.returncode != 0:
+        last = (proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}").splitlines()[-1]
+        raise Refusal(f"{what}: exit status {proc.returncode}: {last} (full output: {log_file})")
+    return proc
+
+
+def target_facts(python: str) -> dict:
+    code = ("import json, platform, sys; print(json.dumps({'machine': platform.machine(), "
+            "'python': '%d.%d' % sys.version_info[:2], 'libc': platform.libc_ver()}))")
+    proc = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, env=clean_env())
+    if proc.returncode != 0:
+        raise Refusal(f"{python}: cannot run ({proc.stderr.strip()[-200:]})")
+    return json.loads(proc.stdout)
+
+
+def choose_profile(manifest: dict, wanted: str | None, facts: dict, bundle: Path) -> str:
+    profiles = manifest["profiles"]
+    if wanted is not None:
+        if wanted not in profiles or not profiles[wanted]["install"]:
+            installable = [p for p, d in profiles.items() if d["install"]]
+            raise Refusal(f"{bundle}: no installable profile {wanted!r} (installable: {', '.join(installable)})")
+        return wanted
+    fits = [p for p, d in profiles.items() if d["install"] and d["platform"].startswith(facts["machine"] + "-")]
+    if len(fits) != 1:
+        raise Refusal(f"{bundle}: {len(fits) or 'no'} installable profiles for {facts['machine']} "
+                      f"({', '.join(fits) or 'none'}): pass --profile")
+    return fits[0]
+
+
+def check_host(profile: dict, name: str, facts: dict, python: str) -> None:
+    arch = profile["platform"].split("-", 1)[0]
+    if facts["machine"] != arch:
+        raise Refusal(f"{python}: profile {name} is for {arch}, this host is {facts['machine']}")
+    if facts["python"] != profile["python"]:
+        raise Refusal(f"{python}: profile {name} needs CPython {profile['python']}, this is {facts['python']} "
+                      "(pass --python PATH)")
+    libc, version = facts["libc"]
+    floor = tuple(int(x) for x in profile["glibc_floor"].split("."))
+    if libc != "glibc" or tuple(int(x) for x in version.split(".")[:2]) < floor:
+        raise Refusal(f"{python}: profile {name} needs glibc >= {profile['glibc_floor']}, this host has "
+                      f"{libc or 'no glibc'} {version}")
+
+
+def uv_binary(wheelhouse: Path, wheels: list[dict], work: Path) -> Path | None:
+    """The uv executable out of the bundle's uv wheel (a zip: no install needed to use it)."""
+    uv = [w for w in wheels if w["name"] == "uv"]
+    if not uv:
+        return None
+    with zipfile.ZipFile(wheelhouse / Path(uv[0]["file"]).name) as zf:
+        member = next((n for n in zf.namelist() if n.endswith(".data/scripts/uv")), None)
+        if member is None:
+            return None
+        target = work / "uv"
+        target.write_bytes(zf.read(member))
+    target.chmod(0o755)
+    ok = subprocess.run([target, "--version"], capture_output=True, env=clean_env()).returncode == 0
+    return target if ok else None  # e.g. a uv built for another libc: pip does the job
+
+
+def install_packages(python: str, venv: Path, lock: Path, find_links: Path, uv: Path | None, work: Path,
+                     log_file: Path, bytecode: bool) -> str:
+    """Install the lock into a new venv. bytecode: compile every module now, as pip does by default,
+    so users of a read-only PREFIX never recompile at start (most of the time both paths take)."""
+    offline = ["--no-index", "--find-links", find_links, "--only-binary", ":all:", "--require-hashes",
+               "--no-deps", "-r", lock]  # --no-deps: the lock is the complete set, as in bootstrap.sh
+    env = clean_env()
+    if uv is not None:
+        run([python, "-m", "venv", "--without-pip", venv], "python3 -m venv", log_file, env)
+        env["UV_CACHE_DIR"] = str(work / "uv-cache")  # same filesystem as the venv: files are hardlinked
+        run([uv, "pip", "install", "--offline", "--no-config", "--python", venv / "bin" / "python",
+             *(["--compile-bytecode"] if bytecode else []), *offline], "uv pip install", log_file, env)
+        return "uv"
+    run([python, "-m", "venv", venv], "python3 -m venv (Debian: apt-get install python3-venv)", log_file, env)
+    run([venv / "bin" / "python", "-m", "pip", "install", "--isolated", "--disable-pip-version-check",
+         "--no-cache-dir", *([] if bytecode else ["--no-compile"]), *offline], "pip install", log_file, env)
+    return "pip"
+
+
+def self_test(venv: Path, spec: dict, log_file: Path, cwd: Path) -> list[str]:
+    """What the profile claims, checked in the new venv before it becomes current."""
+    env, done = clean_env(venv), []
+    for cmd in spec.get("commands", []):
+        exe = venv / "bin" / cmd[0]
+        run([exe if exe.exists() else cmd[0], *cmd[1:]], f"self-test `{' '.join(cmd)}`", log_file, env,
+            SELF_TEST_TIMEOUT_S, cwd)
+        done.append(" ".join(cmd))
+    if spec.get("imports"):
+        run([venv / "bin" / "python", "-c", "import " + ", ".join(spec["imports"])],
+            f"self-test `import {', '.join(spec['imports'])}`", log_file, env, SELF_TEST_TIMEOUT_S, cwd)
+        done.append("import " + ", ".join(spec["imports"]))
+    doctor = spec.get("doctor")
+    if doctor in ("ready", "json"):
+        # One `doctor --json` run both checks the claim and leaves the install's doctor report.
+        proc = subprocess.run([venv / "bin" / "appliance", "doctor", "--json"], capture_output=True, text=True,
+                              env=env, timeout=SELF_TEST_TIMEOUT_S, cwd=cwd)
+        with open(log_file, "a") as f:
+            f.write(f"$ appliance doctor --json\n{proc.stdout}{proc.stderr}\n(exit {proc.returncode})\n")
+        try:  # exit 1 means "problems found", which a profile that does not claim training may have
+            report = json.loads(proc.stdout)
+            assert proc.returncode in (0, 1) and isinstance(report.get("problems"), list)
+        except (ValueError, AssertionError):
+            raise Refusal(f"self-test `appliance doctor --json`: exit {proc.returncode}, no valid JSON report "
+                          f"(full output: {log_file})") from None
+        (venv.parent / "doctor.json").write_text(proc.stdout)
+        if doctor == "ready" and (proc.returncode != 0 or not report.get("ready_to_train")):
+            raise Refusal(f"self-test `appliance doctor`: not ready to train: {'; '.join(report['problems'])}")
+        done.append("appliance doctor: ready to train" if doctor == "ready" else
+                    f"appliance doctor --json: valid report, {len(report['problems'])} problem(s)")
+    return done
+
+
+def flip(prefix: Path, link: str, release: str) -> None:
+    """Point PREFIX/link at releases/<release> atomically: new symlink under a temp name, then rename."""
+    tmp = prefix / f".{link}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(f"releases/{release}", tmp)
+    os.replace(tmp, prefix / link)
+    fd = os.open(prefix, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def linked_release(prefix: Path, link: str) -> str | None:
+    try:
+        target = os.readlink(prefix / link)
+    except OSError:
+        return None
+    name = Path(target).name
+    return name if (prefix / "releases" / name / "install.json").exists() else None
+
+
+def hold_lock(prefix: Path) -> int:
+    """One installer at a time per prefix (released when the process exits)."""
+    fd = os.open(prefix / ".install.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def rollback(prefix: Path) -> int:
+    if not prefix.is_dir():
+        raise Refusal(f"{prefix}: no previous install to roll back to")
+    hold_lock(prefix)
+    current, previous = linked_release(prefix, "current"), linked_release(prefix, "previous")
+    if previous is None:
+        raise Refusal(f"{prefix}: no previous install to roll back to")
+    if current:
+        flip(prefix, "previous", current)
+    flip(prefix, "current", previous)
+    log(f"rolled back: current -> releases/{previous} (was releases/{current}; --rollback again returns to it)")
+    return 0
+
+
+def build_release(args, bundle: Path, bundle_sha: str, comment: str | None, top: str, manifest: dict, name: str,
+                  python: str, release_dir: Path, staging: Path, started: float) -> dict:
+    """Extract, install into release_dir/venv, self-test; return the install.json record."""
+    profile = manifest["profiles"][name]
+    prefix = release_dir.parent.parent
+    root = extract(bundle, top, staging)
+    log(f"extracted {top} safely")
+    timings = {"verify_and_extract_s": round(time.monotonic() - started, 2)}
+    find_links = staging / "find-links"  # only this profile's files: pins never see another profile's
+    find_links.mkdir()
+    for w in profile["wheels"]:
+        os.link(root / w["file"], find_links / Path(w["file"]).name)
+    (release_dir / "bundle").mkdir(parents=True)
+    # Outside the release, so the output of a failed install outlives its removal.
+    log_file = prefix / "logs" / f"install-{release_dir.name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    log_file.parent.mkdir(exist_ok=True)
+    uv = None if args.use == "pip" else uv_binary(root / "wheelhouse", profile["wheels"], staging)
+    if args.use == "uv" and uv is None:
+        raise Refusal(f"{bundle}: --use uv, but profile {name} carries no runnable uv wheel")
+    log(f"installing profile {name} ({len(profile['wheels'])} wheels) into releases/{release_dir.name}/venv "
+        f"with {'uv' if uv else 'pip'}, offline")
+    t0 = time.monotonic()
+    used = install_packages(python, release_dir / "venv", root / profile["lock"], find_links, uv, staging,
+                            log_file, bytecode=not args.no_compile)
+    timings["install_s"] = round(time.monotonic() - t0, 2)
+    for other, data in manifest["profiles"].items():  # carried wheels: edge packages take them from here
+        if not data["install"]:
+            dest = release_dir / "wheelhouse" / other
+            dest.mkdir(parents=True)
+            for w in data["wheels"]:
+                shutil.move(root / w["file"], dest / Path(w["file"]).name)
+    for f in ("bundle.json", "SHA256SUMS", profile["lock"], profile["sbom"]):
+        shutil.copy2(root / f, release_dir / "bundle" / Path(f).name)
+    t0 = time.monotonic()
+    checks = self_test(release_dir / "venv", profile.get("self_test", {}), log_file, prefix)
+    timings["self_test_s"] = round(time.monotonic() - t0, 2)
+    log("self-test passed: " + "; ".join(checks))
+    return {"made_by": "installer/install.sh", "bundle": str(bundle), "bundle_sha256": bundle_sha,
+            "signature": comment, "version": manifest["version"], "profile": name, "installer": used,
+            "bytecode_compiled": not args.no_compile, "python": python,
+            "installed": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "self_test": checks, "timings": timings, "log": str(log_file)}
+
+
+def install(args) -> int:
+    bundle, prefix = Path(args.bundle).resolve(), Path(args.prefix).resolve()
+    started = time.monotonic()
+    if not bundle.is_file():
+        raise Refusal(f"{bundle}: no such file")
+    bundle_sha, comment = check_signature(bundle, args.pubkey, args.allow_unsigned)
+    log(f"signature: {'verified, trusted comment: ' + comment if comment else 'NOT CHECKED (--allow-unsigned)'}")
+    prefix.mkdir(parents=True, exist_ok=True)
+    hold_lock(prefix)
+    for stale in prefix.glob(".staging-*"):  # left by a killed run; under the lock none is in use
+        shutil.rmtree(stale, ignore_errors=True)
+
+    current = linked_release(prefix, "current")
+    if current:
+        record = json.loads((prefix / "releases" / current / "install.json").read_text())
+        if record["bundle_sha256"] == bundle_sha and args.profile in (None, record["profile"]):
+            log(f"{bundle.name} (profile {record['profile']}) is already installed and current "
+                f"({prefix / 'current'} -> releases/{current}): nothing to do")
+            return 0
+
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=prefix))
+    release_dir = None
+    try:
+        top, manifest = check_sums(bundle, staging)
+        log(f"SHA256SUMS: every file of {top} verified")
+        python = args.python or sys.executable
+        facts = target_facts(python)
+        name = choose_profile(manifest, args.profile, facts, bundle)
+        check_host(manifest["profiles"][name], name, facts, python)
+        # Room for the extracted bundle and an unpacked venv (about 2x its wheels), checked up front.
+        need = bundle.stat().st_size + 2 * manifest["profiles"][name]["bytes"]
+        free = shutil.disk_usage(prefix).free
+        if free < need:
+            raise Refusal(f"{prefix}: {free / 1e9:.1f} GB free, installing this bundle needs about "
+                          f"{need / 1e9:.1f} GB")
+        release = f"{manifest['version']}-{bundle_sha[:12]}"
+        release_dir = prefix / "releases" / release
+        if (release_dir / "install.json").exists():
+            log(f"releases/{release} is already installed (a rolled-back install): switching to it")
+        else:
+            shutil.rmtree(release_dir, ignore_errors=True)  # leftovers of an interrupted install
+            record = build_release(args, bundle, bundle_sha, comment, top, manifest, name, python, release_dir,
+                                   staging, started)
+            tmp = release_dir / ".install.json.tmp"
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
+            os.replace(tmp, release_dir / "install.json")  # the release is complete from here on
+        if current and current != release:
+            flip(prefix, "previous", current)
+        flip(prefix, "current", release)
+        release_dir = None  # installed: nothing to undo
+        keep = {linked_release(prefix, "current"), linked_release(prefix, "previous")}
+        for old in sorted((prefix / "releases").iterdir()):
+            if old.name not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+                log(f"removed old release {old.name} (only current and previous are kept)")
+        log(f"done in {time.monotonic() - started:.0f} s: {prefix / 'current'} -> releases/{release}; "
+            f"run {prefix / 'current' / 'venv' / 'bin' / 'appliance'}")
+        return 0
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if release_dir is not None and not (release_dir / "install.json").exists():
+            shutil.rmtree(release_dir, ignore_errors=True)
+            if (prefix / "releases").exists() and not any((prefix / "releases").iterdir()):
+                (prefix / "releases").rmdir()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="install.sh", description="Install an appliance bundle offline.")
+    parser.add_argument("bundle", nargs="?", help="appliance-bundle-<version>.tar (signature: BUNDLE.minisig)")
+    parser.add_argument("--prefix", required=True, help="install root, e.g. /opt/appliance")
+    parser.add_argument("--pubkey", help="minisign public key file (or its base64 line) the bundle must be signed with")
+    parser.add_argument("--allow-unsigned", action="store_true", help="install without checking a signature")
+    parser.add_argument("--rollback", action="store_true", help="switch back to the previous install")
+    parser.add_argument("--profile", help="profile to install (default: the one for this machine)")
+    parser.add_argument("--python", help="python3 to build the venv with (default: the one running this)")
+    parser.add_argument("--use", choices=("auto", "uv", "pip"), default="auto",
+                        help="installer: uv from the bundle when it has one (auto), or force one")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="do not compile bytecode at install (faster install; where PREFIX is read-only "
+                        "for users, every start then compiles the modules it imports)")
+    args = parser.parse_args(argv)
+    try:
+        if args.rollback:
+            return rollback(Path(args.prefix).resolve())
+        if not args.bundle:
+            parser.error("BUNDLE is required (or --rollback)")
+        return install(args)
+    except Refusal as err:
+        print(f"refused: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("install: interrupted; the previous install is untouched", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

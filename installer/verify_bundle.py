@@ -1,0 +1,151 @@
+"""Check a bundle before anything is installed: signature, SHA256SUMS, safe extraction.
+
+Standard library only (python3 >= 3.10): this runs on the air-gapped host before any
+package exists there. Each failure raises Refusal, whose text is the single line
+install.sh prints after "refused: ", naming the file and the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import sys
+import tarfile
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+# In a bundle minisign.py sits beside this file; in a source checkout it is appliance/bundle/minisign.py.
+for _candidate in (_HERE, _HERE.parent / "appliance" / "bundle"):
+    if (_candidate / "minisign.py").exists():
+        sys.path.insert(0, str(_candidate))
+        break
+import minisign  # noqa: E402
+
+
+class Refusal(Exception):
+    """The bundle is refused; str() is 'FILE: reason'."""
+
+
+def check_signature(bundle: Path, pubkey: str | None, allow_unsigned: bool) -> tuple[str, str | None]:
+    """Verify BUNDLE.minisig with pubkey; return (sha256 of the bundle, trusted comment or None)."""
+    sha = hashlib.sha256()
+    signature = Path(f"{bundle}.minisig")
+    if pubkey is None:
+        if not allow_unsigned:
+            raise Refusal(f"{bundle}: no --pubkey given, so its signature cannot be checked "
+                          "(pass --pubkey KEY, or --allow-unsigned to install it unverified)")
+        with open(bundle, "rb") as f:
+            while block := f.read(1 << 20):
+                sha.update(block)
+        return sha.hexdigest(), None
+    if not signature.exists():
+        raise Refusal(f"{signature}: missing: the bundle is unsigned (refusing; --allow-unsigned without "
+                      "--pubkey installs it unverified)")
+    try:
+        comment = minisign.verify_file(str(bundle), str(signature), pubkey, extra=sha.update)
+    except minisign.SignatureError as err:
+        raise Refusal(str(err)) from None
+    return sha.hexdigest(), comment
+
+
+def _members(tar: tarfile.TarFile, bundle: Path, dest: Path) -> tuple[str, list[tarfile.TarInfo]]:
+    """The top directory and the members, each checked for a safe name and type first."""
+    members = tar.getmembers()
+    if not members:
+        raise Refusal(f"{bundle}: empty tar")
+    top = members[0].name.split("/", 1)[0]
+    seen = set()
+    for member in members:
+        _refuse_unsafe(member, top, dest)
+        if member.name in seen:  # a later copy would silently replace the checked one
+            raise Refusal(f"{member.name}: appears twice in the bundle")
+        seen.add(member.name)
+    return top, members
+
+
+def check_sums(bundle: Path, dest: Path) -> tuple[str, dict]:
+    """Every regular file in the tar must be listed in SHA256SUMS with its hash, and every listed file present.
+
+    Member names and types are checked first (see _refuse_unsafe): a name that leaves the
+    bundle is refused before any byte of it is read, and again at extraction.
+    """
+    try:
+        tar = tarfile.open(bundle, "r:")
+    except (tarfile.TarError, OSError) as err:
+        raise Refusal(f"{bundle}: not a readable tar ({err})") from None
+    with tar:
+        top, members = _members(tar, bundle, dest)
+        files = {m.name[len(top) + 1:]: m for m in members if m.isfile()}
+        if "SHA256SUMS" not in files:
+            raise Refusal(f"{bundle}: SHA256SUMS missing")
+        listed = {}
+        for number, line in enumerate(tar.extractfile(files["SHA256SUMS"]).read().decode("utf-8", "replace")
+                                      .splitlines(), 1):
+            digest, sep, name = line.partition("  ")
+            if not sep or len(digest) != 64:
+                raise Refusal(f"SHA256SUMS: line {number}: not `<sha256>  <file>`")
+            listed[name] = digest
+        for name, member in files.items():
+            if name == "SHA256SUMS":
+                continue
+            if name not in listed:
+                raise Refusal(f"{name}: not listed in SHA256SUMS")
+            h = hashlib.sha256()
+            stream = tar.extractfile(member)
+            while block := stream.read(1 << 20):
+                h.update(block)
+            if h.hexdigest() != listed[name]:
+                raise Refusal(f"{name}: sha256 mismatch (SHA256SUMS has {listed[name][:12]}..., "
+                              f"the file is {h.hexdigest()[:12]}...)")
+        absent = sorted(set(listed) - set(files))
+        if absent:
+            raise Refusal(f"{absent[0]}: listed in SHA256SUMS but not in the bundle")
+        try:
+            manifest = json.loads(tar.extractfile(files["bundle.json"]).read())
+        except (KeyError, ValueError) as err:
+            raise Refusal(f"bundle.json: missing or not JSON ({err})") from None
+    return top, manifest
+
+
+def _refuse_unsafe(member: tarfile.TarInfo, top: str, dest: Path) -> None:
+    """Our own check of each member, same intent as PEP 706's `data` filter, with a clear line."""
+    name = member.name
+    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
+        raise Refusal(f"{name}: absolute path in the bundle")
+    parts = name.split("/")
+    if ".." in parts:
+        raise Refusal(f"{name}: path with '..' leaves the bundle")
+    if parts[0] != top:
+        raise Refusal(f"{name}: outside the bundle's top directory {top}/")
+    if member.issym() or member.islnk():
+        target = member.linkname
+        resolved = posixpath.normpath(posixpath.join(posixpath.dirname(name), target)) if member.issym() \
+            else posixpath.normpath(target)
+        where = "leaves the bundle" if target.startswith("/") or resolved.split("/")[0] in ("..", "") \
+            or not resolved.startswith(top + "/") else "is a link (bundles hold only files)"
+        raise Refusal(f"{name}: {'symlink' if member.issym() else 'hard link'} to {target} {where}")
+    if not (member.isfile() or member.isdir()):
+        raise Refusal(f"{name}: not a regular file or directory (device, fifo or other special file)")
+    final = (dest / name).resolve()
+    if not final.is_relative_to(dest.resolve()):
+        raise Refusal(f"{name}: resolves outside the extraction directory")
+
+
+def extract(bundle: Path, top: str, dest: Path) -> Path:
+    """Extract into dest after checking every member; return dest/top."""
+    with tarfile.open(bundle, "r:") as tar:
+        top, members = _members(tar, bundle, dest)
+        if hasattr(tarfile, "data_filter"):  # Python 3.10.12+ / 3.11.4+: PEP 706 as a second guard
+            try:
+                tar.extractall(dest, members=members, filter="data")
+            except tarfile.FilterError as err:
+                raise Refusal(f"{getattr(err, 'tarinfo', None) and err.tarinfo.name}: {err}") from None
+        else:
+            tar.extractall(dest, members=members)
+            for root, dirs, names in os.walk(dest):  # what the data filter would do to modes
+                for n in dirs + names:
+                    p = os.path.join(root, n)
+                    os.chmod(p, os.stat(p).st_mode & 0o755)
+    return dest / top

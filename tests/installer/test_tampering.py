@@ -1,0 +1,154 @@
+"""Every tampered bundle is refused with one line naming the file, nothing installed, the previous install intact."""
+
+import hashlib
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import bundle_kit
+from appliance.bundle import minisign
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """An appliance with 0.1.0 installed: the previous install every refusal must leave alone."""
+    tar, pub = bundle_kit.bundle(tmp_path_factory), bundle_kit.public_key(tmp_path_factory)
+    prefix = tmp_path_factory.mktemp("site") / "opt-appliance"
+    proc = bundle_kit.install(tar, prefix, pubkey=pub)
+    assert proc.returncode == 0, proc.stderr
+    key = tmp_path_factory.getbasetemp() / "bundles" / "site.key"
+    return {"tar": tar, "pub": pub, "key": key, "prefix": prefix, "state": bundle_kit.state(prefix)}
+
+
+def sign(tar: Path, key: Path) -> Path:
+    Path(f"{tar}.minisig").write_text(minisign.sign_file(str(tar), str(key)))
+    return tar
+
+
+def assert_refused(site, proc, *expected: str) -> str:
+    assert proc.returncode == 1, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("refused: "), proc.stderr
+    for text in expected:
+        assert text in line, line
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("refused:")] == [line]
+    assert bundle_kit.state(site["prefix"]) == site["state"]  # nothing installed, nothing removed
+    assert not any(p.name.startswith(".staging-") for p in site["prefix"].iterdir())
+    assert bundle_kit.installed(site["prefix"], "--version").stdout.strip() == "appliance 0.1.0"
+    return line
+
+
+def six_wheel(name: str) -> bool:
+    return name.endswith(".whl") and "/wheelhouse/six-" in name
+
+
+def flip_byte(name, data):
+    if six_wheel(name):
+        data = bytearray(data)
+        data[len(data) // 2] ^= 0x01
+        return bytes(data)
+    return data
+
+
+def test_flipped_byte_in_a_wheel_breaks_the_signature(site, tmp_path):
+    tar = bundle_kit.rewrite_tar(site["tar"], tmp_path / site["tar"].name, change=flip_byte)
+    Path(f"{tar}.minisig").write_bytes(Path(f"{site['tar']}.minisig").read_bytes())
+    proc = bundle_kit.install(tar, site["prefix"], pubkey=site["pub"])
+    assert_refused(site, proc, f"{tar}.minisig: signature does not match {tar.name}")
+
+
+def test_flipped_byte_in_a_wheel_is_caught_by_sha256sums_when_unsigned(site, tmp_path):
+    tar = bundle_kit.rewrite_tar(site["tar"], tmp_path / "b.tar", change=flip_byte)
+    proc = bundle_kit.install(tar, site["prefix"], "--allow-unsigned")
+    assert_refused(site, proc, "refused: wheelhouse/six-1.17.0-py2.py3-none-any.whl: sha256 mismatch")
+
+
+def test_modified_sha256sums_is_refused(site, tmp_path):
+    def change(name, data):
+        if name.endswith("/SHA256SUMS"):
+            lines = data.decode().splitlines(keepends=True)
+            i = next(i for i, ln in enumerate(lines) if "wheelhouse/attrs-" in ln)
+            lines[i] = ("0" if lines[i][0] != "0" else "1") + lines[i][1:]
+            return "".join(lines).encode()
+        return data
+
+    tar = bundle_kit.rewrite_tar(site["tar"], tmp_path / "b.tar", change=change)
+    proc = bundle_kit.install(tar, site["prefix"], "--allow-unsigned")
+    assert_refused(site, proc, "refused: wheelhouse/attrs-", "sha256 mismatch")
+    sign(tar, site["key"])  # even signed by the site's own key, the sums are checked
+    proc = bundle_kit.install(tar, site["prefix"], pubkey=site["pub"])
+    assert_refused(site, proc, "wheelhouse/attrs-", "sha256 mismatch")
+
+
+def test_file_missing_from_sha256sums_is_refused(site, tmp_path):
+    extra = member("appliance-bundle-0.1.0/wheelhouse/extra-1.0-py3-none-any.whl", b"PK\x05\x06" + bytes(18))
+    tar = bundle_kit.rewrite_tar(site["tar"], tmp_path / "b.tar", extra=[extra], extra_data={extra.name: b"PK\x05\x06" + bytes(18)})
+    proc = bundle_kit.install(tar, site["prefix"], "--allow-unsigned")
+    assert_refused(site, proc, "refused: wheelhouse/extra-1.0-py3-none-any.whl: not listed in SHA256SUMS")
+
+
+def test_a_second_copy_of_a_checked_file_is_refused(site, tmp_path):
+    name = "appliance-bundle-0.1.0/installer/install.sh"
+    again = member(name, b"#!/bin/sh\nrm -rf /\n")
+    tar = bundle_kit.rewrite_tar(site["tar"], tmp_path / "b.tar", extra=[again], extra_data={name: b"#!/bin/sh\nrm -rf /\n"})
+    proc = bundle_kit.install(tar, site["prefix"], "--allow-unsigned")
+    assert_refused(site, proc, f"refused: {name}: appears twice in the bundle")
+
+
+def test_wrong_key_damaged_and_missing_signatures_are_refused(site, tmp_path):
+    tar = tmp_path / site["tar"].name
+    tar.write_bytes(site["tar"].read_bytes())
+    pub_text, key_text, other_id = minisign.generate_key_pair("attacker")
+    (tmp_path / "other.key").write_text(key_text)
+    sign(tar, tmp_path / "other.key")
+    proc = bundle_kit.install(tar, site["prefix"], pubkey=site["pub"])
+    assert_refused(site, proc, f"{tar}.minisig: signed by key {other_id}, not by the trusted key")
+
+    good = Path(f"{site['tar']}.minisig").read_text().splitlines()
+    raw = bytearray(__import__("base64").b64decode(good[1]))
+    raw[-1] ^= 0x80
+    good[1] = __import__("base64").b64encode(bytes(raw)).decode()
+    Path(f"{tar}.minisig").write_text("\n".join(good) + "\n")
+    proc = bundle_kit.install(tar, site["prefix"], pubkey=site["pub"])
+    assert_refused(site, proc, "signature does not match")
+
+    Path(f"{tar}.minisig").unlink()
+    proc = bundle_kit.install(tar, site["prefix"], pubkey=site["pub"])
+    assert_refused(site, proc, f"refused: {tar}.minisig: missing: the bundle is unsigned")
+
+    proc = bundle_kit.install(tar, site["prefix"])  # no --pubkey and no --allow-unsigned
+    assert_refused(site, proc, f"refused: {tar}: no --pubkey given")
+
+
+def member(name: str, data: bytes = b"", kind=tarfile.REGTYPE, target: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.size, info.mode = kind, target, len(data), 0o644
+    return info
+
+
+@pytest.mark.parametrize("case", ["dotdot", "absolute", "symlink", "hardlink"])
+def test_members_leaving_the_bundle_are_refused_even_when_signed(site, tmp_path, case):
+    top = "appliance-bundle-0.1.0"
+    evil = tmp_path / "escaped"
+    payload = b"owned\n"
+    digest = hashlib.sha256(payload).hexdigest()
+    if case == "dotdot":
+        rel = "../" * 12 + str(evil).lstrip("/")
+        info, expected = member(f"{top}/{rel}", payload), "path with '..' leaves the bundle"
+    elif case == "absolute":
+        info, expected, rel = member(str(evil), payload), "absolute path in the bundle", None
+    elif case == "symlink":
+        rel, info = None, member(f"{top}/wheelhouse/escape", kind=tarfile.SYMTYPE, target="../" * 12 + "etc")
+        expected = "symlink to " + "../" * 12 + "etc leaves the bundle"
+    else:
+        rel, info = None, member(f"{top}/wheelhouse/passwd", kind=tarfile.LNKTYPE, target="/etc/passwd")
+        expected = "hard link to /etc/passwd leaves the bundle"
+    # The attacker also lists the file in SHA256SUMS and signs with a stolen key: still refused.
+    tar = bundle_kit.rewrite_tar(site["tar"], tmp_path / site["tar"].name, extra=[info],
+                                 extra_data={info.name: payload}, sums_extra={rel: digest} if rel else None)
+    sign(tar, site["key"])
+    proc = bundle_kit.install(tar, site["prefix"], pubkey=site["pub"])
+    line = assert_refused(site, proc, expected)
+    assert line.startswith(f"refused: {info.name}: ")
+    assert not evil.exists()

@@ -1,0 +1,52 @@
+"""Pipeline config validation: one line naming the file and the key."""
+
+import pytest
+
+from appliance.errors import ConfigError
+from appliance.pipeline.config import load_pipeline_config
+from appliance.pipeline.runner import fingerprint
+
+BASE = """
+[data]
+train = ["t.tfrecord"]
+val = ["v.tfrecord"]
+"""
+
+
+def write(tmp_path, text):
+    path = tmp_path / "pipeline.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_output_dir(tmp_path):
+    cfg = load_pipeline_config(write(tmp_path, BASE))
+    assert cfg.quantize.mode == "int8" and cfg.compile.targets == ("x86_64", "aarch64")
+    assert cfg.out_dir == (tmp_path / "pipeline-out").resolve()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("[quantize]\nmod = 'int8'\n", "[quantize] unknown key 'mod'"),
+    ("[quantize]\nmax_drop = 'one'\n", "[quantize] max_drop must be float"),
+    ("[compile]\ntargets = ['riscv']\n", "unknown target 'riscv'"),
+    ("[package]\ntarget = 'aarch64'\n[compile]\ntargets = ['x86_64']\n", "is not among [compile] targets"),
+    ("[deploy]\nx = 1\n", "unknown section [deploy]"),
+])
+def test_mistakes_name_the_file_and_key(tmp_path, extra, message):
+    path = write(tmp_path, BASE + extra)
+    with pytest.raises(ConfigError) as err:
+        load_pipeline_config(path)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_missing_training_data_is_named(tmp_path):
+    path = write(tmp_path, "[check]\nenabled = false\n")
+    with pytest.raises(ConfigError, match=r"\[data\] train"):
+        load_pipeline_config(path)
+
+
+def test_fingerprint_follows_params_and_input_hashes():
+    base = fingerprint({"lr": 0.1}, ["a", "b"])
+    assert base == fingerprint({"lr": 0.1}, ["a", "b"])
+    assert base != fingerprint({"lr": 0.2}, ["a", "b"])
+    assert base != fingerprint({"lr": 0.1}, ["a", "c"])
