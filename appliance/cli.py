@@ -21,6 +21,11 @@ VERB_MODULES = [
     "appliance.pipeline.cli",
     "appliance.data_cli",
     "appliance.bundle.cli",
+    "appliance.deploy.export",
+    "appliance.deploy.quantize",
+    "appliance.deploy.compile",
+    "appliance.deploy.package",
+    "appliance.deploy.edge_verify",
 ]
 
 

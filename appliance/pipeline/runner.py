@@ -238,7 +238,7 @@ def plan(cfg: PipelineConfig) -> list[StageRun]:
                                 min_agreement=cfg.verify.min_agreement, out_dir=d)
         if not report["passed"]:
             raise GateFailed(f"{d / 'verify.json'}: the edge build disagrees with the host "
-                             f"({report['routes'][0]['agreement']:.4f} < {cfg.verify.min_agreement})")
+                             f"({report['routes'][0]['top1_agreement']:.4f} < {cfg.verify.min_agreement})")
         return {"report": report}
     stages.append(StageRun("verify", out / "verify", asdict(cfg.verify), [], verify))
     return stages

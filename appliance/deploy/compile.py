@@ -1,0 +1,211 @@
+"""`appliance compile`: ONNX -> a TVM 0.27 Relax library for the edge CPU (or the host, checked).
+
+ARM targets are cross-compiled with aarch64-linux-gnu-g++; the x86_64 host build is loaded back
+and compared with onnxruntime, so a numerical problem in TVM shows up here, not on a device.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from appliance.errors import DataError, EnvironmentProblem
+
+CROSS_COMPILER = "aarch64-linux-gnu-g++"
+TARGETS = {
+    "aarch64": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]},
+    "aarch64-dotprod": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]},
+    "x86_64": {"kind": "llvm", "mtriple": "x86_64-linux-gnu"},  # mcpu: the host's, added at compile time
+}
+ELF_MACHINE = {"aarch64": 183, "x86_64": 62}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "compile", help="compile an ONNX model with TVM for aarch64 (or the x86_64 host, checked vs onnxruntime)",
+        description="Compile MODEL.onnx with TVM Relax into DIR/model.so for the target. ARM targets "
+        f"need {CROSS_COMPILER}; the x86_64 build is compared with onnxruntime.")
+    p.add_argument("model", metavar="MODEL.onnx")
+    p.add_argument("--target", required=True, choices=sorted(TARGETS))
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--samples", nargs="+", metavar="FILE",
+                   help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
+    p.add_argument("--tolerance", type=float,
+                   help="x86_64 check: max |tvm - onnxruntime| allowed, times max(1, max |logit|) "
+                   "(default 1e-4; 1e-2 for FP16 models)")
+    p.add_argument("--allow-failed-gate", action="store_true",
+                   help="compile a quantized model even though `appliance quantize` failed its accuracy gate")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if not args.allow_failed_gate:
+        refuse_failed_gate(args.model)
+    info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance)
+    line = f"wrote {info['library']} for {args.target} ({info['library_bytes'] / 1e6:.2f} MB) in {info['compile_seconds']:.1f} s"
+    if "check" in info:
+        c = info["check"]
+        line += f"; vs onnxruntime on {c['samples']} samples: max abs diff {c['max_abs_diff']:.3g}, top-1 agreement {c['top1_agreement']:.4f}"
+    print(line)
+    return 0
+
+
+def target_for(name: str) -> dict:
+    from tvm.target import codegen
+
+    target = dict(TARGETS[name])
+    if name == "x86_64":
+        target["mcpu"] = codegen.llvm_get_system_cpu()
+    return target
+
+
+def refuse_failed_gate(model_path) -> None:
+    """A model from a quantize run whose top-1 drop exceeded --max-drop does not go to devices by accident."""
+    import json
+
+    manifest = Path(model_path).parent / "manifest.json"
+    try:
+        params = json.loads(manifest.read_text()).get("params", {})
+        stage = json.loads(manifest.read_text()).get("stage")
+    except (OSError, json.JSONDecodeError):
+        return
+    if stage == "quantize" and params.get("gate_passed") is False:
+        raise DataError(f"{model_path}: failed the accuracy gate of `appliance quantize` (see "
+                        f"{manifest.parent / 'accuracy.html'}); re-quantize, or pass --allow-failed-gate")
+
+
+def check_cross_compiler() -> str:
+    path = shutil.which(CROSS_COMPILER)
+    if path is None:
+        raise EnvironmentProblem(f"{CROSS_COMPILER}: cross compiler not found on PATH (install Debian's "
+                                 "g++-aarch64-linux-gnu, e.g. `installer/bootstrap.sh --system`)")
+    return path
+
+
+def find_unsupported(model) -> list[str]:
+    """'OpType (node NAME)' for each node TVM's ONNX importer has no converter for."""
+    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+    known = _get_convert_map()
+    standard = ("", "ai.onnx")
+    return [f"{n.op_type} (node {n.name or '?'})" for n in model.graph.node
+            if n.domain not in standard or n.op_type not in known]
+
+
+def import_relax(model, path, shape: list):
+    """The Relax IRModule for the ONNX model at a fixed input shape; one line when TVM cannot."""
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    unsupported = find_unsupported(model)
+    if unsupported:
+        raise DataError(f"{path}: TVM cannot import operator {', '.join(unsupported[:3])}"
+                        f"{' and more' if len(unsupported) > 3 else ''}; compile the FP32 model or the "
+                        "FP16/QDQ one from `appliance quantize` instead")
+    name = model.graph.input[0].name
+    try:
+        mod = from_onnx(model, shape_dict={name: shape}, keep_params_in_input=False)
+    except Exception as err:
+        raise DataError(f"{path}: TVM could not import the model ({type(err).__name__}: "
+                        f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
+                        "try the FP32 or FP16 model") from None
+    return relax.transform.DecomposeOpsForInference()(mod)
+
+
+def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
+                  batch: int = 1) -> dict:
+    import time
+
+    import tvm
+    import tvm.support.cc
+
+    from appliance.deploy.lineage import lineage_from
+    from appliance.deploy.onnx_model import default_tolerance, image_input, load_onnx, metadata, precision
+    from appliance.manifest import atomic_write_text, write_manifest
+
+    cross = target_name.startswith("aarch64")
+    if cross:
+        check_cross_compiler()
+    model_path = Path(model_path)
+    model = load_onnx(model_path)
+    inp = image_input(model, model_path)
+    meta = metadata(model)
+    model_precision = precision(model)
+    tolerance = default_tolerance(model_precision) if tolerance is None else tolerance
+    shape = [batch, *[_dim(d, meta, model_path, inp) for d in inp.shape[1:]]]
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    mod = import_relax(model, model_path, shape)
+    target = target_for(target_name)
+    executable = tvm.compile(mod, target=tvm.target.Target(target))
+    library, tmp = out_dir / "model.so", out_dir / ".model.so.tmp.so"
+    if cross:
+        executable.export_library(str(tmp), fcompile=tvm.support.cc.cross_compiler(CROSS_COMPILER))
+    else:
+        executable.export_library(str(tmp))
+    _check_elf(tmp, ELF_MACHINE["aarch64" if cross else "x86_64"])
+    tmp.replace(library)
+    seconds = time.perf_counter() - start
+    shutil.copyfile(model_path, out_dir / ".model.onnx.tmp")
+    (out_dir / ".model.onnx.tmp").replace(out_dir / "model.onnx")  # the reference edge verify compares with
+
+    info = {"made_by": "appliance compile", "source_model": str(model_path.resolve()), "target": target_name,
+            "tvm_target": target, "input": {"name": inp.name, "shape": shape, "dtype": "float32"},
+            "precision": model_precision,
+            "library": str(library), "library_bytes": library.stat().st_size,
+            "compile_seconds": round(seconds, 2), **meta}
+    if not cross:
+        info["check"] = check_against_ort(library, model_path, shape, sample_files, meta, tolerance, inp.name)
+    atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2) + "\n")
+    inputs = [model_path, *(Path(f) for f in sample_files or [])]
+    write_manifest(out_dir, "compile", inputs, {"target": target_name, "tvm_target": target,
+                                                 "input_shape": shape, "tolerance": tolerance,
+                                                 "lineage": lineage_from(model_path.parent)})
+    if not cross and not info["check"]["passed"]:
+        raise DataError(f"{library}: TVM output differs from onnxruntime by {info['check']['max_abs_diff']:.3g} "
+                        f"(allowed {info['check']['allowed']:.3g}); see {out_dir / 'compile.json'}")
+    return info
+
+
+def check_against_ort(library, model_path, shape, sample_files, meta, tolerance, input_name="input") -> dict:
+    """Run the host library through the Relax VM and onnxruntime on the same tensors."""
+    import tvm
+    from tvm import relax
+
+    from appliance.deploy.onnx_model import ort_session, run_ort
+    from appliance.deploy.samples import check_input_shape, load_samples
+
+    if sample_files:
+        samples = load_samples(sample_files, meta.get("preprocessing", {}), limit=32)
+        check_input_shape(samples, shape, input_name, model_path)
+        x = samples.x
+    else:
+        x = np.random.default_rng(0).standard_normal((8, *shape[1:])).astype(np.float32)
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())
+    got = np.concatenate([vm["main"](tvm.runtime.tensor(x[i:i + shape[0]])).numpy() for i in range(0, len(x), shape[0])])
+    expected = run_ort(ort_session(model_path, optimize=False), x)
+    diff = float(np.abs(got.astype(np.float64) - expected).max())
+    allowed = tolerance * max(1.0, float(np.abs(expected).max()))
+    return {"samples": int(len(x)), "max_abs_diff": diff, "allowed": allowed,
+            "top1_agreement": float((got.argmax(1) == expected.argmax(1)).mean()), "passed": diff <= allowed}
+
+
+def _dim(d, meta, path, inp):
+    if isinstance(d, int) and d > 0:
+        return d
+    size = meta.get("preprocessing", {}).get("image_size")
+    if size is None:
+        raise DataError(f"{path}: input {inp.name!r} has symbolic size {inp.shape} and no appliance "
+                        "preprocessing metadata to fix it")
+    return int(size)
+
+
+def _check_elf(path: Path, machine: int) -> None:
+    head = path.read_bytes()[:20]
+    if head[:4] != b"\x7fELF" or int.from_bytes(head[18:20], "little") != machine:
+        raise EnvironmentProblem(f"{path}: the compiler produced no ELF for machine {machine}")

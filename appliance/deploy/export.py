@@ -1,0 +1,173 @@
+"""`appliance export`: a trained model -> ONNX, checked and proven equal to PyTorch on samples."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from appliance.errors import DataError
+
+DEFAULT_MAX_REL_ERROR = 1e-5
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export", help="export a trained model to ONNX with a PyTorch/onnxruntime parity check",
+        description="Export RUN_DIR (holding model/) or a trained-model/checkpoint directory to "
+        "DIR/model.onnx, with preprocessing and class names in its metadata, and check it "
+        "against PyTorch on samples (parity.json).")
+    p.add_argument("model", metavar="RUN_DIR|CHECKPOINT")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--opset", type=int, default=17)
+    p.add_argument("--batch", default="dynamic", metavar="dynamic|N",
+                   help="batch axis: dynamic (default) or a fixed size")
+    p.add_argument("--samples", nargs="+", metavar="FILE",
+                   help="validation TFRecord files (or a .npz of tensors) for the parity check; "
+                   "default: 16 seeded random images")
+    p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--max-rel-error", type=float, default=DEFAULT_MAX_REL_ERROR,
+                   help="fail when max|torch-onnx| / max|torch| exceeds this (default 1e-5)")
+    p.set_defaults(func=run)
+
+
+def find_model_dir(path) -> Path:
+    """RUN_DIR -> RUN_DIR/model; a trained-model or checkpoint directory -> itself."""
+    from appliance.train.models import CARD_NAME
+
+    path = Path(path)
+    for candidate in (path, path / "model"):
+        if (candidate / CARD_NAME).is_file():
+            return candidate
+    raise DataError(f"{path}: not a run directory or trained-model directory (no {CARD_NAME} "
+                    f"in it or in {path / 'model'})")
+
+
+def run(args) -> int:
+    batch = parse_batch(args.batch)
+    report = export_model(args.model, args.out, opset=args.opset, batch=batch, sample_files=args.samples,
+                          num_samples=args.num_samples, max_rel_error=args.max_rel_error)
+    parity = report["parity"]
+    print(f"wrote {Path(args.out) / 'model.onnx'}: parity on {parity['samples']} {parity['source']} samples: "
+          f"max abs {parity['max_abs_error']:.3g}, max rel {parity['max_rel_error']:.3g} "
+          f"(limit {args.max_rel_error:g}), top-1 agreement {parity['top1_agreement']:.4f}")
+    return 0
+
+
+def parse_batch(text: str):
+    if text == "dynamic":
+        return None
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise DataError(f"--batch: expected 'dynamic' or a positive integer, got {text!r}")
+
+
+def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None, num_samples=64,
+                 max_rel_error=DEFAULT_MAX_REL_ERROR) -> dict:
+    import onnx
+    import torch
+
+    from appliance.deploy.lineage import lineage_from
+    from appliance.deploy.onnx_model import load_onnx, ort_session, run_ort
+    from appliance.deploy.preprocessing import preprocessing_of
+    from appliance.deploy.samples import load_samples
+    from appliance.manifest import atomic_write_text, write_manifest
+    from appliance.train.models import CARD_NAME, WEIGHTS_NAME, load_trained_model
+
+    model_dir = find_model_dir(model_path)
+    model, card = load_trained_model(model_dir)
+    preprocessing = preprocessing_of(card)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    samples = (load_samples(sample_files, preprocessing, limit=num_samples) if sample_files
+               else synthetic_samples(preprocessing, card.in_channels, 16))
+    c, s = card.in_channels, card.image_size
+    if samples.x.shape[1:] != (c, s, s):
+        raise DataError(f"{samples.files[0] if samples.files else 'samples'}: samples have shape "
+                        f"{tuple(samples.x.shape[1:])}, the model card says ({c}, {s}, {s})")
+
+    onnx_path, tmp = out_dir / "model.onnx", out_dir / ".model.onnx.tmp"
+    example = torch.from_numpy(samples.x[: batch or 1])
+    if len(example) < (batch or 1):
+        example = torch.zeros((batch, c, s, s))
+    dynamic = None if batch else {"input": {0: "batch"}, "logits": {0: "batch"}}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        # The TorchScript exporter: the dynamo one needs onnxscript, which the appliance does not ship.
+        torch.onnx.export(model, (example,), str(tmp), dynamo=False, input_names=["input"],
+                          output_names=["logits"], dynamic_axes=dynamic, opset_version=opset)
+    proto = onnx.load(str(tmp))
+    proto = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+    proto.producer_name, proto.producer_version = "appliance export", _version()
+    proto.doc_string = f"{card.architecture} exported from {model_dir.resolve()} by appliance export"
+    for key, value in (("appliance.preprocessing", preprocessing),
+                       ("appliance.class_names", list(card.class_names)),
+                       ("appliance.model_card", json.loads(card.to_json()))):
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, json.dumps(value)
+    onnx.save(proto, str(tmp))
+    load_onnx(tmp)  # checker + our input rules, before it replaces a previous good export
+    tmp.replace(onnx_path)
+
+    with torch.no_grad():
+        expected = torch.cat([model(torch.from_numpy(samples.x[i:i + 64])) for i in range(0, len(samples.x), 64)]).numpy()
+    got = run_ort(ort_session(onnx_path), samples.x, batch=batch)
+    parity = parity_report(expected, got, samples.source, max_rel_error)
+    report = {"made_by": "appliance export", "model_dir": str(model_dir.resolve()), "opset": opset,
+              "batch": batch or "dynamic", "preprocessing": preprocessing,
+              "class_names": list(card.class_names), "parity": parity}
+    atomic_write_text(out_dir / "parity.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out_dir / "parity.html", parity_html(report, np.abs(expected - got).max(1)))
+    atomic_write_text(out_dir / CARD_NAME, card.to_json())
+    write_manifest(out_dir, "export", [model_dir / WEIGHTS_NAME, model_dir / CARD_NAME, *samples.files],
+                   {"opset": opset, "batch": batch or "dynamic", "max_rel_error": max_rel_error,
+                    "preprocessing": preprocessing, "class_names": list(card.class_names),
+                    "lineage": lineage_from(model_dir, model_dir.parent)})
+    if not parity["passed"]:
+        raise DataError(f"{onnx_path}: ONNX differs from PyTorch: max relative error "
+                        f"{parity['max_rel_error']:.3g} > {max_rel_error:g} (see {out_dir / 'parity.json'}; "
+                        "--max-rel-error to accept)")
+    return report
+
+
+def parity_report(expected, got, source: str, max_rel_error: float) -> dict:
+    diff = np.abs(expected.astype(np.float64) - got.astype(np.float64))
+    scale = max(float(np.abs(expected).max()), 1e-12)
+    max_rel = float(diff.max() / scale)
+    return {"samples": int(len(expected)), "source": source, "max_abs_error": float(diff.max()),
+            "max_rel_error": max_rel, "relative_to": "max |pytorch logit|",
+            "top1_agreement": float((expected.argmax(1) == got.argmax(1)).mean()),
+            "max_rel_error_allowed": max_rel_error, "passed": bool(max_rel <= max_rel_error)}
+
+
+def parity_html(report: dict, per_sample) -> str:
+    from appliance.deploy.html_report import columns_svg, page
+
+    p = report["parity"]
+    body = (f"<p>{p['samples']} {p['source']} samples through PyTorch and onnxruntime: max abs error "
+            f"{p['max_abs_error']:.3g}, max relative error {p['max_rel_error']:.3g} (allowed "
+            f"{p['max_rel_error_allowed']:g}, relative to the largest PyTorch logit), top-1 agreement "
+            f"{p['top1_agreement'] * 100:.2f}%.</p>"
+            + columns_svg("max |pytorch - onnxruntime| logit per sample", [float(v) for v in per_sample]))
+    return page("ONNX export parity", "appliance export", "parity.json", p["passed"], body)
+
+
+def synthetic_samples(preprocessing: dict, channels: int, count: int):
+    """Seeded random images through the shared preprocessing, for when no data was given."""
+    from appliance.deploy.preprocessing import preprocess_image
+    from appliance.deploy.samples import Samples
+
+    rng = np.random.default_rng(0)
+    size = preprocessing["image_size"]
+    shape = (size, size, 3) if preprocessing["channel_order"] == "RGB" else (size, size)
+    x = np.stack([preprocess_image(rng.integers(0, 256, shape, dtype=np.uint8), preprocessing)
+                  for _ in range(count)])
+    return Samples(x, None, [], "synthetic")
+
+
+def _version() -> str:
+    from appliance import __version__
+    return __version__

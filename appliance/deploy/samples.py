@@ -1,0 +1,94 @@
+"""Labelled samples for parity, calibration, evaluation and edge verification.
+
+Two sources: TFRecord files of image examples (image/encoded + image/class/label, read with
+data_tools and preprocessed by the one shared function), or an .npz/.npy of already
+preprocessed tensors (`x`: float32 N,C,H,W and optional `y`: labels) for sites that prepare
+their own. Either way the result is checked against the model's input shape here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from appliance.deploy.preprocessing import preprocess_image
+from appliance.errors import DataError
+
+IMAGE_KEY, LABEL_KEY = "image/encoded", "image/class/label"
+
+
+@dataclass
+class Samples:
+    x: np.ndarray            # float32 (N, C, H, W), preprocessed
+    y: np.ndarray | None     # int64 (N,) labels, or None when the source has none
+    files: list[Path]        # the files they came from (manifest inputs)
+    source: str              # "tfrecord" or "tensors"
+
+
+def load_samples(paths, preprocessing: dict, limit: int | None = None) -> Samples:
+    """Read up to `limit` samples from TFRecord files or one .npz/.npy tensor file."""
+    files = [Path(p) for p in paths]
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"{f}: no such file")
+    if len(files) == 1 and files[0].suffix in (".npz", ".npy"):
+        return _load_tensors(files[0], limit)
+    return _load_tfrecords(files, preprocessing, limit)
+
+
+def _load_tensors(path: Path, limit: int | None) -> Samples:
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as err:
+        raise DataError(f"{path}: not a readable .npy/.npz ({err})") from None
+    if isinstance(data, np.ndarray):
+        x, y = data, None
+    else:
+        if "x" not in data:
+            raise DataError(f"{path}: .npz needs an array named 'x' (N,C,H,W float32); found {list(data.keys())}")
+        x, y = data["x"], (data["y"] if "y" in data else None)
+    if x.ndim != 4:
+        raise DataError(f"{path}: tensors must be (N, C, H, W), got shape {tuple(x.shape)}")
+    if y is not None and len(y) != len(x):
+        raise DataError(f"{path}: {len(x)} tensors but {len(y)} labels")
+    if limit:
+        x, y = x[:limit], (y[:limit] if y is not None else None)
+    return Samples(np.ascontiguousarray(x, dtype=np.float32),
+                   None if y is None else np.asarray(y, dtype=np.int64), [path], "tensors")
+
+
+def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -> Samples:
+    from data_tools.example import decode_example
+    from data_tools.tfrecord import read_records
+
+    xs, ys = [], []
+    for f in files:
+        for number, record in enumerate(read_records(f, strict=True)):
+            if limit and len(xs) >= limit:
+                break
+            try:
+                features = decode_example(bytes(record), keys=[IMAGE_KEY, LABEL_KEY])
+            except Exception as err:
+                raise DataError(f"{f}: record {number}: not a tf.train.Example ({err})") from None
+            if IMAGE_KEY not in features or LABEL_KEY not in features:
+                raise DataError(f"{f}: record {number}: needs {IMAGE_KEY} and {LABEL_KEY}; "
+                                f"found {sorted(features)}")
+            try:
+                xs.append(preprocess_image(features[IMAGE_KEY][0], preprocessing))
+            except Exception as err:
+                raise DataError(f"{f}: record {number}: {IMAGE_KEY} is not a decodable image ({err})") from None
+            ys.append(int(features[LABEL_KEY][0]))
+    if not xs:
+        raise DataError(f"{files[0]}: no image examples found")
+    return Samples(np.stack(xs), np.asarray(ys, dtype=np.int64), files, "tfrecord")
+
+
+def check_input_shape(samples: Samples, expected: list, input_name: str, model_path) -> None:
+    """One line naming the file when the tensors cannot feed the model's input (batch axis free)."""
+    got = tuple(samples.x.shape[1:])
+    want = tuple(expected[1:])
+    if len(got) != len(want) or any(isinstance(w, int) and w > 0 and w != g for g, w in zip(got, want)):
+        raise DataError(f"{samples.files[0]}: samples have shape (N, {', '.join(map(str, got))}) but "
+                        f"{model_path} input {input_name!r} expects (batch, {', '.join(map(str, want))})")

@@ -1,0 +1,166 @@
+"""appliance package and appliance edge verify: the tar, its runners, and agreement under qemu."""
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import run_appliance
+from appliance.deploy import preprocessing as host_preprocessing
+
+
+@pytest.fixture(scope="module")
+def unpacked(tmp_path_factory, edge_package):
+    root = tmp_path_factory.mktemp("unpacked")
+    with tarfile.open(edge_package) as tar:
+        tar.extractall(root, filter="data")
+    return root / "edge-package"
+
+
+def test_package_contents_checksums_and_lineage(unpacked):
+    names = {str(p.relative_to(unpacked)) for p in unpacked.rglob("*") if p.is_file()}
+    assert {"model.so", "model.json", "bin/run", "lib/libtvm_runtime.so", "lib/libtvm_ffi.so", "python/run.py",
+            "python/preprocessing.py", "install.sh", "reference/model.onnx", "SHA256SUMS",
+            "manifest.json"} <= names
+    assert any(n.startswith("wheels/apache_tvm-") and n.endswith("aarch64.whl") for n in names)
+    # The device preprocesses with the host's own file, byte for byte.
+    assert (unpacked / "python/preprocessing.py").read_bytes() == open(host_preprocessing.__file__, "rb").read()
+    for tool_check in (["readelf", "-h", str(unpacked / "bin/run")],):
+        assert "AArch64" in subprocess.run(tool_check, capture_output=True, text=True, check=True).stdout
+    needed = subprocess.run(["readelf", "-d", str(unpacked / "bin/run")], capture_output=True, text=True).stdout
+    assert "libtvm_runtime.so" in needed and "$ORIGIN/../lib" in needed
+    # sha256sum -c is what install.sh runs on the device.
+    assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=unpacked).returncode == 0
+
+    info = json.loads((unpacked / "model.json").read_text())
+    assert info["input"] == {"name": "input", "shape": [1, 3, 16, 16], "dtype": "float32"}
+    assert info["class_names"][3] == "south-east" and info["preprocessing"]["image_size"] == 16
+    manifest = json.loads((unpacked / "manifest.json").read_text())
+    assert [s["stage"] for s in manifest["params"]["lineage"]] == ["export", "compile"]
+    assert any(i["path"].endswith("val.tfrecord") for i in manifest["params"]["lineage"][0]["inputs"])
+
+
+def test_native_runner_runs_under_qemu(unpacked, val_npz, tmp_path):
+    x = np.load(val_npz)["x"][:3]
+    np.save(tmp_path / "x.npy", x)
+    proc = subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", str(unpacked / "bin/run"),
+                           "--input", str(tmp_path / "x.npy"), "--top-k", "2"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["sample"] for line in lines] == [0, 1, 2] and all(len(line["top_k"]) == 2 for line in lines)
+
+
+def test_edge_verify_agrees_on_every_sample(edge_package, val_tfrecord, tmp_path):
+    proc = run_appliance("edge", "verify", str(edge_package), "--samples", str(val_tfrecord), "--num-samples", "24",
+                         "--out", str(tmp_path / "verify"))
+    assert proc.returncode == 0, proc.stderr
+    assert "native runner (qemu-aarch64): 24 samples: top-1 agreement 1.0000" in proc.stdout
+    assert proc.stdout.rstrip().endswith("PASS")
+    report = json.loads((tmp_path / "verify" / "verify.json").read_text())
+    [native] = report["routes"]
+    page = (tmp_path / "verify" / "verify.html").read_text()
+    assert "<svg" in page and "PASS" in page and "<script" not in page
+    assert report["passed"] and native["disagreeing_samples"] == [] and native["max_logit_diff"] <= 1e-4
+
+
+@pytest.fixture(scope="session")
+def sysroot_debs(tmp_path_factory):
+    """The arm64 python3.11 .debs: the bundle's copy when present, else fetched (a connected step)."""
+    from appliance.deploy.edge_sysroot import default_debs_dir
+
+    if (default_debs_dir() / "manifest.json").is_file():
+        return default_debs_dir()
+    out = tmp_path_factory.mktemp("sysroot-debs")
+    proc = run_appliance("edge", "sysroot", "--out", str(out))
+    assert proc.returncode == 0, f"fetching arm64 .debs needs the Debian mirror: {proc.stderr}"
+    return out
+
+
+def test_edge_verify_python_route_under_qemu(edge_package, val_tfrecord, sysroot_debs, tmp_path):
+    proc = run_appliance("edge", "verify", str(edge_package), "--samples", str(val_tfrecord), "--num-samples", "8",
+                         "--python", "--sysroot-debs", str(sysroot_debs), "--out", str(tmp_path / "v"), offline=True)
+    assert proc.returncode == 0, proc.stderr
+    native, python = json.loads((tmp_path / "v" / "verify.json").read_text())["routes"]
+    assert python["runner"].startswith("Python runner (arm64 python3.11")
+    assert python["top1_agreement"] == 1.0 and python["max_logit_diff"] <= 1e-4
+    assert len(proc.stdout.strip().splitlines()) == 2
+
+
+def test_tampered_package_is_one_line(edge_package, tmp_path):
+    tampered = tmp_path / "tampered.tar"
+    with tarfile.open(edge_package) as src, tarfile.open(tampered, "w") as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member).read() if member.isfile() else None
+            if member.name == "edge-package/model.json":
+                data = data.replace(b"south-east", b"south-EAST")
+                member.size = len(data)
+            dst.addfile(member, io.BytesIO(data) if data is not None else None)
+    proc = run_appliance("edge", "verify", str(tampered))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"appliance edge: error: {tampered}: model.json: sha256 does not match SHA256SUMS "
+                     "(modified after packaging)"]
+
+
+def test_package_without_the_aarch64_wheelhouse_is_one_line(tmp_path, compiled_arm, exported):
+    proc = run_appliance("package", str(compiled_arm), "--out", str(tmp_path / "p.tar"),
+                         "--wheelhouse", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "no aarch64 apache-tvm/apache-tvm-ffi wheels" in proc.stderr and "--edge-wheels" in proc.stderr
+    assert not (tmp_path / "p.tar").exists()
+
+
+def test_python_runner_decodes_an_image_like_the_host(unpacked, exported, card, tmp_path):
+    """run.py decoding a PNG, with the runtime-only TVM on a host build of the same model (the
+    aarch64 route is test_edge_verify_python_route_under_qemu, which feeds tensors)."""
+    from appliance.deploy.compile import compile_model
+    from appliance.deploy.onnx_model import ort_session, run_ort
+    from appliance.deploy.preprocessing import preprocess_image, preprocessing_of
+
+    compile_model(exported / "model.onnx", "x86_64", tmp_path / "x86")
+    img = np.random.default_rng(5).integers(0, 256, (20, 20, 3), dtype=np.uint8)
+    Image.fromarray(img).save(tmp_path / "img.png")
+    proc = subprocess.run([sys.executable, str(unpacked / "python/run.py"), "--input", str(tmp_path / "img.png"),
+                           "--top-k", "4", "--model", str(tmp_path / "x86" / "model.so")],
+                          capture_output=True, text=True, env={**os.environ, "TVM_USE_RUNTIME_LIB": "1"})
+    assert proc.returncode == 0, proc.stderr
+    top = json.loads(proc.stdout)["top_k"]
+    expected = run_ort(ort_session(exported / "model.onnx"), preprocess_image(img, preprocessing_of(card))[None])[0]
+    assert [t["class"] for t in top] == list(np.argsort(-expected, kind="stable"))
+    assert top[0]["name"] == card.class_names[top[0]["class"]]
+    assert abs(top[0]["logit"] - float(expected.max())) < 1e-4
+
+
+def test_int8_model_through_compile_package_and_verify(tmp_path, exported, calib_tfrecord, val_tfrecord):
+    """The usual edge route: S8S8 QDQ model -> aarch64 library -> package -> agrees with host onnxruntime."""
+    from appliance.deploy.compile import compile_model
+    from appliance.deploy.package import build_package
+    from appliance.deploy.quantize import quantize_model
+    from appliance.deploy.edge_verify import verify_package
+
+    quantize_model(exported / "model.onnx", [calib_tfrecord], tmp_path / "int8", val_files=[val_tfrecord])
+    compile_model(tmp_path / "int8" / "model.int8.onnx", "aarch64", tmp_path / "arm")
+    build_package(tmp_path / "arm", tmp_path / "int8.tar")
+    report = verify_package(tmp_path / "int8.tar", sample_files=[val_tfrecord], num_samples=16)
+    assert report["passed"] and report["routes"][0]["top1_agreement"] == 1.0
+    with tarfile.open(tmp_path / "int8.tar") as tar:
+        manifest = json.load(tar.extractfile("edge-package/manifest.json"))
+    assert [s["stage"] for s in manifest["params"]["lineage"]] == ["export", "quantize", "compile"]
+    assert any(i["path"] == str(calib_tfrecord) for i in manifest["params"]["lineage"][1]["inputs"])
+
+
+def test_sysroot_fetch_offline_and_missing_debs_are_one_line(tmp_path, edge_package):
+    proc = run_appliance("edge", "sysroot", "--out", str(tmp_path / "debs"), offline=True)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "no package lists downloaded" in proc.stderr and "needs a connected host" in proc.stderr
+    assert not (tmp_path / "debs" / "manifest.json").exists()
+    proc = run_appliance("edge", "verify", str(edge_package), "--python", "--sysroot-debs", str(tmp_path / "none"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert f"{tmp_path / 'none'}: no arm64 sysroot .debs (run `appliance edge sysroot" in proc.stderr
