@@ -7,6 +7,8 @@
 #   installer/bootstrap.sh --edge-wheels  also download the hash-checked aarch64 wheels of
 #                                      manifests/edge-aarch64.lock into wheelhouse/edge-aarch64
 #                                      (what edge packages carry; needs a connected host)
+#   installer/bootstrap.sh --edge-sysroot  also fetch the arm64 Debian .debs of python3.11 into
+#                                      wheelhouse/edge-sysroot-arm64 (`edge verify --python`)
 #   installer/bootstrap.sh --system    also apt-get install the Debian tools the tests need
 #                                      (aarch64 cross compiler, qemu-user, chromium, minisign), when missing
 #
@@ -19,12 +21,14 @@ PYTHON=${PYTHON:-python3.11}
 want_interop=0
 want_system=0
 want_edge=0
+want_sysroot=0
 for arg in "$@"; do
   case "$arg" in
     --interop) want_interop=1 ;;
     --system) want_system=1 ;;
     --edge-wheels) want_edge=1 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --edge-sysroot) want_sysroot=1 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "bootstrap: unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -102,4 +106,11 @@ fetch_wheels() {
 [ "$want_edge" -eq 1 ] && fetch_wheels edge-aarch64 manylinux_2_28_aarch64
 make_venv .venv manifests/dev.lock
 [ "$want_interop" -eq 1 ] && make_venv .venv-interop manifests/interop.lock
+if [ "$want_sysroot" -eq 1 ]; then
+  if [ -f wheelhouse/edge-sysroot-arm64/manifest.json ]; then
+    echo "bootstrap: wheelhouse/edge-sysroot-arm64 is present"
+  else
+    .venv/bin/appliance edge sysroot --out wheelhouse/edge-sysroot-arm64
+  fi
+fi
 echo "bootstrap: done (.venv/bin/appliance is ready)"
