@@ -125,7 +125,7 @@ def run_counting_samples(cmd: list[str], total: int, desc: str, env=None) -> tup
 
 
 def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: float, package,
-                      min_agreement: float, max_logit_diff: float) -> dict:
+                      min_agreement: float, max_logit_diff: float, labels: np.ndarray | None = None) -> dict:
     if edge.shape != host.shape:
         raise DataError(f"{package}: {runner} returned logits {edge.shape}, host {host.shape}")
     diff = float(np.abs(edge.astype(np.float64) - host).max())
@@ -135,7 +135,10 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
             "allowed_logit_diff": allowed,
             "disagreeing_samples": [int(i) for i in np.flatnonzero(edge.argmax(1) != host.argmax(1))],
             "max_logit_diff_per_sample": [float(v) for v in np.abs(edge.astype(np.float64) - host).max(1)],
-            "passed": bool(agreement >= min_agreement and diff <= allowed)}
+            "passed": bool(agreement >= min_agreement and diff <= allowed),
+            # With labelled samples, the accuracy on ARM beside the host's on the same samples.
+            **({"top1": float((edge.argmax(1) == labels).mean()), "host_top1": float((host.argmax(1) == labels).mean())}
+               if labels is not None else {})}
 
 
 def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=1.0,
@@ -161,7 +164,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         host = run_ort(ort_session(root / "reference" / "model.onnx", optimize=False), samples.x)
         edge, seconds = run_native(root, samples.x, sysroot)
         routes = [compare_with_host("native runner (qemu-aarch64)", edge, host, seconds, package,
-                                    min_agreement, max_logit_diff)]
+                                    min_agreement, max_logit_diff, samples.y)]
         if python:
             debs = Path(sysroot_debs) if sysroot_debs else default_debs_dir()
             py_sysroot, site = build_python_sysroot(debs, root, Path(tmp) / "python-sysroot")
@@ -170,7 +173,8 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
                               len(samples.x))
             routes.append(compare_with_host("Python runner (arm64 python3.11 under qemu-aarch64)",
                                             np.load(root / "verify-python.npy"), host,
-                                            time.perf_counter() - start, package, min_agreement, max_logit_diff))
+                                            time.perf_counter() - start, package, min_agreement, max_logit_diff,
+                                            samples.y))
     report = {"made_by": "appliance edge verify", "package": str(package.resolve()), "samples": int(len(host)),
               "sample_source": samples.source, "min_agreement": min_agreement, "routes": routes,
               "passed": all(r["passed"] for r in routes)}
