@@ -10,8 +10,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
-
 from appliance.errors import DataError, EnvironmentProblem
 
 CROSS_COMPILER = "aarch64-linux-gnu-g++"
@@ -117,6 +115,8 @@ def import_relax(model, path, shape: list):
 
 def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
                   batch: int = 1) -> dict:
+    import numpy as np
+
     import time
 
     import tvm
@@ -174,6 +174,8 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
 
 def check_against_ort(library, model_path, shape, sample_files, meta, tolerance, input_name="input") -> dict:
     """Run the host library through the Relax VM and onnxruntime on the same tensors."""
+    import numpy as np
+
     import tvm
     from tvm import relax
 
@@ -196,6 +198,8 @@ def check_against_ort(library, model_path, shape, sample_files, meta, tolerance,
 
 
 def _dim(d, meta, path, inp):
+    import numpy as np
+
     if isinstance(d, int) and d > 0:
         return d
     size = meta.get("preprocessing", {}).get("image_size")

@@ -12,8 +12,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from appliance.errors import DataError, EnvironmentProblem
 
 DEFAULT_SYSROOT = "/usr/aarch64-linux-gnu"
@@ -90,6 +88,8 @@ def unpack_checked(package: Path, into: Path) -> Path:
 
 def run_native(root: Path, x: np.ndarray, sysroot: str) -> tuple[np.ndarray, float]:
     """Logits from bin/run under qemu-aarch64 for the whole batch in one process."""
+    import numpy as np
+
     qemu = shutil.which("qemu-aarch64")
     if qemu is None:
         raise EnvironmentProblem("qemu-aarch64: not found on PATH (install Debian's qemu-user, "
@@ -126,6 +126,8 @@ def run_counting_samples(cmd: list[str], total: int, desc: str, env=None) -> tup
 
 def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: float, package,
                       min_agreement: float, max_logit_diff: float, labels: np.ndarray | None = None) -> dict:
+    import numpy as np
+
     if edge.shape != host.shape:
         raise DataError(f"{package}: {runner} returned logits {edge.shape}, host {host.shape}")
     diff = float(np.abs(edge.astype(np.float64) - host).max())
@@ -144,6 +146,8 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
 def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=1.0,
                    max_logit_diff=None, sysroot=DEFAULT_SYSROOT, out_dir=None,
                    python=False, sysroot_debs=None) -> dict:
+    import numpy as np
+
     from appliance.deploy.edge_sysroot import build_python_sysroot, default_debs_dir, run_python_runner
     from appliance.deploy.export import synthetic_samples
     from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort

@@ -6,8 +6,6 @@ import json
 import warnings
 from pathlib import Path
 
-import numpy as np
-
 from appliance.errors import DataError
 
 DEFAULT_MAX_REL_ERROR = 1e-5
@@ -66,6 +64,8 @@ def parse_batch(text: str):
 
 def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None, num_samples=64,
                  max_rel_error=DEFAULT_MAX_REL_ERROR) -> dict:
+    import numpy as np
+
     import onnx
     import torch
 
@@ -134,6 +134,8 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
 
 
 def parity_report(expected, got, source: str, max_rel_error: float) -> dict:
+    import numpy as np
+
     diff = np.abs(expected.astype(np.float64) - got.astype(np.float64))
     scale = max(float(np.abs(expected).max()), 1e-12)
     max_rel = float(diff.max() / scale)
@@ -157,6 +159,8 @@ def parity_html(report: dict, per_sample) -> str:
 
 def synthetic_samples(preprocessing: dict, channels: int, count: int):
     """Seeded random images through the shared preprocessing, for when no data was given."""
+    import numpy as np
+
     from appliance.deploy.preprocessing import preprocess_image
     from appliance.deploy.samples import Samples
 
