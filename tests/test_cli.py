@@ -38,3 +38,14 @@ def test_appliance_error_is_one_line_without_traceback(capsys, monkeypatch):
     assert err == "appliance doctor: error: data/x.tfrecord: offset 16: bad length crc\n"
     assert cli.main(["doctor", "--debug"]) == 2
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_help_imports_no_heavy_dependency():
+    # `appliance --help` must work in a minimal install (the bundle self-test) and stay fast:
+    # verb modules import numpy, torch, onnx and tvm inside the functions that use them.
+    code = ("import sys; from appliance.cli import build_parser; build_parser().format_help(); "
+            "heavy = sorted(m for m in ('numpy', 'torch', 'onnx', 'onnxruntime', 'tvm', 'PIL') if m in sys.modules); "
+            "print(','.join(heavy))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ""
