@@ -69,7 +69,7 @@ def join_optimizer_state(tensors: dict, rest: dict) -> dict:
     for name, value in tensors.items():
         index, key = name.split(".", 1)
         state.setdefault(int(index), {})[key] = value
-    return {"state": state, "param_groups": rest["param_groups"]}
+    return {"state": dict(sorted(state.items())), "param_groups": rest["param_groups"]}
 
 
 # --- small file helpers --------------------------------------------------------------------
