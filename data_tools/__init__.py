@@ -1,0 +1,1 @@
+"""Data tools: TFRecord reading/writing, indexes, datasets, checks."""

@@ -1,0 +1,345 @@
+"""tf.train.Example and SequenceExample encoding and decoding, without TensorFlow or protoc.
+
+The message classes are built at import from a FileDescriptorProto that mirrors
+tensorflow/core/example/{feature,example}.proto field for field, so the bytes on the wire are
+TensorFlow's. They live in a private descriptor pool under a private package name, so they
+never clash with TensorFlow's own classes if both are imported.
+
+Decoded values: bytes_list -> list[bytes], float_list -> np.float32 array,
+int64_list -> np.int64 array (a feature with no list set decodes as an empty list).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from appliance.errors import DataError
+
+_PACKAGE = "appliance_tfexample"
+
+
+def _build_classes() -> dict[str, type]:
+    F = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(name="appliance_tfexample.proto", package=_PACKAGE, syntax="proto3")
+
+    def message(name, *fields, nested=()):
+        msg = file.message_type.add(name=name)
+        for field in fields:
+            msg.field.add().CopyFrom(field)
+        for sub in nested:
+            msg.nested_type.add().CopyFrom(sub)
+        return msg
+
+    def field(name, number, type_, label=F.LABEL_OPTIONAL, type_name=None, oneof=None):
+        f = F(name=name, number=number, type=type_, label=label, json_name=name)
+        if type_name:
+            f.type_name = f".{_PACKAGE}.{type_name}"
+        if oneof is not None:
+            f.oneof_index = oneof
+        return f
+
+    def map_entry(entry_name, value_type):
+        entry = descriptor_pb2.DescriptorProto(name=entry_name)
+        entry.field.add().CopyFrom(field("key", 1, F.TYPE_STRING))
+        entry.field.add().CopyFrom(field("value", 2, F.TYPE_MESSAGE, type_name=value_type))
+        entry.options.map_entry = True
+        return entry
+
+    rep = F.LABEL_REPEATED
+    message("BytesList", field("value", 1, F.TYPE_BYTES, rep))
+    message("FloatList", field("value", 1, F.TYPE_FLOAT, rep))  # proto3: packed by default
+    message("Int64List", field("value", 1, F.TYPE_INT64, rep))
+    feature = message(
+        "Feature",
+        field("bytes_list", 1, F.TYPE_MESSAGE, type_name="BytesList", oneof=0),
+        field("float_list", 2, F.TYPE_MESSAGE, type_name="FloatList", oneof=0),
+        field("int64_list", 3, F.TYPE_MESSAGE, type_name="Int64List", oneof=0),
+    )
+    feature.oneof_decl.add(name="kind")
+    message("Features", field("feature", 1, F.TYPE_MESSAGE, rep, "Features.FeatureEntry"),
+            nested=[map_entry("FeatureEntry", "Feature")])
+    message("FeatureList", field("feature", 1, F.TYPE_MESSAGE, rep, "Feature"))
+    message("FeatureLists", field("feature_list", 1, F.TYPE_MESSAGE, rep, "FeatureLists.FeatureListEntry"),
+            nested=[map_entry("FeatureListEntry", "FeatureList")])
+    message("Example", field("features", 1, F.TYPE_MESSAGE, type_name="Features"))
+    message("SequenceExample", field("context", 1, F.TYPE_MESSAGE, type_name="Features"),
+            field("feature_lists", 2, F.TYPE_MESSAGE, type_name="FeatureLists"))
+
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    names = ("Feature", "Features", "FeatureList", "Example", "SequenceExample")
+    return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_PACKAGE}.{n}")) for n in names}
+
+
+_CLASSES = _build_classes()
+Example = _CLASSES["Example"]
+SequenceExample = _CLASSES["SequenceExample"]
+Feature = _CLASSES["Feature"]
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _fill_feature(feature, key: str, value: Any) -> None:
+    """Set one Feature from a Python/numpy value, inferring bytes, int64 or float."""
+    if isinstance(value, (bytes, str, int, float, np.generic)):
+        value = [value]
+    if isinstance(value, np.ndarray):
+        kind = value.dtype.kind
+        flat = value.reshape(-1)
+        if kind in "iub":
+            feature.int64_list.value.extend(flat.astype(np.int64).tolist())
+        elif kind == "f":
+            feature.float_list.value.extend(flat.astype(np.float32).tolist())
+        elif kind in "SO":
+            feature.bytes_list.value.extend(_as_bytes(key, v) for v in flat.tolist())
+        elif kind == "U":
+            feature.bytes_list.value.extend(v.encode() for v in flat.tolist())
+        else:
+            raise ValueError(f"feature {key!r}: cannot store numpy dtype {value.dtype}")
+        if flat.size == 0 and kind in "iub":
+            feature.int64_list.SetInParent()
+        elif flat.size == 0 and kind == "f":
+            feature.float_list.SetInParent()
+        elif flat.size == 0:
+            feature.bytes_list.SetInParent()
+        return
+    values = list(value)
+    if not values:
+        raise ValueError(f"feature {key!r}: empty list has no type; pass np.array([], dtype=...)")
+    first = values[0]
+    if isinstance(first, (bytes, str)):
+        feature.bytes_list.value.extend(_as_bytes(key, v) for v in values)
+    elif isinstance(first, (bool, int, np.integer)):
+        feature.int64_list.value.extend(int(v) for v in values)
+    elif isinstance(first, (float, np.floating)):
+        feature.float_list.value.extend(float(v) for v in values)
+    else:
+        raise ValueError(f"feature {key!r}: cannot store {type(first).__name__} values")
+
+
+def _as_bytes(key: str, v) -> bytes:
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, str):
+        return v.encode()
+    raise ValueError(f"feature {key!r}: mixes bytes/str with {type(v).__name__}")
+
+
+def _fill_features(features_msg, features: Mapping[str, Any]) -> None:
+    for key, value in features.items():
+        _fill_feature(features_msg.feature[key], key, value)
+
+
+def encode_example(features: Mapping[str, Any]) -> bytes:
+    """Serialize a dict to tf.train.Example bytes. Values: bytes/str/int/float, lists or np arrays of them."""
+    example = Example()
+    _fill_features(example.features, features)
+    return example.SerializeToString()
+
+
+def encode_sequence_example(
+    context: Mapping[str, Any], feature_lists: Mapping[str, Iterable[Any]]
+) -> bytes:
+    """Serialize a tf.train.SequenceExample: context features plus, per key, a list of per-step values."""
+    seq = SequenceExample()
+    _fill_features(seq.context, context)
+    for key, steps in feature_lists.items():
+        flist = seq.feature_lists.feature_list[key]
+        flist.SetInParent()
+        for step in steps:
+            _fill_feature(flist.feature.add(), key, step)
+    return seq.SerializeToString()
+
+
+# --------------------------------------------------------------------------- decoding
+
+_FLOAT32 = np.float32
+_INT64 = np.int64
+
+
+def feature_value(feature):
+    """One Feature message as list[bytes] / np.float32 array / np.int64 array."""
+    kind = feature.WhichOneof("kind")
+    if kind == "bytes_list":
+        return list(feature.bytes_list.value)
+    if kind == "int64_list":
+        return np.array(feature.int64_list.value, dtype=_INT64)
+    if kind == "float_list":
+        return np.array(feature.float_list.value, dtype=_FLOAT32)
+    return []
+
+
+def _parse(cls, data: bytes):
+    msg = cls()
+    try:
+        msg.ParseFromString(data)
+    except Exception as err:  # protobuf's DecodeError types differ between implementations
+        raise DataError(f"record is not a valid tf.train.{cls.__name__}: {err}") from None
+    return msg
+
+
+def decode_example(data: bytes, keys: Iterable[str] | None = None) -> dict[str, Any]:
+    """Decode tf.train.Example bytes to {key: value}; keys limits the result, missing keys are absent."""
+    if keys is not None and not isinstance(keys, (set, frozenset, dict)):
+        keys = set(keys)
+    if type(data) is not bytes:
+        data = bytes(data)
+    try:
+        return _decode_example_fast(data, keys)
+    except (_Fallback, IndexError, UnicodeDecodeError, OverflowError):
+        pass
+    feature_map = _parse(Example, data).features.feature
+    if keys is None:
+        return {key: feature_value(feature_map[key]) for key in feature_map}
+    return {key: feature_value(f) for key, f in feature_map.items() if key in keys}
+
+
+def decode_sequence_example(data: bytes) -> tuple[dict[str, Any], dict[str, list]]:
+    """Decode SequenceExample bytes to (context dict, {key: [per-step value, ...]})."""
+    seq = _parse(SequenceExample, data)
+    context = {key: feature_value(f) for key, f in seq.context.feature.items()}
+    lists = {
+        key: [feature_value(f) for f in flist.feature]
+        for key, flist in seq.feature_lists.feature_list.items()
+    }
+    return context, lists
+
+
+# --------------------------------------------------------------------------- fast path
+
+_f32 = np.dtype("<f4")
+_i64 = np.dtype(np.int64)
+_frombuffer = np.frombuffer
+_array = np.array
+
+
+class _Fallback(Exception):
+    """The fast decoder met a layout it does not handle; the protobuf parser decides."""
+
+def _varint(data, i):
+    result = 0
+    shift = 0
+    while True:
+        b = data[i]
+        result |= (b & 0x7F) << shift
+        i += 1
+        if b < 0x80:
+            return result, i
+        shift += 7
+        if shift > 63:
+            raise _Fallback
+
+_keys: dict[bytes, str] = {}  # interned feature names: datasets repeat the same few
+
+def _decode_example_fast(data, keys):
+    """Example bytes in the canonical layout TensorFlow writes -> dict; raises _Fallback otherwise.
+
+    Pure Python over the wire format is faster than building protobuf objects and reading them
+    back; anything unusual (unknown fields, repeated or unpacked fields) goes to the full parser.
+    """
+    n = len(data)
+    if n == 0:
+        return {}
+    if data[0] != 0x0A:
+        raise _Fallback
+    ln = data[1]
+    if ln < 0x80: i = 2
+    else: ln, i = _varint(data, 1)
+    if i + ln != n:
+        raise _Fallback
+    out = {}
+    while i < n:
+        # map entry: 0x0a LEN { 0x0a LEN key, 0x12 LEN Feature }
+        if data[i] != 0x0A:
+            raise _Fallback
+        ln = data[i + 1]
+        if ln < 0x80: i += 2
+        else: ln, i = _varint(data, i + 1)
+        end = i + ln
+        if data[i] != 0x0A:
+            raise _Fallback
+        kl = data[i + 1]
+        if kl < 0x80: i += 2
+        else: kl, i = _varint(data, i + 1)
+        kb = data[i:i + kl]
+        key = _keys.get(kb)
+        if key is None:
+            key = kb.decode()
+            if len(_keys) < 4096: _keys[kb] = key
+        i += kl
+        if data[i] != 0x12:
+            raise _Fallback
+        vl = data[i + 1]
+        if vl < 0x80: i += 2
+        else: vl, i = _varint(data, i + 1)
+        if i + vl != end:
+            raise _Fallback
+        if keys is not None and key not in keys:
+            i = end
+            continue
+        if i == end:
+            out[key] = []
+            continue
+        tag = data[i]
+        ln = data[i + 1]
+        if ln < 0x80: j = i + 2
+        else: ln, j = _varint(data, i + 1)
+        if j + ln != end:
+            raise _Fallback
+        if tag == 0x0A:  # bytes_list
+            vals = []
+            while j < end:
+                if data[j] != 0x0A:
+                    raise _Fallback
+                ln = data[j + 1]
+                if ln < 0x80: j += 2
+                else: ln, j = _varint(data, j + 1)
+                vals.append(data[j:j + ln])
+                j += ln
+            if j != end:
+                raise _Fallback
+            out[key] = vals
+        elif tag == 0x12:  # float_list, packed
+            if j == end:
+                out[key] = np.zeros(0, np.float32)
+            else:
+                if data[j] != 0x0A:
+                    raise _Fallback
+                ln = data[j + 1]
+                if ln < 0x80: k = j + 2
+                else: ln, k = _varint(data, j + 1)
+                if k + ln != end or ln & 3:
+                    raise _Fallback
+                out[key] = _frombuffer(data, _f32, ln >> 2, k).copy()
+        elif tag == 0x1A:  # int64_list, packed
+            if j == end:
+                out[key] = np.zeros(0, _i64)
+            else:
+                if data[j] != 0x0A:
+                    raise _Fallback
+                ln = data[j + 1]
+                if ln < 0x80: k = j + 2
+                else: ln, k = _varint(data, j + 1)
+                if k + ln != end:
+                    raise _Fallback
+                if ln == 1 and data[k] < 0x80:
+                    out[key] = _array((data[k],), _i64)
+                else:
+                    vals = []
+                    while k < end:
+                        v = data[k]
+                        if v < 0x80: k += 1
+                        else: v, k = _varint(data, k)
+                        vals.append(v - 0x10000000000000000 if v >> 63 else v)
+                    if k != end:
+                        raise _Fallback
+                    out[key] = _array(vals, _i64)
+        else:
+            raise _Fallback
+        i = end
+    if i != n:
+        raise _Fallback
+    return out

@@ -1,0 +1,192 @@
+"""Record indexes: `<offset> <size>` per line (the DALI / `tfrecord` package format), and random access.
+
+`FILE.index` sits next to the data; when the data directory is read-only it goes to the cache
+directory ($APPLIANCE_CACHE_DIR, else ~/.cache/appliance/index). The index format has no room for
+a header (DALI would misread it), so `FILE.index.json` beside it says what made it and for which
+exact file (size, mtime), and a changed data file gets a fresh index. Only verified records are
+indexed, so record numbers match `read_records` on the same file, damaged ranges skipped.
+
+Random access needs a plain file: a GZIP/ZLIB stream can only be read from its start, so record n
+would cost decompressing everything before it. Convert once with `appliance data convert --decompress`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from appliance.errors import DataError
+from appliance.manifest import atomic_write_text
+from data_tools.tfrecord import (
+    FOOTER_BYTES,
+    FRAME_BYTES,
+    HEADER_BYTES,
+    TFRecordError,
+    detect_compression,
+    iter_records_with_offsets,
+    masked_crc,
+)
+
+INDEX_SUFFIX = ".index"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("APPLIANCE_CACHE_DIR")
+    return Path(env) / "index" if env else Path.home() / ".cache" / "appliance" / "index"
+
+
+def _source_stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _candidates(path: Path, cache_dir: Path | None) -> list[Path]:
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    return [path.with_name(path.name + INDEX_SUFFIX), cache / f"{digest}-{path.name}{INDEX_SUFFIX}"]
+
+
+def _meta_path(index_path: Path) -> Path:
+    return index_path.with_name(index_path.name + ".json")
+
+
+def _is_current(index_path: Path, stamp: dict) -> bool:
+    try:
+        meta = json.loads(_meta_path(index_path).read_text())
+    except (OSError, ValueError):
+        return False
+    return index_path.exists() and meta.get("source_size") == stamp["size"] and meta.get(
+        "source_mtime_ns"
+    ) == stamp["mtime_ns"]
+
+
+def find_index(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The current index of path (next to it or cached), or None when there is none or it is stale."""
+    path = Path(path)
+    stamp = _source_stamp(path)
+    for candidate in _candidates(path, cache_dir):
+        if _is_current(candidate, stamp):
+            return candidate
+    return None
+
+
+def build_index(
+    path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *, force: bool = False, on_damage=None
+) -> Path:
+    """Index path (reusing a current index unless force); returns where the index was written."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    if not force and (existing := find_index(path, cache_dir)):
+        return existing
+    compression = detect_compression(path)
+    if compression:
+        raise DataError(
+            f"{path}: {compression}-compressed; random access would decompress everything before each "
+            f"record. Run `appliance data convert --decompress {path} --out DIR` once for a plain, indexable copy"
+        )
+    stamp = _source_stamp(path)
+    damaged = []
+
+    def note(damage):
+        damaged.append({"start": damage.start, "end": damage.end, "reason": damage.reason})
+        if on_damage:
+            on_damage(damage)
+
+    lines = [f"{offset} {len(data) + FRAME_BYTES}\n" for _, offset, data in
+             iter_records_with_offsets(path, compression=None, on_damage=note)]
+    meta = {
+        "made_by": "appliance data index (data_tools.index.build_index); remake: appliance data index FILE",
+        "source": str(path.resolve()),
+        "source_size": stamp["size"],
+        "source_mtime_ns": stamp["mtime_ns"],
+        "records": len(lines),
+        "damaged_ranges": damaged,
+    }
+    for candidate in _candidates(path, cache_dir):
+        try:
+            candidate.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(candidate, "".join(lines))
+            atomic_write_text(_meta_path(candidate), json.dumps(meta, indent=1) + "\n")
+            return candidate
+        except OSError:
+            continue  # read-only data directory: fall through to the cache directory
+    raise DataError(f"{path}: cannot write an index next to it or in {_candidates(path, cache_dir)[1].parent}")
+
+
+def read_index_file(index_path: str | os.PathLike) -> np.ndarray:
+    """Parse an index file into an int64 array of shape (n, 2): (offset, size including framing)."""
+    text = Path(index_path).read_text()
+    if not text.strip():
+        return np.zeros((0, 2), dtype=np.int64)
+    try:
+        table = np.array(text.split(), dtype=np.int64).reshape(-1, 2)
+    except ValueError:
+        raise DataError(f"{index_path}: not an index file (expected '<offset> <size>' per line)") from None
+    return table
+
+
+def load_index(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> np.ndarray:
+    """The (n, 2) offset/size table of a TFRecord file, building and caching the index if needed."""
+    return read_index_file(build_index(path, cache_dir))
+
+
+class RecordFile:
+    """Verified random access to the records of one plain TFRecord file by record number.
+
+    Opens its memory map lazily, so it can be pickled into DataLoader worker processes.
+    """
+
+    def __init__(self, path: str | os.PathLike, index: np.ndarray | None = None, cache_dir=None):
+        self.path = str(path)
+        self.index = load_index(path, cache_dir) if index is None else index
+        self._file = None
+        self._map = None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getstate__(self):
+        return {"path": self.path, "index": self.index, "_file": None, "_map": None}
+
+    def _open(self):
+        self._file = open(self.path, "rb")
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def __getitem__(self, number: int) -> bytes:
+        """Record `number`, with both CRCs checked (a changed file raises TFRecordError)."""
+        if self._map is None:
+            self._open()
+        offset, size = (int(v) for v in self.index[number])
+        frame_end = offset + size
+        if frame_end > len(self._map) or size < FRAME_BYTES:
+            raise TFRecordError(self.path, offset, number, "index points past the end of the file (stale index?)")
+        head = self._map[offset:offset + HEADER_BYTES]
+        length, length_crc = struct.unpack("<QI", head)
+        data = self._map[offset + HEADER_BYTES:frame_end - FOOTER_BYTES]
+        if length != len(data) or masked_crc(head[:8]) != length_crc:
+            raise TFRecordError(self.path, offset, number, "no valid record header here (stale index?)")
+        if masked_crc(data) != struct.unpack("<I", self._map[frame_end - FOOTER_BYTES:frame_end])[0]:
+            raise TFRecordError(self.path, offset, number, "data CRC mismatch")
+        return data
+
+    def close(self):
+        if self._map is not None:
+            self._map.close()
+            self._file.close()
+            self._map = self._file = None
+
+
+def read_record(path: str | os.PathLike, number: int, cache_dir=None) -> bytes:
+    """One verified record by number (builds the index on first use)."""
+    records = RecordFile(path, cache_dir=cache_dir)
+    try:
+        return records[number]
+    finally:
+        records.close()
