@@ -6,6 +6,7 @@ same mean/std/size from the model card), so it lives in one function.
 
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
@@ -29,3 +30,44 @@ def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> t
         array = array[:, :, None]
     array = (array - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
     return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
+
+
+def _dataset(cfg, files):
+    from data_tools.dataset import TFRecordDataset
+
+    transform = functools.partial(decode_image, image_size=cfg.data.image_size, channels=cfg.data.channels,
+                                  mean=cfg.data.mean, std=cfg.data.std)
+    # "bytes": the image is decoded by decode_image above, the one preprocessing definition.
+    return TFRecordDataset(files, features={cfg.data.image_key: "bytes", cfg.data.label_key: "int"},
+                           image_key=cfg.data.image_key, label_key=cfg.data.label_key, transform=transform)
+
+
+def train_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):
+    """(DataLoader, ShardedSampler) for this rank's share of the training files.
+
+    The sampler trims each epoch to a multiple of the process count so every rank runs the same
+    number of steps (DDP needs that); which up-to-(processes - 1) samples are left out changes
+    with the epoch's shuffle.
+    """
+    from data_tools.dataset import ShardedSampler
+
+    dataset = _dataset(cfg, cfg.data.train)
+    sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=True,
+                             drop_last=True)
+    return _loader(cfg, dataset, sampler, generator, pin), sampler
+
+
+def val_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):
+    """Every validation record exactly once across ranks (shares may differ by one; eval sums)."""
+    from data_tools.dataset import ShardedSampler
+
+    dataset = _dataset(cfg, cfg.data.val)
+    sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=False)
+    return _loader(cfg, dataset, sampler, generator, pin)
+
+
+def _loader(cfg, dataset, sampler, generator, pin):
+    workers = cfg.data.num_workers
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=cfg.train.batch_size, sampler=sampler, num_workers=workers, pin_memory=pin,
+        generator=generator, persistent_workers=False, prefetch_factor=4 if workers else None)

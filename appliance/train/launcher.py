@@ -65,6 +65,10 @@ def torchrun_command(config: str, *, nproc: int | str, nnodes: int = 1, node_ran
 def launch_env(cmd: list[str], nproc: int) -> dict[str, str]:
     """Environment changes for the workers (shown by --dry-run as VAR=value prefixes)."""
     env = {}
+    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+        # Workers sharing the agent's rendezvous store read the previous attempt's addresses
+        # after an elastic restart and fail to connect (pytorch/pytorch#135712).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if "--local-addr" in cmd and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the interface of the hostname
     if "OMP_NUM_THREADS" not in os.environ and not gpu_count():
@@ -129,6 +133,7 @@ def write_slurm(args) -> int:
         f"{gpus}"
         f"#SBATCH --output={cfg.run_dir}/slurm-%j.out\n"
         "set -euo pipefail\n"
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # elastic restarts work (pytorch/pytorch#135712)\n"
         "# Node 1 of the allocation hosts the c10d rendezvous; torchrun on every node finds it there.\n"
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
         f"srun {line}\n"

@@ -157,12 +157,13 @@ def train(cfg: Config, resume: str = "auto") -> int:
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr  # ZeRO keeps its own param groups; they must carry the resumed lr too
         set_rng_state(ckpt.rng)
+        sampler.load_state_dict(ckpt.trainer["sampler"])
         step, epoch, batches_done = ckpt.step, ckpt.trainer["epoch"], ckpt.trainer["batches_done"]
         metrics = ckpt.trainer["metrics"]
         log(f"resumed from {ckpt.path} (step {step}, epoch {epoch})", flush=True)
 
     def save(metrics: dict) -> None:
-        trainer = {"epoch": epoch, "batches_done": batches_done, "sampler": data.position(sampler, epoch, batches_done),
+        trainer = {"epoch": epoch, "batches_done": batches_done, "sampler": sampler.state_dict(),
                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "metrics": metrics,
                    "config_hash": cfg.training_hash()}
         checkpoints.save(step, model=raw_model, card=card, optimizer_state=local_optimizer.state_dict(),
@@ -182,7 +183,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
     # --- the loop ------------------------------------------------------------------------------
     stopped = False
     while step < total_steps and not stopped:
-        data.seek(sampler, epoch, batches_done)
+        sampler.set_epoch(epoch)  # keeps the position of a resumed epoch
         loader_generator.manual_seed(cfg.run.seed * 100_003 + epoch * 1009 + rank)
         batches = iter(train_loader)
         window_start, data_wait, window_steps, loss_sum = time.perf_counter(), 0.0, 0, torch.zeros((), device=device)
@@ -190,6 +191,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
             for micro in range(cfg.train.grad_accum):
                 t0 = time.perf_counter()
                 images, labels = next(batches)
+                sampler.advance(len(labels))
                 images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
                 data_wait += time.perf_counter() - t0
                 # Gradients are averaged across ranks only on the last micro-batch.
