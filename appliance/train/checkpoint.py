@@ -299,7 +299,12 @@ class CheckpointManager:
                     chosen = step
                     break
                 except CheckpointDamaged as err:
-                    self.log(f"warning: checkpoint {path} skipped: {err}; trying the previous one")
+                    # Kept for inspection under a name we never load; training will redo this step.
+                    aside = path.with_name(f"damaged-{path.name}")
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.rename(path, aside)
+                    self.log(f"warning: checkpoint {path} skipped: {err}; moved to {aside.name}, "
+                             "trying the previous one")
         chosen = _broadcast_int(chosen)
         if chosen < 0:
             return None

@@ -141,7 +141,14 @@ def train(cfg: Config, resume: str = "auto") -> int:
     ckpt = None
     if resume == "auto":
         ckpt = checkpoints.load_latest()
-    elif resume != "none":
+        if ckpt is None and list(checkpoints.directory.glob("damaged-step-*")):
+            raise ConfigError(f"{checkpoints.directory}: no checkpoint verifies (see the warnings above); "
+                              "refusing to start over on top of them: use a new [run] name")
+    elif resume == "none":
+        if checkpoints.committed():
+            raise ConfigError(f"{run_dir / 'checkpoints'} already holds checkpoints of an earlier run; "
+                              "use --resume auto to continue it, or a new [run] name to start over")
+    else:
         try:
             ckpt = checkpoints.load(resume)
         except CheckpointDamaged as err:
@@ -149,7 +156,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
     if ckpt is not None:
         if ckpt.trainer["config_hash"] != cfg.training_hash():
             raise ConfigError(f"{cfg.source}: differs from the config that made {ckpt.path} in a setting that "
-                              "decides the weights; use a new [run] name or --resume none")
+                              "decides the weights; use a new [run] name to start a new run")
         raw_model.load_state_dict(ckpt.model_state)
         local_optimizer.load_state_dict(ckpt.optimizer_state)
         scheduler.load_state_dict(ckpt.trainer["scheduler"])

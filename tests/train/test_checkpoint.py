@@ -96,6 +96,9 @@ def test_damaged_newest_falls_back_to_previous_with_a_message(tmp_path, damage):
     assert ckpt.step == 1
     assert len(messages) == 1 and str(newest) in messages[0] and target.name in messages[0]
     assert "sha256" in messages[0]
+    # kept for inspection under a name that is never loaded
+    assert (tmp_path / "ck" / "damaged-step-00000002" / target.name).is_file()
+    assert [s for s, _ in manager.committed()] == [1]
 
 
 def test_directory_without_commit_marker_is_ignored(tmp_path):

@@ -141,3 +141,48 @@ def test_two_nodes_over_c10d_match_one_node(workdir, reference):
                           timeout=240, cwd=workdir, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_identical(reference[0], workdir / "runs" / "two-nodes")
+
+
+def test_damaged_newest_checkpoint_falls_back_and_still_ends_bit_identical(workdir, reference):
+    import shutil
+    run_dir = workdir / "runs" / "damaged"
+    shutil.copytree(reference[0], run_dir)
+    newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    blob = bytearray((newest / "model.safetensors").read_bytes())
+    blob[-5] ^= 0x40  # one flipped bit in the weights
+    (newest / "model.safetensors").write_bytes(bytes(blob))
+    previous = sorted((run_dir / "checkpoints").glob("step-*"))[-2]
+    config = make_config(workdir, name="damaged", data={"num_workers": 1})
+    proc = _train(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"warning: checkpoint {newest} skipped: model.safetensors fails its sha256 check "
+            "(damaged or changed after saving)") in proc.stdout
+    assert f"resumed from {previous}" in proc.stdout
+    _assert_identical(reference[0], run_dir)
+
+
+def test_options_zero_accumulation_activation_checkpointing_resume_exactly(workdir):
+    """ZeRO-sharded SGD (per-rank optimizer files), grad accumulation, activation checkpointing,
+    a frozen first block and bf16 autocast: killed and resumed equals uninterrupted."""
+    options = dict(model={"activation_checkpointing": True, "frozen_prefixes": ["0."]},
+                   optimizer={"name": "sgd", "lr": 0.05, "zero_redundancy": True},
+                   train={"epochs": 2, "grad_accum": 2, "precision": "bf16"},
+                   checkpoint={"every_steps": 3, "keep_last": 1, "keep_best": 0})
+    plain = make_config(workdir, name="options", **options)
+    killed = make_config(workdir, name="options-killed", **options)
+    step = random.Random().choice([4, 5, 7])  # 4 steps per epoch: mid-epoch, off the checkpoint steps
+    first = _train(plain)
+    second = _train(killed, "--max-restarts", "1", fault=f"step:{step}:0")
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
+    assert "exitcode: -9" in second.stderr and "resumed from" in second.stdout
+    for name in ("options", "options-killed"):
+        ckpt = sorted((workdir / "runs" / name / "checkpoints").glob("step-*"))[-1]
+        assert {p.name for p in ckpt.glob("optimizer-rank*.safetensors")} == {
+            "optimizer-rank0.safetensors", "optimizer-rank1.safetensors"}
+    final = [load_file(workdir / "runs" / n / "model" / "model.safetensors") for n in ("options", "options-killed")]
+    for key in final[0]:
+        assert torch.equal(final[0][key], final[1][key]), f"{key} differs"
+    opt = [load_file(sorted((workdir / "runs" / n / "checkpoints").glob("step-*"))[-1] / f"optimizer-rank{r}.safetensors")
+           for n in ("options", "options-killed") for r in (0, 1)]
+    for a, b in ((opt[0], opt[2]), (opt[1], opt[3])):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
