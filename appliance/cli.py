@@ -18,6 +18,7 @@ from appliance.errors import ApplianceError
 # so `appliance --help` stays fast.
 VERB_MODULES = [
     "appliance.doctor",
+    "appliance.data_cli",
     "appliance.train.launcher",
 ]
 

@@ -101,6 +101,9 @@ def build_index(
 
     lines = [f"{offset} {len(data) + FRAME_BYTES}\n" for _, offset, data in
              iter_records_with_offsets(path, compression=None, on_damage=note)]
+    if not lines and damaged:
+        raise DataError(f"{path}: not a TFRecord file (no valid record in {stamp['size']} bytes; "
+                        f"{damaged[0]['reason']} at byte {damaged[0]['start']})")
     meta = {
         "made_by": "appliance data index (data_tools.index.build_index); remake: appliance data index FILE",
         "source": str(path.resolve()),

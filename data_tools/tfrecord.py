@@ -24,14 +24,19 @@ import numpy as np
 from google_crc32c import value as _crc32c
 
 from appliance.errors import DataError
+from data_tools.compression import DecompressedSource
 
 HEADER_BYTES = 12  # u64 length + u32 masked crc of the length
 FOOTER_BYTES = 4  # u32 masked crc of the data
 FRAME_BYTES = HEADER_BYTES + FOOTER_BYTES
 COMPRESSIONS = (None, "GZIP", "ZLIB")
 _MASK_DELTA = 0xA282EAD8
-_CHUNK = 1 << 22  # decompressed bytes pulled per step from a GZIP/ZLIB file
+# Largest record read from a GZIP/ZLIB stream (protobuf's own limit): the stream's length is
+# unknown until it is decompressed, so this bounds the memory a damaged length can claim.
+# Plain files need no bound: a length past the end of the mapped file is simply a truncation.
+MAX_STREAMED_RECORD = (1 << 31) - 1
 _LEN = struct.Struct("<QI")
+_LENGTH_CRCS: dict[int, int] = {}  # length -> masked CRC of its 8 bytes, filled as lengths verify
 _U32 = struct.Struct("<I")
 
 
@@ -67,18 +72,28 @@ class DamagedRange:
 
 
 def detect_compression(path: str | os.PathLike) -> str | None:
-    """None, "GZIP" or "ZLIB", from the first bytes (a valid plain record header wins)."""
+    """None, "GZIP" or "ZLIB", from the first bytes.
+
+    A valid plain record header wins; a compression header counts only if the bytes after it
+    really decompress, so a damaged plain file is never mistaken for a compressed one.
+    """
     with open(path, "rb") as f:
-        head = f.read(HEADER_BYTES)
-    if len(head) == HEADER_BYTES:
-        length, crc = _LEN.unpack(head)
+        head = f.read(1 << 16)
+    if len(head) >= HEADER_BYTES:
+        length, crc = _LEN.unpack_from(head)
         if masked_crc(head[:8]) == crc:
             return None
-    if head[:2] == b"\x1f\x8b":
-        return "GZIP"
-    if len(head) >= 2 and head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0:
-        return "ZLIB"
-    return None
+    if head[:3] == b"\x1f\x8b\x08":
+        kind, wbits = "GZIP", 31
+    elif len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0:
+        kind, wbits = "ZLIB", 15
+    else:
+        return None
+    try:
+        zlib.decompressobj(wbits).decompress(head, 1 << 16)
+    except zlib.error:
+        return None
+    return kind
 
 
 def _check_compression(compression):
@@ -111,76 +126,11 @@ class _PlainSource:
         self._file.close()
 
 
-class _DecompressedSource:
-    """A sliding window over the decompressed stream of a GZIP/ZLIB file.
-
-    Memory holds at most the bytes from the current record to the furthest byte a length field
-    asked for that the stream actually has; an absurd length stops at the end of the stream.
-    """
-
-    def __init__(self, path, compression):
-        self._file = open(path, "rb")
-        self._wbits = 31 if compression == "GZIP" else 15
-        self._z = zlib.decompressobj(self._wbits)
-        self._pending = b""  # compressed input not yet fed to the decompressor
-        self.buf = b""
-        self.base = 0
-        self.eof = False
-        self.stream_problem: str | None = None  # why the compressed stream ended early, if it did
-
-    def fill(self, need_end: int) -> None:
-        """Decompress until the window reaches absolute offset need_end or the stream ends."""
-        parts = [self.buf]
-        have = self.base + len(self.buf)
-        while have < need_end and not self.eof:
-            if not self._pending:
-                self._pending = self._file.read(1 << 20)
-                if not self._pending:
-                    out = self._z.flush()
-                    self.eof = True
-                    if not self._z.eof:
-                        self.stream_problem = "compressed stream ends early (file truncated)"
-                    parts.append(out)
-                    have += len(out)
-                    break
-            try:
-                # bounded output per step, so a compression bomb cannot flood memory
-                out = self._z.decompress(self._pending, _CHUNK)
-            except zlib.error as err:
-                self.eof = True
-                self.stream_problem = f"compressed stream is corrupt ({err})"
-                break
-            self._pending = self._z.unconsumed_tail
-            if self._z.eof:
-                rest = self._z.unused_data + self._pending + self._file.read()
-                if self._wbits == 31 and rest[:2] == b"\x1f\x8b":
-                    # concatenated gzip members form one stream (as `cat a.gz b.gz` makes)
-                    self._z = zlib.decompressobj(self._wbits)
-                    self._pending = rest
-                else:
-                    self.eof = True
-                    if rest.strip(b"\0"):
-                        self.stream_problem = "unexpected bytes after the end of the compressed stream"
-            parts.append(out)
-            have += len(out)
-        if len(parts) > 1:
-            self.buf = b"".join(parts)
-
-    def drop_before(self, pos: int) -> None:
-        """Forget decompressed bytes before pos (in steps, so the copy cost stays small)."""
-        if pos - self.base > _CHUNK:
-            self.buf = self.buf[pos - self.base:]
-            self.base = pos
-
-    def close(self):
-        self._file.close()
-
-
 def _open_source(path, compression):
     if compression == "auto":
         compression = detect_compression(path)
     _check_compression(compression)
-    return _PlainSource(path) if compression is None else _DecompressedSource(path, compression)
+    return _PlainSource(path) if compression is None else DecompressedSource(path, compression)
 
 
 def _find_next_header(src, start: int) -> int | None:
@@ -208,7 +158,7 @@ def _find_next_header(src, start: int) -> int | None:
             left = avail - np.arange(n, dtype=np.int64) - FRAME_BYTES  # data bytes that could follow
             fits = (left >= 0) & (lengths <= np.clip(left, 0, None).astype(np.uint64))
         else:
-            fits = lengths < np.uint64(1 << 40)
+            fits = lengths <= np.uint64(MAX_STREAMED_RECORD)
         for i in np.flatnonzero(fits).tolist():
             if masked_crc(window[i:i + 8]) == _U32.unpack_from(window, i + 8)[0]:
                 return pos + i
@@ -223,6 +173,22 @@ def iter_records_with_offsets(
     on_damage: Callable[[DamagedRange], None] | None = None,
 ) -> Iterator[tuple[int, int, bytes]]:
     """Yield (record_number, offset, data) for every verified record; see the module docstring."""
+    return _records(path, strict, compression, on_damage, with_offsets=True)
+
+
+def read_records(
+    path: str | os.PathLike,
+    *,
+    strict: bool = False,
+    compression: str | None = "auto",
+    on_damage: Callable[[DamagedRange], None] | None = None,
+) -> Iterator[bytes]:
+    """Yield every verified record of a TFRecord file (lossless by default; strict raises)."""
+    return _records(path, strict, compression, on_damage, with_offsets=False)
+
+
+def _records(path, strict, compression, on_damage, with_offsets):
+    # One generator for both public forms: a wrapper generator would cost ~10% of the hot path.
     path = str(path)
     try:
         src = _open_source(path, compression)
@@ -234,16 +200,45 @@ def iter_records_with_offsets(
     damage_reason = None
     unpack_header = _LEN.unpack_from
     unpack_u32 = _U32.unpack_from
+    crc32c = _crc32c
+    length_crcs = _LENGTH_CRCS
     try:
         while True:
             if not src.eof:
                 src.fill(pos + HEADER_BYTES)
                 src.drop_before(pos)
+            if damage_start is None:
+                # Hot path: whole, valid records inside the buffer. Anything else (damage, a record
+                # running past the buffer, the end) breaks out to the careful path below.
+                buf, base = src.buf, src.base
+                n = len(buf)
+                off = pos - base
+                while off + HEADER_BYTES <= n:
+                    length, length_crc = unpack_header(buf, off)
+                    if length_crcs.get(length) != length_crc:
+                        # the CRC of a length depends on the length alone: compute each one once
+                        if masked_crc(buf[off:off + 8]) != length_crc:
+                            break
+                        if len(length_crcs) < 1 << 16:
+                            length_crcs[length] = length_crc
+                    stop = off + HEADER_BYTES + length + FOOTER_BYTES
+                    if stop > n:
+                        break
+                    data = buf[off + HEADER_BYTES:stop - FOOTER_BYTES]
+                    c = crc32c(data)
+                    if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != unpack_u32(buf, stop - 4)[0]:
+                        break
+                    yield (record_number, base + off, data) if with_offsets else data
+                    record_number += 1
+                    off = stop
+                pos = base + off
+                if not src.eof:  # the window may end inside the next record: extend it first
+                    src.fill(pos + HEADER_BYTES)
             buf, base = src.buf, src.base
             end = base + len(buf)
             problem = None
             if pos >= end:
-                problem = src.stream_problem if isinstance(src, _DecompressedSource) else None
+                problem = src.stream_problem if isinstance(src, DecompressedSource) else None
                 if problem is None:
                     break
             elif pos + HEADER_BYTES > end:
@@ -255,13 +250,16 @@ def iter_records_with_offsets(
                 else:
                     stop = pos + HEADER_BYTES + length + FOOTER_BYTES
                     if stop > end and not src.eof:
-                        src.fill(stop)
-                        buf, base = src.buf, src.base
-                        end = base + len(buf)
-                    if stop > end:
+                        if length <= MAX_STREAMED_RECORD:
+                            src.fill(stop)
+                            buf, base = src.buf, src.base
+                            end = base + len(buf)
+                        else:  # a GZIP/ZLIB stream: filling that far could hold gigabytes
+                            problem = f"absurd record length {length} (over 2 GiB, protobuf's limit)"
+                    if problem is None and stop > end:
                         problem = (f"truncated record: header says {length} bytes of data, "
                                    f"only {max(0, end - pos - FRAME_BYTES)} left in the file")
-                    else:
+                    elif problem is None:
                         start = pos + HEADER_BYTES - base
                         data = buf[start:start + length]
                         if masked_crc(data) != unpack_u32(buf, start + length)[0]:
@@ -270,7 +268,7 @@ def iter_records_with_offsets(
                 if damage_start is not None:
                     _report(path, damage_start, pos, record_number, damage_reason, on_damage)
                     damage_start = None
-                yield record_number, pos, data
+                yield (record_number, pos, data) if with_offsets else data
                 record_number += 1
                 pos = stop
                 continue
@@ -284,7 +282,7 @@ def iter_records_with_offsets(
             nxt = _find_next_header(src, pos + 1)
             if nxt is None:
                 end = src.base + len(src.buf)
-                if isinstance(src, _DecompressedSource) and src.stream_problem:
+                if isinstance(src, DecompressedSource) and src.stream_problem:
                     damage_reason = f"{damage_reason}; {src.stream_problem}"
                 _report(path, damage_start, end, record_number, damage_reason, on_damage)
                 break
@@ -296,20 +294,6 @@ def iter_records_with_offsets(
 def _report(path, start, end, record_number, reason, on_damage):
     if on_damage is not None:
         on_damage(DamagedRange(path, start, end, record_number, reason))
-
-
-def read_records(
-    path: str | os.PathLike,
-    *,
-    strict: bool = False,
-    compression: str | None = "auto",
-    on_damage: Callable[[DamagedRange], None] | None = None,
-) -> Iterator[bytes]:
-    """Yield every verified record of a TFRecord file (lossless by default; strict raises)."""
-    for _, _, data in iter_records_with_offsets(
-        path, strict=strict, compression=compression, on_damage=on_damage
-    ):
-        yield data
 
 
 # --------------------------------------------------------------------------- writing

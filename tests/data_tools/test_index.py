@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 
-import numpy as np
 import pytest
 
 from appliance.errors import DataError

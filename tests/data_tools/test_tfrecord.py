@@ -168,3 +168,48 @@ def test_missing_file_is_a_one_line_data_error(tmp_path):
 
     with pytest.raises(DataError, match="cannot open"):
         list(read_records(tmp_path / "nope.tfrecord"))
+
+
+def test_damaged_plain_file_that_starts_like_gzip_is_still_read_as_plain(tmp_path):
+    path = tmp_path / "d.tfrecord"
+    path.write_bytes(b"\x1f\x8b\x08" + b"".join(frame(r) for r in RECORDS))
+    records, damage = read_lossless(path)
+    assert records == RECORDS and [(d.start, d.end) for d in damage] == [(0, 3)]
+
+
+def test_absurd_length_in_gzip_stream_is_not_buffered(tmp_path):
+    # 10 MB of records after the bad header: more than the reader decompresses in one step,
+    # so only the length bound stops it from buffering the rest of the stream for one record.
+    import gzip
+
+    length = struct.pack("<Q", 1 << 40)
+    rest = [bytes(100_000)] * 100
+    body = frame(b"first") + length + struct.pack("<I", masked_crc(length)) + b"".join(frame(r) for r in rest)
+    path = tmp_path / "d.tfrecord.gz"
+    path.write_bytes(gzip.compress(body))
+    records, damage = read_lossless(path)
+    assert records == [b"first"] + rest
+    assert "absurd record length" in damage[0].reason and (damage[0].start, damage[0].end) == (21, 33)
+
+
+def test_concatenated_gzip_members_read_as_one_stream(tmp_path):
+    a, b, both = tmp_path / "a.gz", tmp_path / "b.gz", tmp_path / "ab.gz"
+    write_records(a, RECORDS[:4], "GZIP")
+    write_records(b, RECORDS[4:], "GZIP")
+    both.write_bytes(a.read_bytes() + b.read_bytes())  # what `cat a.gz b.gz` makes
+    assert read_lossless(both) == (RECORDS, [])
+
+
+@pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
+def test_large_compressed_file_crosses_window_boundaries(tmp_path, compression):
+    # ~12 MB decompressed, record sizes chosen so records and headers straddle the 4 MB steps
+    records = [bytes([i % 251]) * (1000 + (i * 7919) % 60000) for i in range(400)]
+    path = tmp_path / "big"
+    write_records(path, records, compression)
+    assert read_lossless(path) == (records, [])
+    # a header straddling the end of the first 4 MB decompression step
+    from data_tools.compression import CHUNK
+
+    records = [bytes(CHUNK - 6 - 16), b"second", b"third"]
+    write_records(path, records, compression)
+    assert read_lossless(path) == (records, [])

@@ -1,0 +1,170 @@
+"""`appliance data ...`: the verb group for TFRecord data (index, cat, convert, and others' sub-verbs).
+
+Another module adds a sub-verb by exposing `register_data_verb(subparsers)` and being listed in
+DATA_VERB_MODULES; heavy imports stay inside the functions so `appliance --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from appliance.errors import DataError
+
+# Modules contributing `appliance data VERB` sub-verbs via register_data_verb(subparsers).
+DATA_VERB_MODULES: list[str] = []
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("data", help="index, inspect and convert TFRecord data",
+                                   description="Work with TFRecord files (plain, GZIP, ZLIB).")
+    sub = parser.add_subparsers(dest="data_verb", metavar="DATA_VERB")
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+    p = sub.add_parser("index", help="write FILE.index (offset size per record, DALI format) for each file")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--cache-dir", help="where indexes go when a data directory is read-only")
+    p.add_argument("--force", action="store_true", help="rebuild even when a current index exists")
+    p.set_defaults(func=index_files)
+
+    p = sub.add_parser("cat", help="print records as JSON lines, for people inspecting data")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="stop after N records")
+    p.add_argument("--strict", action="store_true", help="stop with an error at the first damaged byte")
+    p.set_defaults(func=cat_file)
+
+    p = sub.add_parser("convert", help="image folder -> sharded TFRecords, or GZIP/ZLIB -> plain",
+                       description="IMAGE_DIR holds class_name/*.jpg|png; each class folder is one label "
+                       "(sorted names -> 0, 1, ...). With --decompress, SOURCE is one or more GZIP/ZLIB "
+                       "TFRecord files to rewrite as plain, indexed files.")
+    p.add_argument("sources", nargs="+", metavar="SOURCE", help="IMAGE_DIR, or FILE... with --decompress")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--shards", type=int, default=1, help="number of output files (default 1)")
+    p.add_argument("--prefix", default="data", help="shard file name prefix (default data)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed for dealing images to shards")
+    p.add_argument("--decompress", action="store_true", help="SOURCE files are GZIP/ZLIB TFRecords")
+    p.set_defaults(func=convert)
+
+    for name in DATA_VERB_MODULES:
+        importlib.import_module(name).register_data_verb(sub)
+
+
+def _warn(damage) -> None:
+    print(f"warning: {damage}", file=sys.stderr)
+
+
+def _require_tfrecord(path: str, records: int, damage: list) -> None:
+    """A file with damage and no valid record at all is not TFRecord data: say so in one line."""
+    if records == 0 and damage:
+        raise DataError(f"{path}: not a TFRecord file (no valid record; {damage[0].reason} at byte 0)"
+                        if damage[0].start == 0 else f"{path}: no valid record ({damage[0]})")
+
+
+def index_files(args) -> int:
+    from data_tools.index import build_index, read_index_file
+
+    for path in args.files:
+        if not Path(path).is_file():
+            raise DataError(f"{path}: no such file")
+        damage = []
+        index_path = build_index(path, args.cache_dir, force=args.force, on_damage=damage.append)
+        count = len(read_index_file(index_path))
+        _require_tfrecord(path, count, damage)
+        for d in damage:
+            _warn(d)
+        print(f"{path}: {count} records -> {index_path}")
+    return 0
+
+
+def _jsonable(value):
+    """Feature values as JSON a person can read: text as text, other bytes as size + hex preview."""
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        try:
+            text = value.decode()
+            if len(text) <= 256 and text.isprintable():
+                return text
+        except UnicodeDecodeError:
+            pass
+        return {"bytes": len(value), "head": value[:16].hex()}
+    if value.dtype.kind == "f":
+        return [float(str(v)) for v in value]  # float32's shortest form, not float64 noise
+    return value.tolist()
+
+
+def cat_file(args) -> int:
+    from data_tools.example import decode_example
+    from data_tools.tfrecord import iter_records_with_offsets
+
+    if not Path(args.file).is_file():
+        raise DataError(f"{args.file}: no such file")
+    damage = []
+    shown = 0
+
+    def note(d):
+        # Warnings wait for the first good record: a file with none gets only the one-line error.
+        damage.append(d)
+        if shown:
+            _warn(d)
+
+    if args.limit is not None and args.limit <= 0:
+        return 0
+    out = sys.stdout
+    for number, offset, data in iter_records_with_offsets(args.file, strict=args.strict, on_damage=note):
+        if not shown:
+            for d in damage:
+                _warn(d)
+        line = {"record": number, "offset": offset, "bytes": len(data)}
+        try:
+            line["features"] = {k: _jsonable(v) for k, v in decode_example(data).items()}
+        except DataError:
+            line["not_an_example"] = base64.b64encode(data[:48]).decode()
+        out.write(json.dumps(line, ensure_ascii=False) + "\n")
+        shown += 1
+        if args.limit is not None and shown >= args.limit:
+            break
+    _require_tfrecord(args.file, shown, damage)
+    return 0
+
+
+def convert(args) -> int:
+    from tqdm import tqdm
+
+    from appliance.manifest import write_manifest
+    from data_tools.convert import convert_image_folder, decompress, find_images
+    from data_tools.index import find_index, read_index_file
+
+    if args.decompress:
+        outputs = []
+        from data_tools.tfrecord import detect_compression
+
+        for source in args.sources:  # check them all before any progress bar starts
+            if not Path(source).is_file():
+                raise DataError(f"{source}: no such file")
+            if detect_compression(source) is None:
+                raise DataError(f"{source}: not GZIP or ZLIB compressed; nothing to decompress")
+        for source in args.sources:
+            damage = []
+            size = Path(source).stat().st_size if Path(source).is_file() else 0
+            with tqdm(desc=Path(source).name, unit="B", unit_scale=True, total=None, file=sys.stderr) as bar:
+                target = decompress(source, args.out, on_damage=lambda d: (damage.append(d), _warn(d)),
+                                    progress=bar.update)
+            count = len(read_index_file(find_index(target)))
+            _require_tfrecord(source, count, damage)
+            print(f"{source} ({size} bytes compressed): {count} records -> {target}")
+            outputs.append(target)
+        write_manifest(args.out, "convert", inputs=args.sources,
+                       params={"decompress": True, "made_by": "appliance data convert --decompress"})
+        return 0
+    if len(args.sources) != 1:
+        raise DataError("convert takes one IMAGE_DIR (or several files with --decompress)")
+    _, images = find_images(args.sources[0])
+    with tqdm(total=len(images), desc="convert", unit="img", file=sys.stderr) as bar:
+        paths = convert_image_folder(args.sources[0], args.out, shards=args.shards, prefix=args.prefix,
+                                     seed=args.seed, progress=bar.update)
+    print(f"{len(images)} images -> {len(paths)} shards in {args.out}")
+    return 0

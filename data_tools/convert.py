@@ -1,0 +1,135 @@
+"""Make TFRecord files: an image folder (`class_name/*.jpg|png`) into sharded, indexed shards,
+and GZIP/ZLIB files into plain ones (which random access and DALI need).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Callable
+
+from appliance.errors import DataError
+from appliance.manifest import atomic_write_text, write_manifest
+from data_tools.example import encode_example
+from data_tools.index import build_index
+from data_tools.tfrecord import DamagedRange, TFRecordWriter, detect_compression, read_records
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+COMPRESSED_SUFFIXES = (".gz", ".gzip", ".zlib", ".zz")
+
+
+def image_format(head: bytes) -> str | None:
+    """"jpeg" or "png" from the first bytes of a file (the extension can lie)."""
+    if head.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    return None
+
+
+def find_images(image_dir: str | os.PathLike) -> tuple[list[str], list[tuple[Path, int]]]:
+    """(class names in label order, [(image path, label)]) of an image folder; sorted, so stable."""
+    root = Path(image_dir)
+    if not root.is_dir():
+        raise DataError(f"{root}: not a directory (expected class_name/*.jpg|png folders)")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    images = [
+        (path, label)
+        for label, name in enumerate(classes)
+        for path in sorted((root / name).iterdir())
+        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
+    ]
+    if not images:
+        raise DataError(f"{root}: no class_name/*.jpg|jpeg|png images found")
+    return classes, images
+
+
+def shard_name(prefix: str, shard: int, shards: int) -> str:
+    return f"{prefix}-{shard:05d}-of-{shards:05d}.tfrecord"
+
+
+def convert_image_folder(
+    image_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    shards: int = 1,
+    prefix: str = "data",
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> list[Path]:
+    """Write shuffled, sharded TFRecords with image/encoded, image/format, image/class/label, image/class/text.
+
+    Images are shuffled with `seed` and dealt round-robin, so every shard mixes every class.
+    Each shard gets its index; out_dir gets labels.txt and manifest.json. Returns the shard paths.
+    """
+    if shards < 1:
+        raise DataError(f"--shards must be at least 1, not {shards}")
+    classes, images = find_images(image_dir)
+    shards = min(shards, len(images))
+    random.Random(seed).shuffle(images)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / shard_name(prefix, s, shards) for s in range(shards)]
+    writers = [TFRecordWriter(p) for p in paths]
+    try:
+        for i, (path, label) in enumerate(images):
+            encoded = path.read_bytes()
+            fmt = image_format(encoded[:8])
+            if fmt is None:
+                raise DataError(f"{path}: not a JPEG or PNG file (by its first bytes)")
+            writers[i % shards].write(encode_example({
+                "image/encoded": encoded,
+                "image/format": fmt,
+                "image/class/label": label,
+                "image/class/text": classes[label],
+            }))
+            if progress:
+                progress(1)
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    for w in writers:
+        w.close()
+    for p in paths:
+        build_index(p)
+    atomic_write_text(out / "labels.txt", "".join(f"{name}\n" for name in classes))
+    write_manifest(out, "convert", inputs=[p for p, _ in sorted(images)],
+                   params={"image_dir": str(image_dir), "shards": shards, "prefix": prefix, "seed": seed,
+                           "classes": classes, "made_by": "appliance data convert"})
+    return paths
+
+
+def decompressed_name(path: Path) -> str:
+    name = path.name
+    for suffix in COMPRESSED_SUFFIXES:
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def decompress(
+    path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    on_damage: Callable[[DamagedRange], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Copy every verified record of a GZIP/ZLIB TFRecord file into a plain, indexed one in out_dir."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    compression = detect_compression(path)
+    if compression is None:
+        raise DataError(f"{path}: not GZIP or ZLIB compressed; nothing to decompress")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / decompressed_name(path)
+    if target.resolve() == path.resolve():
+        raise DataError(f"{path}: --out would overwrite the input")
+    with TFRecordWriter(target) as writer:
+        for record in read_records(path, compression=compression, on_damage=on_damage):
+            writer.write(record)
+            if progress:
+                progress(len(record))
+    build_index(target)
+    return target
