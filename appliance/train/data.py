@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import io
+import signal
 
 import numpy as np
 import torch
@@ -66,8 +67,17 @@ def val_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool
     return _loader(cfg, dataset, sampler, generator, pin)
 
 
+def _worker_ignores_stop_signals(worker_id: int) -> None:
+    # SIGINT/SIGTERM (Ctrl-C, a scheduler's preemption) reach the whole process group. The
+    # training process stops at the next step boundary and saves; a loader worker killed by the
+    # same signal first would turn that clean stop into a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _loader(cfg, dataset, sampler, generator, pin):
     workers = cfg.data.num_workers
     return torch.utils.data.DataLoader(
         dataset, batch_size=cfg.train.batch_size, sampler=sampler, num_workers=workers, pin_memory=pin,
-        generator=generator, persistent_workers=False, prefetch_factor=4 if workers else None)
+        generator=generator, prefetch_factor=4 if workers else None,
+        worker_init_fn=_worker_ignores_stop_signals if workers else None)

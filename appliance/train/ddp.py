@@ -43,10 +43,10 @@ def build_training_model(cfg, device: torch.device):
     return wrapped, model
 
 
-def pick_precision(requested: str, device: torch.device) -> str:
+def pick_precision(requested: str, device: torch.device, source: str = "config") -> str:
     """auto: fp16 with GradScaler on CUDA, bf16 autocast on CPU."""
     if requested == "auto":
         return "fp16" if device.type == "cuda" else "bf16"
     if requested == "fp16" and device.type != "cuda":
-        raise ConfigError("[train] precision = \"fp16\" needs a CUDA GPU; use \"bf16\" or \"fp32\" on CPU")
+        raise ConfigError(f"{source}: [train] precision \"fp16\" needs a CUDA GPU; use \"bf16\" or \"fp32\" on CPU")
     return requested

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,27 @@ def launch_env(cmd: list[str], nproc: int) -> dict[str, str]:
     return env
 
 
+def _run_torchrun(cmd: list[str], env: dict) -> tuple[int, str]:
+    """Run torchrun to its end, even when we are signalled: (exit status, signal name or "")."""
+    proc = subprocess.Popen(cmd, env=env)
+    received = []
+
+    def on_signal(signum, frame):
+        received.append(signal.Signals(signum).name)
+        # Ctrl-C already reached torchrun and the workers (one process group); a SIGTERM sent
+        # to us alone is passed on. The workers stop at a step boundary and save a checkpoint.
+        if signum == signal.SIGTERM:
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        returncode = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return returncode, (received[0] if received else "")
+
+
 def run(args) -> int:
     from appliance.train.config import check_data_report, load_config
 
@@ -96,8 +118,12 @@ def run(args) -> int:
         print(printable)
         return 0
     print(f"appliance train: {printable}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env={**os.environ, **env})
-    if proc.returncode != 0:
+    returncode, stopped_by = _run_torchrun(cmd, {**os.environ, **env})
+    if stopped_by:
+        print(f"appliance train: stopped by {stopped_by}; the workers saved a checkpoint in "
+              f"{cfg.run_dir / 'checkpoints'}: run the same command to resume", file=sys.stderr)
+        return 128 + getattr(signal, stopped_by)
+    if returncode != 0:
         print(f"appliance train: error: training failed (torchrun exit status {proc.returncode}); "
               f"the log above names the failing rank. Checkpoints: {cfg.run_dir / 'checkpoints'}",
               file=sys.stderr)

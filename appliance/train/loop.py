@@ -118,7 +118,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
     model, raw_model = build_training_model(cfg, device)
     optimizer = build_optimizer(cfg, raw_model)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    precision = pick_precision(cfg.train.precision, device)
+    precision = pick_precision(cfg.train.precision, device, cfg.source)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
@@ -168,6 +168,8 @@ def train(cfg: Config, resume: str = "auto") -> int:
         step, epoch, batches_done = ckpt.step, ckpt.trainer["epoch"], ckpt.trainer["batches_done"]
         metrics = ckpt.trainer["metrics"]
         log(f"resumed from {ckpt.path} (step {step}, epoch {epoch})", flush=True)
+        if rank == 0:  # later lines may repeat steps the lost attempt had logged
+            _log_line(run_dir, {"step": step, "epoch": epoch, "resumed_from": str(ckpt.path)})
 
     def save(metrics: dict) -> None:
         trainer = {"epoch": epoch, "batches_done": batches_done, "sampler": sampler.state_dict(),
