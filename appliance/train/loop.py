@@ -17,6 +17,7 @@ import resource
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ class StopFlag:
             signal.signal(sig, self._set)
 
     def _set(self, signum, frame):
+        # A second signal is normal (the job's process group, then torchrun, both send one), so
+        # it changes nothing; torchrun's SIGKILL after its grace period is the hard stop.
         self.local = True
 
     def agreed(self, device) -> bool:
@@ -284,6 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     except ApplianceError as err:
         print(f"appliance train: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except BaseException:
+        # Failing, e.g. because a peer rank died: exit now. A normal interpreter exit can hang
+        # in DataLoader/process-group teardown, and torchrun would wait 30 s before its SIGKILL
+        # and the elastic restart. Checkpoints are atomic, so nothing is lost.
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":
