@@ -191,3 +191,18 @@ def test_options_zero_accumulation_activation_checkpointing_resume_exactly(workd
            for n in ("options", "options-killed") for r in (0, 1)]
     for a, b in ((opt[0], opt[2]), (opt[1], opt[3])):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_refuses_to_mix_runs(workdir, reference):
+    """A changed learning rate cannot continue the reference's checkpoints; nor can --resume none."""
+    import shutil
+    run_dir = workdir / "runs" / "changed"
+    shutil.copytree(reference[0], run_dir)
+    changed = make_config(workdir, name="changed", optimizer={"lr": 0.01})
+    proc = _train(changed, offline=False)
+    assert proc.returncode != 0
+    assert f"appliance train: error: {changed}: differs from the config that made " in proc.stderr
+    same = make_config(workdir, name="changed")
+    proc = _train(same, "--resume", "none", offline=False)
+    assert proc.returncode != 0
+    assert "already holds checkpoints of an earlier run; use --resume auto to continue it" in proc.stderr
