@@ -123,7 +123,6 @@ class Config:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "source"}
 _SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
                   "schedule": ScheduleSection, "train": TrainSection, "checkpoint": CheckpointSection}
 

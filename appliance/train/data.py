@@ -39,8 +39,28 @@ def _dataset(cfg, files):
     transform = functools.partial(decode_image, image_size=cfg.data.image_size, channels=cfg.data.channels,
                                   mean=cfg.data.mean, std=cfg.data.std)
     # "bytes": the image is decoded by decode_image above, the one preprocessing definition.
-    return TFRecordDataset(files, features={cfg.data.image_key: "bytes", cfg.data.label_key: "int"},
-                           image_key=cfg.data.image_key, label_key=cfg.data.label_key, transform=transform)
+    dataset = TFRecordDataset(files, features={cfg.data.image_key: "bytes", cfg.data.label_key: "int"},
+                              image_key=cfg.data.image_key, label_key=cfg.data.label_key, transform=transform)
+    return _CheckedLabels(dataset, cfg.num_classes)
+
+
+class _CheckedLabels(torch.utils.data.Dataset):
+    """(image, label) samples whose label must be a class of the config."""
+
+    def __init__(self, dataset, num_classes: int):
+        self.dataset, self.num_classes = dataset, num_classes
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        image, label = self.dataset[index]
+        if not 0 <= label < self.num_classes:
+            # Caught here with the record's address, instead of as an index error deep in the loss.
+            file, number = self.dataset.locate(int(index))
+            raise DataError(f"{file}: record {number}: label {label} is outside 0..{self.num_classes - 1} "
+                            f"(the config has {self.num_classes} classes)")
+        return image, label
 
 
 def train_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):

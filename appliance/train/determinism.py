@@ -1,8 +1,8 @@
 """Determinism in one place: seeding, deterministic kernels, and RNG state as plain JSON.
 
 Exact resume needs every random stream a rank uses (Python, numpy, torch CPU, every CUDA
-device, the data loader's generator) saved at a step boundary and put back before the next
-step. States are stored as JSON (base64 for torch's byte tensors): nothing here is pickled.
+device) saved at a step boundary and put back before the next step. (The data loaders' own
+generator is reseeded from (seed, epoch, rank) each epoch, so it needs no saving.) States are stored as JSON (base64 for torch's byte tensors): nothing here is pickled.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
-def rng_state(loader_generator: torch.Generator | None = None) -> dict:
+def rng_state() -> dict:
     """Every RNG stream of this process, JSON-serialisable."""
     version, mt, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -50,12 +50,10 @@ def rng_state(loader_generator: torch.Generator | None = None) -> dict:
         "torch": _b64(torch.get_rng_state()),
         "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
     }
-    if loader_generator is not None:
-        state["loader"] = _b64(loader_generator.get_state())
     return state
 
 
-def set_rng_state(state: dict, loader_generator: torch.Generator | None = None) -> None:
+def set_rng_state(state: dict) -> None:
     version, mt, gauss = state["python"]
     random.setstate((version, tuple(mt), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
@@ -63,5 +61,3 @@ def set_rng_state(state: dict, loader_generator: torch.Generator | None = None) 
     torch.set_rng_state(_unb64(state["torch"]))
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
-    if loader_generator is not None and "loader" in state:
-        loader_generator.set_state(_unb64(state["loader"]))

@@ -285,16 +285,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(load_config(args.config), args.resume)
     except ApplianceError as err:
-        print(f"appliance train: error: {err}", file=sys.stderr, flush=True)
-        return 2
+        # Raised in a DataLoader worker, the message carries the worker's traceback: keep its last line.
+        line = str(err).strip().splitlines()[-1]
+        line = line.split(": ", 1)[1] if line.startswith("appliance.errors.") else line
+        print(f"appliance train: error: {line}", file=sys.stderr, flush=True)
+        _exit_now(2)
     except BaseException:
-        # Failing, e.g. because a peer rank died: exit now. A normal interpreter exit can hang
-        # in DataLoader/process-group teardown, and torchrun would wait 30 s before its SIGKILL
-        # and the elastic restart. Checkpoints are atomic, so nothing is lost.
         traceback.print_exc()
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)
+        _exit_now(1)
+
+
+def _exit_now(status: int) -> None:
+    """Leave without interpreter teardown, which can hang in DataLoader or process-group cleanup
+    while peer ranks wait in a collective; our exit makes them fail fast, and torchrun restarts
+    or ends the job. Checkpoints are atomic, so nothing is lost."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,16 @@ def _train(config, *args, fault="", offline=True, timeout=240):
     cmd = appliance_cmd("train", str(config), "--nproc-per-node", "2", *args)
     if offline:
         cmd = offline_cmd(cmd, loopback=True)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=config.parent)
+    # Own session: on a timeout the whole tree (launcher, torchrun, workers) is killed, not just the launcher.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=config.parent, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail(f"appliance train {config.name} did not finish in {timeout} s")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _tensors(run_dir):
@@ -206,3 +215,11 @@ def test_refuses_to_mix_runs(workdir, reference):
     proc = _train(same, "--resume", "none", offline=False)
     assert proc.returncode != 0
     assert "already holds checkpoints of an earlier run; use --resume auto to continue it" in proc.stderr
+
+
+def test_label_outside_the_classes_is_one_clear_line(workdir):
+    config = make_config(workdir, name="two-classes", data={"classes": ["left", "right"], "num_workers": 1})
+    proc = _train(config, offline=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("appliance train: error: ")]
+    assert errors and "/data/train-" in errors[0] and ": label 2 is outside 0..1 (the config has 2 classes)" in errors[0]
