@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import resource
 import signal
@@ -66,7 +65,13 @@ def peak_memory_mb(device) -> float:
 
 @torch.no_grad()
 def evaluate(model, loader, device, autocast) -> dict:
-    """Loss and top-1 over the whole validation set (each record counted once across ranks)."""
+    """Loss and top-1 over the whole validation set (each record counted once across ranks).
+
+    Takes the unwrapped model: shares may differ by a batch between ranks, and DDP's forward
+    would run collectives. Rank 0's buffers (BatchNorm statistics) are what gets saved, so
+    every rank evaluates with them."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for images, labels in loader:
@@ -116,7 +121,6 @@ def train(cfg: Config, resume: str = "auto") -> int:
     if steps_per_epoch < 1:
         raise ConfigError(f"{cfg.source}: [train] batch_size x grad_accum x processes is larger than the data")
     total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
-    total_epochs = math.ceil(total_steps / steps_per_epoch)
 
     model, raw_model = build_training_model(cfg, device)
     optimizer = build_optimizer(cfg, raw_model)
@@ -167,7 +171,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr  # ZeRO keeps its own param groups; they must carry the resumed lr too
         set_rng_state(ckpt.rng)
-        sampler.load_state_dict(ckpt.trainer["sampler"])
+        sampler.load_state_dict(ckpt.trainer["sampler"])  # rank 0's; every rank is at the same position
         step, epoch, batches_done = ckpt.step, ckpt.trainer["epoch"], ckpt.trainer["batches_done"]
         metrics = ckpt.trainer["metrics"]
         log(f"resumed from {ckpt.path} (step {step}, epoch {epoch})", flush=True)
@@ -254,7 +258,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
             epoch, batches_done = epoch + 1, 0
             if val_loader is not None:
                 loader_generator.manual_seed(cfg.run.seed)
-                metrics = evaluate(model, val_loader, device, autocast)
+                metrics = evaluate(raw_model, val_loader, device, autocast)
                 if rank == 0:
                     _log_line(run_dir, {"step": step, "epoch": epoch - 1, **metrics})
                     for key, value in metrics.items():

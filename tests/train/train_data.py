@@ -32,9 +32,12 @@ def image_records(n: int, seed: int, size: int = 8):
                               "image/class/label": label, "image/class/text": CLASSES[label]})
 
 
-def make_config(tmp_path: Path, name: str = "run", train_records: int = 256, val_records: int = 48,
+def make_config(tmp_path: Path, name: str = "run", train_records: int = 256, val_records: int = 33,
                 **sections) -> Path:
-    """Two train shards + one val shard, and a config training small_cnn on them (overrides per section)."""
+    """Two train shards + one val shard, and a config training small_cnn on them (overrides per section).
+
+    33 validation records: the two ranks get 17 and 16, two batches against one.
+    """
     data = tmp_path / "data"
     if not data.exists():
         data.mkdir()
