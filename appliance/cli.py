@@ -16,16 +16,17 @@ from appliance.errors import ApplianceError
 # Modules that contribute verbs. Each exposes `register(subparsers)` and sets
 # `func` on its parsers; heavy imports (torch, tvm) happen inside the functions
 # so `appliance --help` stays fast.
-VERB_MODULES = [
+VERB_MODULES = [  # in the order of the pipeline, as `appliance --help` lists them
     "appliance.doctor",
-    "appliance.pipeline.cli",
     "appliance.data_cli",
-    "appliance.bundle.cli",
+    "appliance.train.launcher",
     "appliance.deploy.export",
     "appliance.deploy.quantize",
     "appliance.deploy.compile",
     "appliance.deploy.package",
     "appliance.deploy.edge_verify",
+    "appliance.pipeline.cli",
+    "appliance.bundle.cli",
 ]
 
 

@@ -1,0 +1,272 @@
+"""The training config: one TOML file, validated into frozen dataclasses.
+
+Every section and key is listed here with its type and default; an unknown or mistyped key is
+a ConfigError naming the file, the section and the key. Relative paths are resolved against
+the config file's directory, so a config travels with its data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.errors import ConfigError
+from appliance.train.models import ARCHITECTURES
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+OPTIMIZERS = ("sgd", "adamw")
+
+
+@dataclass(frozen=True)
+class RunSection:
+    name: str
+    out_dir: str = "runs"
+    seed: int = 0
+    deterministic: bool = True
+    log_every: int = 10
+
+
+@dataclass(frozen=True)
+class DataSection:
+    train: tuple[str, ...]
+    val: tuple[str, ...] = ()
+    classes: tuple[str, ...] = ()
+    num_classes: int = 0  # taken from `classes` when 0
+    image_key: str = "image/encoded"
+    label_key: str = "image/class/label"
+    image_size: int = 224
+    channels: int = 3
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
+    std: tuple[float, ...] = (0.229, 0.224, 0.225)
+    num_workers: int = 2
+    check_report: str = ""  # a data-check report.json whose gate must have passed
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    architecture: str = "small_cnn"
+    frozen_prefixes: tuple[str, ...] = ()
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd only
+    betas: tuple[float, ...] = (0.9, 0.999)  # adamw only
+    zero_redundancy: bool = False
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # the cosine ends at lr * min_lr_ratio
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    epochs: int = 1
+    max_steps: int = 0  # 0: epochs decide
+    batch_size: int = 32  # per process
+    grad_accum: int = 1
+    precision: str = "auto"
+    grad_clip: float = 0.0  # 0 disables clipping
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every_steps: int = 500
+    keep_last: int = 3
+    keep_best: int = 1
+    monitor: str = "val_loss"
+    mode: str = "min"
+    min_free_gb: float = 1.0
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunSection
+    data: DataSection
+    model: ModelSection = field(default_factory=ModelSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    source: str = ""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+    @property
+    def num_classes(self) -> int:
+        return self.data.num_classes or len(self.data.classes)
+
+    def training_hash(self) -> str:
+        """sha256 of what decides the weights; logging, retention and length may change on resume."""
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        d.pop("checkpoint")
+        d["run"] = {"seed": self.run.seed, "deterministic": self.run.deterministic}
+        d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps")}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
+                  "schedule": ScheduleSection, "train": TrainSection, "checkpoint": CheckpointSection}
+
+
+def _type_name(tp) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value, tp, where: str):
+    """Check value against a field type; return it in the dataclass's form (lists become tuples)."""
+    if typing.get_origin(tp) is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list of {_type_name(item_tp)[2:]}s, got {value!r}")
+        return tuple(_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    # TOML distinguishes 1 from 1.0; a float key accepts both, an int key only integers.
+    ok = (isinstance(value, bool) if tp is bool else
+          isinstance(value, int) and not isinstance(value, bool) if tp is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else
+          isinstance(value, tp))
+    if not ok:
+        raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _section(cls, raw: dict, source: str, name: str):
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    values = {}
+    for key, value in raw.items():
+        if key not in hints:
+            raise ConfigError(f"{source}: [{name}] unknown key {key!r} (known keys: {', '.join(known)})")
+        values[key] = _coerce(value, hints[key], f"{source}: [{name}] {key}")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for key in required:
+        if key not in values:
+            raise ConfigError(f"{source}: [{name}] missing required key {key!r}")
+    return cls(**values)
+
+
+def _check_values(cfg: Config, source: str) -> None:
+    def bad(where, what):
+        raise ConfigError(f"{source}: {where} {what}")
+
+    if cfg.model.architecture not in ARCHITECTURES:
+        bad("[model] architecture", f"{cfg.model.architecture!r} is not one of {', '.join(ARCHITECTURES)}")
+    if cfg.optimizer.name not in OPTIMIZERS:
+        bad("[optimizer] name", f"{cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}")
+    if cfg.train.precision not in PRECISIONS:
+        bad("[train] precision", f"{cfg.train.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if cfg.checkpoint.mode not in ("min", "max"):
+        bad("[checkpoint] mode", f"{cfg.checkpoint.mode!r} is not 'min' or 'max'")
+    if cfg.num_classes < 2:
+        bad("[data]", "needs `classes` (names) or `num_classes` >= 2")
+    if cfg.data.classes and cfg.data.num_classes and len(cfg.data.classes) != cfg.data.num_classes:
+        bad("[data] num_classes", f"is {cfg.data.num_classes} but `classes` names {len(cfg.data.classes)}")
+    if cfg.data.channels not in (1, 3):
+        bad("[data] channels", f"must be 1 or 3, got {cfg.data.channels}")
+    for key in ("mean", "std"):
+        if len(getattr(cfg.data, key)) != cfg.data.channels:
+            bad(f"[data] {key}", f"needs {cfg.data.channels} values (one per channel)")
+    if len(cfg.optimizer.betas) != 2:
+        bad("[optimizer] betas", "needs exactly two values")
+    for where, value in (("[train] batch_size", cfg.train.batch_size), ("[train] grad_accum", cfg.train.grad_accum),
+                         ("[data] image_size", cfg.data.image_size), ("[run] log_every", cfg.run.log_every),
+                         ("[checkpoint] every_steps", cfg.checkpoint.every_steps),
+                         ("[checkpoint] keep_last", cfg.checkpoint.keep_last)):
+        if value < 1:
+            bad(where, f"must be at least 1, got {value}")
+    if cfg.train.epochs < 1 and cfg.train.max_steps < 1:
+        bad("[train]", "needs epochs >= 1 or max_steps >= 1")
+    if cfg.optimizer.lr <= 0:
+        bad("[optimizer] lr", f"must be positive, got {cfg.optimizer.lr}")
+
+
+def _resolve(patterns: tuple[str, ...], base: Path, source: str, key: str) -> tuple[str, ...]:
+    """Expand globs relative to the config's directory; a pattern matching nothing is an error."""
+    files: list[str] = []
+    for pattern in patterns:
+        full = pattern if Path(pattern).is_absolute() else str(base / pattern)
+        matches = sorted(glob.glob(full))
+        if not matches:
+            raise ConfigError(f"{source}: [data] {key}: {pattern!r} matches no file")
+        files.extend(str(Path(m).resolve()) for m in matches)
+    return tuple(files)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a training config; all errors are ConfigError naming the file and key."""
+    path = Path(path)
+    source = str(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such config file") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{source}: not valid TOML ({err})") from None
+    for name, value in raw.items():
+        if name not in _SECTION_TYPES:
+            raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(_SECTION_TYPES)})")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {name} must be a [section], got {value!r}")
+    for name in ("run", "data"):
+        if name not in raw:
+            raise ConfigError(f"{source}: missing section [{name}]")
+    sections = {name: _section(cls, raw.get(name, {}), source, name) for name, cls in _SECTION_TYPES.items()}
+    base = path.resolve().parent
+    data = sections["data"]
+    sections["data"] = dataclasses.replace(
+        data,
+        train=_resolve(data.train, base, source, "train"),
+        val=_resolve(data.val, base, source, "val"),
+        check_report=str((base / data.check_report).resolve()) if data.check_report else "",
+    )
+    run = sections["run"]
+    if not Path(run.out_dir).is_absolute():
+        sections["run"] = dataclasses.replace(run, out_dir=str(base / run.out_dir))
+    if not run.name or "/" in run.name or run.name.startswith("."):
+        raise ConfigError(f"{source}: [run] name {run.name!r} must be a plain directory name")
+    cfg = Config(**sections, source=str(path.resolve()))
+    _check_values(cfg, source)
+    return cfg
+
+
+def check_data_report(cfg: Config) -> dict | None:
+    """When [data] check_report is set, the data check must have run and its gate passed."""
+    if not cfg.data.check_report:
+        return None
+    path = Path(cfg.data.check_report)
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{cfg.source}: [data] check_report: {path} does not exist "
+                          "(run `appliance data check` first)") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not a valid data-check report ({err})") from None
+    for key in ("records_total", "records_valid", "records_quarantined"):
+        if key not in report:
+            raise ConfigError(f"{path}: not a data-check report (no {key!r})")
+    gate = report.get("gate")
+    if not isinstance(gate, dict) or not isinstance(gate.get("passed"), bool):
+        raise ConfigError(f"{path}: data-check report has no gate result (\"gate\": {{\"passed\": ...}})")
+    if not gate["passed"]:
+        raise ConfigError(f"{path}: the data check failed its gate ({report['records_quarantined']} of "
+                          f"{report['records_total']} records quarantined); fix the data or the gate first")
+    return report

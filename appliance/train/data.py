@@ -1,0 +1,103 @@
+"""From TFRecord files to batches: decode, resize, normalise; the resumable sampler per rank.
+
+`decode_image` is the single definition of preprocessing (export and the edge runner read the
+same mean/std/size from the model card), so it lives in one function.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import signal
+
+import numpy as np
+import torch
+from PIL import Image
+
+from appliance.errors import DataError
+
+
+def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> torch.Tensor:
+    """PNG/JPEG bytes -> float32 tensor [C, H, W]: resized to image_size, normalised with mean/std."""
+    try:
+        image = Image.open(io.BytesIO(encoded))
+        image = image.convert("RGB" if channels == 3 else "L")
+    except Exception as err:  # PIL raises several types for damaged images
+        raise DataError(f"undecodable image ({err})") from None
+    if image.size != (image_size, image_size):
+        image = image.resize((image_size, image_size), Image.BILINEAR)
+    array = np.asarray(image, dtype=np.float32) / 255.0
+    if array.ndim == 2:
+        array = array[:, :, None]
+    array = (array - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
+
+
+def _dataset(cfg, files):
+    from data_tools.dataset import TFRecordDataset
+
+    transform = functools.partial(decode_image, image_size=cfg.data.image_size, channels=cfg.data.channels,
+                                  mean=cfg.data.mean, std=cfg.data.std)
+    # "bytes": the image is decoded by decode_image above, the one preprocessing definition.
+    dataset = TFRecordDataset(files, features={cfg.data.image_key: "bytes", cfg.data.label_key: "int"},
+                              image_key=cfg.data.image_key, label_key=cfg.data.label_key, transform=transform)
+    return _CheckedLabels(dataset, cfg.num_classes)
+
+
+class _CheckedLabels(torch.utils.data.Dataset):
+    """(image, label) samples whose label must be a class of the config."""
+
+    def __init__(self, dataset, num_classes: int):
+        self.dataset, self.num_classes = dataset, num_classes
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        image, label = self.dataset[index]
+        if not 0 <= label < self.num_classes:
+            # Caught here with the record's address, instead of as an index error deep in the loss.
+            file, number = self.dataset.locate(int(index))
+            raise DataError(f"{file}: record {number}: label {label} is outside 0..{self.num_classes - 1} "
+                            f"(the config has {self.num_classes} classes)")
+        return image, label
+
+
+def train_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):
+    """(DataLoader, ShardedSampler) for this rank's share of the training files.
+
+    The sampler trims each epoch to a multiple of the process count so every rank runs the same
+    number of steps (DDP needs that); which up-to-(processes - 1) samples are left out changes
+    with the epoch's shuffle.
+    """
+    from data_tools.dataset import ShardedSampler
+
+    dataset = _dataset(cfg, cfg.data.train)
+    sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=True,
+                             drop_last=True)
+    return _loader(cfg, dataset, sampler, generator, pin), sampler
+
+
+def val_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):
+    """Every validation record exactly once across ranks (shares may differ by one; eval sums)."""
+    from data_tools.dataset import ShardedSampler
+
+    dataset = _dataset(cfg, cfg.data.val)
+    sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=False)
+    return _loader(cfg, dataset, sampler, generator, pin)
+
+
+def _worker_ignores_stop_signals(worker_id: int) -> None:
+    # SIGINT/SIGTERM (Ctrl-C, a scheduler's preemption) reach the whole process group. The
+    # training process stops at the next step boundary and saves; a loader worker killed by the
+    # same signal first would turn that clean stop into a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _loader(cfg, dataset, sampler, generator, pin):
+    workers = cfg.data.num_workers
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=cfg.train.batch_size, sampler=sampler, num_workers=workers, pin_memory=pin,
+        generator=generator, prefetch_factor=4 if workers else None,
+        worker_init_fn=_worker_ignores_stop_signals if workers else None)

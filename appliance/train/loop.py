@@ -1,0 +1,312 @@
+"""The training loop, one process per device, started by torchrun (see launcher.py).
+
+Read `train()` top to bottom: set up, resume, then per optimizer step: micro-batches with
+gradient accumulation, clipping, the (scaled) optimizer step, the schedule, logging, and
+checkpoints; evaluation after each epoch. SIGTERM/SIGINT end the run at the next step boundary
+with a checkpoint, so `--resume auto` continues exactly there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from appliance.errors import ApplianceError, ConfigError
+from appliance.train import data, faults
+from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
+from appliance.train.config import Config, check_data_report, load_config
+from appliance.train.determinism import rng_state, set_determinism, set_rng_state
+from appliance.train.models import ModelCard, save_trained_model
+from appliance.train.ddp import build_training_model, pick_precision
+from appliance.train.optimizer import build_optimizer, build_scheduler
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; all ranks agree on it each step so they stop at the same step."""
+
+    def __init__(self):
+        self.local = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._set)
+
+    def _set(self, signum, frame):
+        # A second signal is normal (the job's process group, then torchrun, both send one), so
+        # it changes nothing; torchrun's SIGKILL after its grace period is the hard stop.
+        self.local = True
+
+    def agreed(self, device) -> bool:
+        flag = torch.tensor([int(self.local)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _log_line(run_dir: Path, record: dict) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, autocast) -> dict:
+    """Loss and top-1 over the whole validation set (each record counted once across ranks).
+
+    Takes the unwrapped model: shares may differ by a batch between ranks, and DDP's forward
+    would run collectives. Rank 0's buffers (BatchNorm statistics) are what gets saved, so
+    every rank evaluates with them."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with autocast():
+            logits = model(images)
+        totals[0] += nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += labels.numel()
+    dist.all_reduce(totals)
+    model.train()
+    count = max(totals[2].item(), 1)
+    return {"val_loss": totals[0].item() / count, "val_acc": totals[1].item() / count}
+
+
+def write_run_manifest(cfg: Config, run_dir: Path, step: int) -> None:
+    """runs/<name>/manifest.json: the data files (sha256) in, the model and metrics out."""
+    from appliance.manifest import write_manifest
+
+    outputs = sorted((run_dir / "model").iterdir()) + [run_dir / "metrics.jsonl"]
+    inputs = [cfg.source, *cfg.data.train, *cfg.data.val] + ([cfg.data.check_report] if cfg.data.check_report else [])
+    write_manifest(run_dir, "train", inputs, {"config": cfg.to_dict(), "steps": step,
+                                              "config_hash": cfg.training_hash()}, outputs=outputs)
+
+
+def train(cfg: Config, resume: str = "auto") -> int:
+    # --- set up: processes, determinism, data, model, optimizer -----------------------------------
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    set_determinism(cfg.run.seed, rank, cfg.run.deterministic)
+    check_data_report(cfg)
+    run_dir = cfg.run_dir
+    log = print if rank == 0 else (lambda *a, **k: None)
+
+    # The loaders get their own generator, reseeded per epoch: creating an iterator then never
+    # draws from the global RNG, whose stream the checkpoints capture mid-epoch.
+    loader_generator = torch.Generator()
+    train_loader, sampler = data.train_loader(cfg, rank, world, loader_generator, pin=device.type == "cuda")
+    val_loader = data.val_loader(cfg, rank, world, loader_generator, pin=device.type == "cuda") if cfg.data.val else None
+    steps_per_epoch = len(train_loader) // cfg.train.grad_accum
+    if steps_per_epoch < 1:
+        raise ConfigError(f"{cfg.source}: [train] batch_size x grad_accum x processes is larger than the data")
+    total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+
+    model, raw_model = build_training_model(cfg, device)
+    optimizer = build_optimizer(cfg, raw_model)
+    scheduler = build_scheduler(cfg, optimizer, total_steps)
+    precision = pick_precision(cfg.train.precision, device, cfg.source)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
+    sharded = cfg.optimizer.zero_redundancy
+    local_optimizer = optimizer.optim if sharded else optimizer  # ZeRO: this rank's shard
+    card = ModelCard(architecture=cfg.model.architecture, num_classes=cfg.num_classes,
+                     in_channels=cfg.data.channels, image_size=cfg.data.image_size, mean=cfg.data.mean,
+                     std=cfg.data.std, channel_order="RGB" if cfg.data.channels == 3 else "L",
+                     class_names=cfg.data.classes, extra={"run": cfg.run.name, "made_by": "appliance train"})
+    checkpoints = CheckpointManager(
+        run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best,
+        monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode,
+        min_free_bytes=int(cfg.checkpoint.min_free_gb * 2**30), rank=rank, world_size=world, log=log)
+
+    # --- resume: weights, optimizer, schedule, scaler, RNG streams, data position -----------------
+    step, epoch, batches_done, metrics = 0, 0, 0, {}
+    ckpt = None
+    if resume == "auto":
+        ckpt = checkpoints.load_latest()
+        if ckpt is None and list(checkpoints.directory.glob("damaged-step-*")):
+            raise ConfigError(f"{checkpoints.directory}: no checkpoint verifies (see the warnings above); "
+                              "refusing to start over on top of them: use a new [run] name")
+    elif resume == "none":
+        if checkpoints.committed():
+            raise ConfigError(f"{run_dir / 'checkpoints'} already holds checkpoints of an earlier run; "
+                              "use --resume auto to continue it, or a new [run] name to start over")
+    else:
+        try:
+            ckpt = checkpoints.load(resume)
+        except CheckpointDamaged as err:
+            raise ConfigError(f"--resume {resume}: {err}") from None
+    if ckpt is not None:
+        if ckpt.trainer["config_hash"] != cfg.training_hash():
+            raise ConfigError(f"{cfg.source}: differs from the config that made {ckpt.path} in a setting that "
+                              "decides the weights; use a new [run] name to start a new run")
+        raw_model.load_state_dict(ckpt.model_state)
+        local_optimizer.load_state_dict(ckpt.optimizer_state)
+        scheduler.load_state_dict(ckpt.trainer["scheduler"])
+        scaler.load_state_dict(ckpt.trainer["scaler"])
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr  # ZeRO keeps its own param groups; they must carry the resumed lr too
+        set_rng_state(ckpt.rng)
+        sampler.load_state_dict(ckpt.trainer["sampler"])  # rank 0's; every rank is at the same position
+        step, epoch, batches_done = ckpt.step, ckpt.trainer["epoch"], ckpt.trainer["batches_done"]
+        metrics = ckpt.trainer["metrics"]
+        log(f"resumed from {ckpt.path} (step {step}, epoch {epoch})", flush=True)
+        if rank == 0:  # later lines may repeat steps the lost attempt had logged
+            _log_line(run_dir, {"step": step, "epoch": epoch, "resumed_from": str(ckpt.path)})
+
+    def save(metrics: dict) -> None:
+        trainer = {"epoch": epoch, "batches_done": batches_done, "sampler": sampler.state_dict(),
+                   "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "metrics": metrics,
+                   "config_hash": cfg.training_hash()}
+        checkpoints.save(step, model=raw_model, card=card, optimizer_state=local_optimizer.state_dict(),
+                         optimizer_sharded=sharded, trainer=trainer, rng=rng_state())
+
+    writer = None
+    if rank == 0:
+        from tensorboardX import SummaryWriter
+        from tqdm import tqdm
+
+        writer = SummaryWriter(str(run_dir / "tb"))
+        bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, mininterval=1.0)
+    stop = StopFlag()
+    criterion = nn.CrossEntropyLoss()
+    model.train()
+
+    # --- the loop ------------------------------------------------------------------------------
+    stopped = False
+    while step < total_steps and not stopped:
+        sampler.set_epoch(epoch)  # keeps the position of a resumed epoch
+        loader_generator.manual_seed(cfg.run.seed * 100_003 + epoch * 1009 + rank)
+        batches = iter(train_loader)
+        window_start, data_wait, window_steps, loss_sum = time.perf_counter(), 0.0, 0, torch.zeros((), device=device)
+        while batches_done + cfg.train.grad_accum <= len(train_loader) and step < total_steps:
+            for micro in range(cfg.train.grad_accum):
+                t0 = time.perf_counter()
+                images, labels = next(batches)
+                sampler.advance(len(labels))
+                images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+                data_wait += time.perf_counter() - t0
+                # Gradients are averaged across ranks only on the last micro-batch.
+                last = micro == cfg.train.grad_accum - 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    with autocast():
+                        loss = criterion(model(images), labels) / cfg.train.grad_accum
+                    scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+            batches_done += cfg.train.grad_accum
+            if cfg.train.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.train.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            window_steps += 1
+            faults.maybe_die("step", step, rank)
+
+            if step % cfg.run.log_every == 0 or step == total_steps:
+                dist.all_reduce(loss_sum)
+                elapsed = time.perf_counter() - window_start
+                record = {"step": step, "epoch": epoch, "loss": loss_sum.item() / (window_steps * world),
+                          "lr": scheduler.get_last_lr()[0],
+                          "samples_per_s": window_steps * cfg.train.batch_size * cfg.train.grad_accum * world / elapsed,
+                          "data_wait_pct": 100 * data_wait / elapsed, "peak_memory_mb": peak_memory_mb(device)}
+                if rank == 0:
+                    _log_line(run_dir, record)
+                    for key, value in record.items():
+                        if key not in ("step", "epoch"):
+                            writer.add_scalar(f"train/{key}", value, step)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+                window_start, data_wait, window_steps = time.perf_counter(), 0.0, 0
+                loss_sum.zero_()
+            if rank == 0:
+                bar.update(1)
+            stopped = stop.agreed(device)
+            if stopped or step % cfg.checkpoint.every_steps == 0:
+                save({})
+            if stopped:
+                log(f"stopped by signal at step {step}; checkpoint saved, resume with the same command", flush=True)
+                break
+        if stopped:
+            break
+        if batches_done + cfg.train.grad_accum > len(train_loader):  # the epoch is complete
+            epoch, batches_done = epoch + 1, 0
+            if val_loader is not None:
+                loader_generator.manual_seed(cfg.run.seed)
+                metrics = evaluate(raw_model, val_loader, device, autocast)
+                if rank == 0:
+                    _log_line(run_dir, {"step": step, "epoch": epoch - 1, **metrics})
+                    for key, value in metrics.items():
+                        writer.add_scalar(f"val/{key[4:]}", value, step)
+                    log(f"epoch {epoch - 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+            save(metrics)
+
+    # --- finish: last checkpoint, the trained-model directory, the run manifest --------------------
+    if not stopped:
+        save(metrics)
+        if rank == 0:
+            bar.close()
+            save_trained_model(run_dir / "model", raw_model, card)
+            write_run_manifest(cfg, run_dir, step)
+            log(f"trained {step} steps; model: {run_dir / 'model'}", flush=True)
+    if writer is not None:
+        writer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="appliance.train.loop", description="one training process (under torchrun)")
+    parser.add_argument("config")
+    parser.add_argument("--resume", default="auto")
+    args = parser.parse_args(argv)
+    try:
+        return train(load_config(args.config), args.resume)
+    except ApplianceError as err:
+        # Raised in a DataLoader worker, the message carries the worker's traceback: keep its last line.
+        line = str(err).strip().splitlines()[-1]
+        line = line.split(": ", 1)[1] if line.startswith("appliance.errors.") else line
+        print(f"appliance train: error: {line}", file=sys.stderr, flush=True)
+        _exit_now(2)
+    except BaseException:
+        traceback.print_exc()
+        _exit_now(1)
+
+
+def _exit_now(status: int) -> None:
+    """Leave without interpreter teardown, which can hang in DataLoader or process-group cleanup
+    while peer ranks wait in a collective; our exit makes them fail fast, and torchrun restarts
+    or ends the job. Checkpoints are atomic, so nothing is lost."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

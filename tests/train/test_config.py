@@ -1,0 +1,108 @@
+"""Training configs: the example parses, every mistake is one line naming the file and key."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from appliance.errors import ConfigError
+from appliance.train.config import check_data_report, load_config
+from conftest import ROOT, run_appliance
+
+MINIMAL = """
+[run]
+name = "r1"
+[data]
+train = ["train-*.tfrecord"]
+classes = ["a", "b"]
+"""
+
+
+@pytest.fixture
+def cfg_dir(tmp_path):
+    (tmp_path / "train-0.tfrecord").write_bytes(b"")
+    (tmp_path / "train-1.tfrecord").write_bytes(b"")
+    return tmp_path
+
+
+def _write(cfg_dir: Path, text: str) -> Path:
+    path = cfg_dir / "train.toml"
+    path.write_text(text)
+    return path
+
+
+def test_minimal_config_gets_defaults_and_resolved_paths(cfg_dir):
+    cfg = load_config(_write(cfg_dir, MINIMAL))
+    assert cfg.data.train == (str(cfg_dir / "train-0.tfrecord"), str(cfg_dir / "train-1.tfrecord"))
+    assert cfg.run_dir == cfg_dir / "runs" / "r1"
+    assert cfg.num_classes == 2 and cfg.model.architecture == "small_cnn" and cfg.train.precision == "auto"
+
+
+def test_example_config_is_valid(tmp_path):
+    example = tmp_path / "examples"
+    shutil.copytree(ROOT / "examples", example)
+    data = example / "data" / "checked"
+    data.mkdir(parents=True)
+    for name in ("train-0.tfrecord", "val-0.tfrecord"):
+        (data / name).write_bytes(b"")
+    cfg = load_config(example / "train.toml")
+    assert cfg.model.architecture == "resnet18" and cfg.num_classes == 5 and cfg.checkpoint.keep_last == 3
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("[train]\nbatchsize = 8", "[train] unknown key 'batchsize' (known keys: epochs, max_steps, batch_size"),
+    ("[train]\nbatch_size = \"8\"", "[train] batch_size must be an integer, got '8'"),
+    ("[train]\nbatch_size = 8.5", "[train] batch_size must be an integer, got 8.5"),
+    ("[optimizer]\nlr = \"fast\"", "[optimizer] lr must be a number, got 'fast'"),
+    ("[run.extra]\nx = 1", "[run] unknown key 'extra'"),
+    ("[trian]\nepochs = 1", "unknown section [trian]"),
+    ("[model]\narchitecture = \"resnet9\"", "[model] architecture 'resnet9' is not one of small_cnn, resnet18"),
+    ("[train]\nprecision = \"fp8\"", "[train] precision 'fp8' is not one of auto, fp32, bf16, fp16"),
+    ("[model]\nfrozen_prefixes = \"conv1\"", "[model] frozen_prefixes must be a list of strings"),
+    ("[run.deterministic]", "[run] deterministic must be true or false, got {}"),
+])
+def test_mistakes_name_the_file_and_key(cfg_dir, extra, message):
+    path = _write(cfg_dir, MINIMAL + extra)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: ")
+    assert message in str(err.value)
+
+
+def test_missing_files_and_sections(cfg_dir):
+    with pytest.raises(ConfigError, match=r"\[data\] train: 'nope-\*\.tfrecord' matches no file"):
+        load_config(_write(cfg_dir, MINIMAL.replace("train-*", "nope-*")))
+    with pytest.raises(ConfigError, match=r"missing section \[data\]"):
+        load_config(_write(cfg_dir, "[run]\nname = \"x\"\n"))
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(_write(cfg_dir, "[run\n"))
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(cfg_dir / "absent.toml")
+
+
+def test_cli_prints_one_line_for_a_bad_config(cfg_dir):
+    path = _write(cfg_dir, MINIMAL + "[train]\nbatchsize = 8\n")
+    proc = run_appliance("train", str(path), "--dry-run")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"appliance train: error: {path}: [train] unknown key 'batchsize'")
+
+
+def _report(cfg_dir, passed=True, **override):
+    report = {"records_total": 10, "records_valid": 9, "records_quarantined": 1, "gate": {"passed": passed}}
+    report.update(override)
+    (cfg_dir / "report.json").write_text(json.dumps(report))
+    return load_config(_write(cfg_dir, MINIMAL + 'check_report = "report.json"\n'))
+
+
+def test_required_data_check_report(cfg_dir):
+    assert check_data_report(_report(cfg_dir))["records_valid"] == 9
+    with pytest.raises(ConfigError, match="the data check failed its gate"):
+        check_data_report(_report(cfg_dir, passed=False))
+    with pytest.raises(ConfigError, match="no gate result"):
+        check_data_report(_report(cfg_dir, gate=None))
+    cfg = _report(cfg_dir)
+    (cfg_dir / "report.json").unlink()
+    with pytest.raises(ConfigError, match="run `appliance data check` first"):
+        check_data_report(cfg)
