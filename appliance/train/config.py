@@ -253,20 +253,9 @@ def check_data_report(cfg: Config) -> dict | None:
     if not cfg.data.check_report:
         return None
     path = Path(cfg.data.check_report)
-    try:
-        report = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.exists():
         raise ConfigError(f"{cfg.source}: [data] check_report: {path} does not exist "
-                          "(run `appliance data check` first)") from None
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not a valid data-check report ({err})") from None
-    for key in ("records_total", "records_valid", "records_quarantined"):
-        if key not in report:
-            raise ConfigError(f"{path}: not a data-check report (no {key!r})")
-    gate = report.get("gate")
-    if not isinstance(gate, dict) or not isinstance(gate.get("passed"), bool):
-        raise ConfigError(f"{path}: data-check report has no gate result (\"gate\": {{\"passed\": ...}})")
-    if not gate["passed"]:
-        raise ConfigError(f"{path}: the data check failed its gate ({report['records_quarantined']} of "
-                          f"{report['records_total']} records quarantined); fix the data or the gate first")
-    return report
+                          "(run `appliance data check --fail-on ...` first)")
+    from data_tools.check.gate import require_passing_report
+
+    return require_passing_report(path)

@@ -79,8 +79,8 @@ def require_passing_report(report_path) -> dict:
     gate = report.get("gate") if isinstance(report, dict) else None
     if not isinstance(gate, dict) or "passed" not in gate:
         raise DataError(f"{path}: not a data check report (no \"gate\"); run appliance data check")
-    if not gate["conditions"]:
+    if not gate.get("conditions"):
         raise DataError(f"{path}: the data check ran without --fail-on, so nothing was required of the data")
     if not gate["passed"]:
-        raise DataError(f"{path}: data check gate failed: {'; '.join(gate['failed'])}")
+        raise DataError(f"{path}: data check gate failed: {'; '.join(gate.get('failed', []))}")
     return report

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import ConfigError
+from appliance.errors import ConfigError, DataError
 from appliance.train.config import check_data_report, load_config
 from conftest import ROOT, run_appliance
 
@@ -89,20 +89,29 @@ def test_cli_prints_one_line_for_a_bad_config(cfg_dir):
     assert proc.stderr.startswith(f"appliance train: error: {path}: [train] unknown key 'batchsize'")
 
 
-def _report(cfg_dir, passed=True, **override):
-    report = {"records_total": 10, "records_valid": 9, "records_quarantined": 1, "gate": {"passed": passed}}
-    report.update(override)
-    (cfg_dir / "report.json").write_text(json.dumps(report))
-    return load_config(_write(cfg_dir, MINIMAL + 'check_report = "report.json"\n'))
+def _checked(cfg_dir, fail_on):
+    """A real `appliance data check` report over real records, and a config requiring it."""
+    from data_tools.check.run import run_check
+    from data_tools.tfrecord import write_records
+    from train_data import image_records
+
+    data = cfg_dir / "train-0.tfrecord"
+    write_records(data, image_records(24, seed=0))
+    with open(data, "ab") as f:
+        f.write(b"\x00" * 40)  # a damaged tail: the check reports it as corrupt
+    report, _ = run_check([(str(data), "train")], cfg_dir / "check", fail_on=fail_on, progress=False)
+    return load_config(_write(cfg_dir, MINIMAL + 'check_report = "check/report.json"\n')), report
 
 
 def test_required_data_check_report(cfg_dir):
-    assert check_data_report(_report(cfg_dir))["records_valid"] == 9
-    with pytest.raises(ConfigError, match="the data check failed its gate"):
-        check_data_report(_report(cfg_dir, passed=False))
-    with pytest.raises(ConfigError, match="no gate result"):
-        check_data_report(_report(cfg_dir, gate=None))
-    cfg = _report(cfg_dir)
-    (cfg_dir / "report.json").unlink()
-    with pytest.raises(ConfigError, match="run `appliance data check` first"):
+    cfg, report = _checked(cfg_dir, fail_on="quarantined_fraction>0.5")
+    assert check_data_report(cfg)["records_valid"] == report["records_valid"] == 24
+    cfg, _ = _checked(cfg_dir, fail_on="corrupt>0")
+    with pytest.raises(DataError, match="data check gate failed"):
+        check_data_report(cfg)
+    cfg, _ = _checked(cfg_dir, fail_on=None)
+    with pytest.raises(DataError, match="ran without --fail-on"):
+        check_data_report(cfg)
+    (cfg_dir / "check" / "report.json").unlink()
+    with pytest.raises(ConfigError, match="check_report: .* does not exist"):
         check_data_report(cfg)
