@@ -1,7 +1,7 @@
 """The pipeline config: a training config plus one section per later stage.
 
 A PIPELINE.toml holds the training sections exactly as `appliance train` reads them
-([run], [data], [model], [optimizer], [schedule], [train], [checkpoint]) and the sections
+([run], [data], [model], [optimizer], [schedule], [train], [checkpoint], [augment]) and the sections
 below for the other stages. The pipeline writes the training sections out as the train
 stage's config, with the data files replaced by the check stage's clean shards.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from appliance.errors import ConfigError
 
-TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint")
+TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment")
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,20 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
+class AugmentSection:
+    """Seeded training augmentation (data_tools.augment.TrainTransform); evaluation never augments."""
+
+    enabled: bool = False
+    degrees: float = 15.0  # rotation, uniform in +/- degrees
+    hue: float = 0.1  # fraction of the colour circle: 0.1 = +/- 36 degrees
+    saturation: float = 0.1  # HSV S multiplied by a factor in [1 - s, 1 + s]
+    value: float = 0.1  # HSV V multiplied by a factor in [1 - v, 1 + v]
+    crop_scale: tuple[float, ...] = (0.08, 1.0)  # RandomResizedCrop area fraction
+    flip_probability: float = 0.5  # horizontal flip
+    debug: bool = False  # log every sample's applied parameters
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunSection
     data: DataSection
@@ -100,6 +114,7 @@ class Config:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    augment: AugmentSection = field(default_factory=AugmentSection)
     source: str = ""
 
     @property
@@ -124,7 +139,8 @@ class Config:
 
 
 _SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
-                  "schedule": ScheduleSection, "train": TrainSection, "checkpoint": CheckpointSection}
+                  "schedule": ScheduleSection, "train": TrainSection, "checkpoint": CheckpointSection,
+                  "augment": AugmentSection}
 
 
 def _type_name(tp) -> str:
@@ -197,6 +213,16 @@ def _check_values(cfg: Config, source: str) -> None:
         bad("[train]", "needs epochs >= 1 or max_steps >= 1")
     if cfg.optimizer.lr <= 0:
         bad("[optimizer] lr", f"must be positive, got {cfg.optimizer.lr}")
+    aug = cfg.augment
+    if not 0 <= aug.hue <= 0.5:
+        bad("[augment] hue", f"is a fraction of the colour circle in [0, 0.5], got {aug.hue}")
+    for key in ("saturation", "value"):
+        if not 0 <= getattr(aug, key) < 1:
+            bad(f"[augment] {key}", f"is the +/- fraction of a multiplicative factor, in [0, 1), got {getattr(aug, key)}")
+    if aug.degrees < 0 or not 0 <= aug.flip_probability <= 1:
+        bad("[augment]", "needs degrees >= 0 and flip_probability in [0, 1]")
+    if len(aug.crop_scale) != 2 or not 0 < aug.crop_scale[0] <= aug.crop_scale[1] <= 1:
+        bad("[augment] crop_scale", f"needs two area fractions 0 < min <= max <= 1, got {list(aug.crop_scale)}")
 
 
 def _resolve(patterns: tuple[str, ...], base: Path, source: str, key: str) -> tuple[str, ...]:

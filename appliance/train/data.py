@@ -32,15 +32,41 @@ def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> t
         raise DataError(f"undecodable image ({err})") from None
 
 
-def _dataset(cfg, files):
+def decode_for_augmentation(encoded: bytes, channels: int):
+    """PNG/JPEG bytes -> a PIL image in the model's channel order; the augmentation resizes and normalises."""
+    import io
+
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(encoded))
+        return image.convert("RGB" if channels == 3 else "L")
+    except Exception as err:  # PIL raises several types for damaged images
+        raise DataError(f"undecodable image ({err})") from None
+
+
+def _dataset(cfg, files, augment: bool = False):
     from data_tools.dataset import TFRecordDataset
 
-    transform = functools.partial(decode_image, image_size=cfg.data.image_size, channels=cfg.data.channels,
-                                  mean=cfg.data.mean, std=cfg.data.std)
+    if augment:
+        transform = functools.partial(decode_for_augmentation, channels=cfg.data.channels)
+    else:
+        transform = functools.partial(decode_image, image_size=cfg.data.image_size, channels=cfg.data.channels,
+                                      mean=cfg.data.mean, std=cfg.data.std)
     # "bytes": the image is decoded by decode_image above, the one preprocessing definition.
     dataset = TFRecordDataset(files, features={cfg.data.image_key: "bytes", cfg.data.label_key: "int"},
                               image_key=cfg.data.image_key, label_key=cfg.data.label_key, transform=transform)
-    return _CheckedLabels(dataset, cfg.num_classes)
+    dataset = _CheckedLabels(dataset, cfg.num_classes)
+    if augment:
+        from data_tools.augment import SeededAugmentation, TrainTransform
+
+        a = cfg.augment
+        # Seeded by (seed, epoch, sample index): a resumed run augments each sample as before.
+        dataset = SeededAugmentation(dataset, TrainTransform(
+            cfg.data.image_size, seed=cfg.run.seed, degrees=a.degrees, hue=a.hue, saturation=a.saturation,
+            value=a.value, scale=tuple(a.crop_scale), flip_probability=a.flip_probability,
+            mean=cfg.data.mean, std=cfg.data.std, debug=a.debug))
+    return dataset
 
 
 class _CheckedLabels(torch.utils.data.Dataset):
@@ -71,7 +97,7 @@ def train_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bo
     """
     from data_tools.dataset import ShardedSampler
 
-    dataset = _dataset(cfg, cfg.data.train)
+    dataset = _dataset(cfg, cfg.data.train, augment=cfg.augment.enabled)
     sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=True,
                              drop_last=True)
     return _loader(cfg, dataset, sampler, generator, pin), sampler

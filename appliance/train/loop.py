@@ -200,6 +200,8 @@ def train(cfg: Config, resume: str = "auto") -> int:
     stopped = False
     while step < total_steps and not stopped:
         sampler.set_epoch(epoch)  # keeps the position of a resumed epoch
+        if hasattr(train_loader.dataset, "set_epoch"):
+            train_loader.dataset.set_epoch(epoch)  # augmentation is seeded by (seed, epoch, index)
         loader_generator.manual_seed(cfg.run.seed * 100_003 + epoch * 1009 + rank)
         batches = iter(train_loader)
         window_start, data_wait, window_steps, loss_sum = time.perf_counter(), 0.0, 0, torch.zeros((), device=device)

@@ -177,8 +177,9 @@ def test_damaged_newest_checkpoint_falls_back_and_still_ends_bit_identical(workd
 
 def test_options_zero_accumulation_activation_checkpointing_resume_exactly(workdir):
     """ZeRO-sharded SGD (per-rank optimizer files), grad accumulation, activation checkpointing,
-    a frozen first block and bf16 autocast: killed and resumed equals uninterrupted."""
-    options = dict(model={"activation_checkpointing": True, "frozen_prefixes": ["0."]},
+    a frozen first block, bf16 autocast and seeded augmentation: killed and resumed equals uninterrupted."""
+    options = dict(augment={"enabled": True, "crop_scale": [0.5, 1.0]},
+                   model={"activation_checkpointing": True, "frozen_prefixes": ["0."]},
                    optimizer={"name": "sgd", "lr": 0.05, "zero_redundancy": True},
                    train={"epochs": 2, "grad_accum": 2, "precision": "bf16"},
                    checkpoint={"every_steps": 3, "keep_last": 1, "keep_best": 0})

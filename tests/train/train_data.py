@@ -56,7 +56,7 @@ def make_config(tmp_path: Path, name: str = "run", train_records: int = 256, val
         "checkpoint": {"every_steps": 5, "keep_last": 2, "keep_best": 1, "min_free_gb": 0.0},
     }
     for section, values in sections.items():
-        config[section].update(values)
+        config.setdefault(section, {}).update(values)
     lines = []
     for section, values in config.items():
         lines.append(f"[{section}]")
