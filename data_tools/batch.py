@@ -11,6 +11,8 @@ errors) and decodes each batch into columns, like TensorFlow's `parse_example`:
   None where a record lacks the key.
 
 Row i of every column equals `decode_example(record_i)[key]` (None where the key is absent).
+Each batch is an `ExampleBatch`: that dict of columns, plus `.count`, its number of records.
+With `keys` given, every requested key has a column (all None where no record holds it).
 Why a batch: a pure-Python per-record walk costs ~6 us; here the wire-format walk runs once per
 feature position for the whole batch in numpy, so the per-record Python work is one list slot.
 Batches whose records do not share one canonical layout (same keys in the same order, one
@@ -32,6 +34,14 @@ _U8 = np.uint8
 _I64 = np.int64
 
 
+class ExampleBatch(dict):
+    """{key: column} for `count` records (a dict; `count` also holds when there are no columns)."""
+
+    def __init__(self, columns, count: int):
+        super().__init__(columns)
+        self.count = count
+
+
 class _Irregular(Exception):
     """The batch does not share one canonical layout: decode it record by record."""
 
@@ -44,7 +54,7 @@ def read_examples(
     strict: bool = False,
     compression: str | None = "auto",
     on_damage: Callable[[DamagedRange], None] | None = None,
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[ExampleBatch]:
     """Yield {key: column} for each run of up to `batch` verified records (see module docstring).
 
     keys limits the decoded features (the others are skipped, not decoded); None decodes all.
@@ -52,33 +62,39 @@ def read_examples(
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, not {batch}")
-    wanted = None if keys is None else frozenset(keys)
+    wanted = None if keys is None else tuple(dict.fromkeys(keys))
     for blob, starts, ends, _ in _records(path, strict, compression, on_damage, with_offsets=False, batch=batch):
         yield _decode_spans_or_each(blob, starts, ends, wanted)
 
 
-def decode_batch(records: list[bytes], keys: Iterable[str] | None = None) -> dict[str, Any]:
+def decode_batch(records: list[bytes], keys: Iterable[str] | None = None) -> ExampleBatch:
     """Columns for a list of serialized tf.train.Example records (see the module docstring)."""
     blob, starts, ends, _ = joined(list(records))
-    return _decode_spans_or_each(blob, starts, ends, None if keys is None else frozenset(keys))
+    return _decode_spans_or_each(blob, starts, ends, None if keys is None else tuple(dict.fromkeys(keys)))
 
 
 def _decode_spans_or_each(blob, starts, ends, keys):
-    if len(starts):
+    """keys: None, or the requested keys in order without repeats."""
+    count = len(starts)
+    wanted = None if keys is None else frozenset(keys)
+    columns = None
+    if count:
         try:
-            return _decode_spans(blob, starts, ends, keys)
+            columns = _decode_spans(blob, starts, ends, wanted)
         except (_Irregular, _Fallback, IndexError):
             pass  # out-of-range positions come from lengths that do not fit: not canonical
-    return _decode_each([blob[a:b] for a, b in zip(starts.tolist(), ends.tolist())], keys)
+    if columns is None:
+        columns = _decode_each([blob[a:b] for a, b in zip(starts.tolist(), ends.tolist())], wanted)
+    if keys is not None:
+        columns = {key: columns[key] if key in columns else [None] * count for key in keys}
+    return ExampleBatch(columns, count)
 
 
 def _decode_each(records, keys):
     """Slow path: decode_example per record, then the same column rules."""
     rows = [decode_example(r, keys) for r in records]
-    names = list(dict.fromkeys(k for row in rows for k in row)) if keys is None else \
-        [k for k in keys if any(k in row for row in rows)]
     out = {}
-    for key in names:
+    for key in dict.fromkeys(k for row in rows for k in row):
         values = [row.get(key) for row in rows]
         first = values[0]
         if isinstance(first, np.ndarray) and all(
@@ -209,9 +225,7 @@ def _decode_spans(blob, starts, ends, keys):
         out[key] = _column(blob, buf, tag, k, o, size, sizes)
     if not (o == ends).all():
         raise _Irregular  # some record holds more or fewer features than row 0
-    if keys is None:
-        return out
-    return {key: out[key] for key in keys if key in out}
+    return out
 
 
 def _varints_fit(window, varints, outer_lengths, h):
@@ -255,7 +269,7 @@ def _column(blob, buf, tag, k, end, size, sizes):
         if tag == 0x12:
             return [np.frombuffer(blob, "<f4", (b - a) >> 2, a).astype(np.float32)
                     for a, b in zip(k.tolist(), end.tolist())]
-        return [_packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())]
+        return _stack_if_even([_packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])
     raw = buf[k[:, None] + (_ARANGE[:size] if size <= 64 else np.arange(size))]
     if tag == 0x12:  # float32, packed little endian
         return raw.view("<f4").astype(np.float32, copy=False)
@@ -273,7 +287,11 @@ def _column(blob, buf, tag, k, end, size, sizes):
         if not (ends_at - np.concatenate(([-1], ends_at[:-1])) <= 10).all():
             raise _Irregular  # a varint over 10 bytes is not an int64
         return values.view(_I64)
-    values = [_packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())]
+    return _stack_if_even([_packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])
+
+
+def _stack_if_even(values):
+    """Equal counts in every row -> one 2-D array, as the column rules say; else the list."""
     if all(len(v) == len(values[0]) for v in values):
         return np.stack(values)
     return values
