@@ -17,6 +17,7 @@ import numpy as np
 from google_crc32c import value as _crc32c
 
 _U64 = struct.Struct("<Q").unpack_from
+_U32 = struct.Struct("<I").unpack_from
 _MASK_DELTA = 0xA282EAD8
 _A4 = np.arange(4)
 _LENGTH_CRCS: dict[int, int] = {}  # length -> masked CRC of its 8 bytes (depends on the length only)
@@ -46,9 +47,14 @@ def verified_span(buf, off: int, most: int, hint: list[int]):
     n = len(buf)
     if off + 16 > n:
         return None
-    # copy first, then walk the copy: walking headers in the mapping costs more than the copy
-    want = max(hint[0] * most + (hint[0] * most >> 3), 16 + _U64(buf, off)[0])
-    blob = buf[off:min(n, off + want)]
+    # Copy first, then walk the copy (walking headers in the mapping costs more than the copy).
+    # A length sizes a copy only once its CRC has verified, so a damaged length can never make
+    # this copy gigabytes; unverified lengths below only move the walk inside the copy.
+    first = _U64(buf, off)[0]
+    if off + 16 + first > n or _length_crc(first) != _U32(buf, off + 8)[0]:
+        return None
+    guess = hint[0] * most
+    blob = buf[off:min(n, off + max(guess + (guess >> 3), 16 + first))]
     starts = []
     append = starts.append
     p = 0
@@ -64,11 +70,13 @@ def verified_span(buf, off: int, most: int, hint: list[int]):
             append(p)
             p = stop
             count += 1
-        if count == most or off + m >= n or p + 16 > m and off + m >= n:
+        if count == most or off + m >= n or off + p + 16 > n:
             break
-        if count and stop - m > 8 * m:
-            break  # an absurd length: the careful path judges it
-        blob += buf[off + m:min(n, off + max(stop, m + (m >> 2) + 16))]  # rare: records ran long
+        # rare: the records ran longer than the guess; extend over the next one if it verifies
+        length = _U64(buf, off + p)[0]
+        if off + p + 16 + length > n or _length_crc(length) != _U32(buf, off + p + 8)[0]:
+            break
+        blob += buf[off + m:min(n, off + max(p + 16 + length, m + (m >> 2)))]
     if not count:
         return None
     hint[0] = p // count + 1
@@ -80,10 +88,10 @@ def verified_span(buf, off: int, most: int, hint: list[int]):
     ds = st + 12
     de = nxt - 4
     lengths = (de - ds).tolist()
-    unique = set(lengths)
-    crc_of = {length: _length_crc(length) for length in unique} if len(unique) > 1 else None
-    good = raw[st[:, None] + 8 + _A4].view("<u4")[:, 0] == (
-        np.array([crc_of[x] for x in lengths], np.uint32) if crc_of else _length_crc(lengths[0]))
+    expected = list(map(_LENGTH_CRCS.get, lengths))  # a C-level loop once the lengths are known
+    if None in expected:
+        expected = [_length_crc(x) for x in lengths]
+    good = raw[st[:, None] + 8 + _A4].view("<u4")[:, 0] == np.array(expected, np.uint32)
     crcs = np.array([_crc32c(blob[a:b]) for a, b in zip(ds.tolist(), de.tolist())], np.uint64)
     masked = (((crcs >> np.uint64(15)) | (crcs << np.uint64(17))) + np.uint64(_MASK_DELTA)) & np.uint64(0xFFFFFFFF)
     good &= raw[de[:, None] + _A4].view("<u4")[:, 0] == masked

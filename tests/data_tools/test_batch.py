@@ -212,3 +212,13 @@ def test_property_rows_equal_decode_example_even_when_damaged(tmp_path_factory, 
     got = rows(read_examples(path, batch=batch, on_damage=got_damage.append))
     assert_same_rows(got, want)
     assert got_damage == want_damage
+
+
+def test_records_growing_past_the_size_guess(tmp_path):
+    # small records first set the copy-size guess; much larger ones then need the copy extended
+    records = [encode_example({"x": b"s" * 10})] * 20 + [encode_example({"x": b"L" * 50000})] * 20
+    path = tmp_path / "growing.tfrecord"
+    write_records(path, records)
+    got = rows(read_examples(path, batch=8))
+    assert_same_rows(got, expected(path))
+    assert [r["x"][0][:1] for r in got] == [b"s"] * 20 + [b"L"] * 20
