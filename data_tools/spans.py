@@ -16,10 +16,10 @@ import struct
 import numpy as np
 from google_crc32c import value as _crc32c
 
-_U64 = struct.Struct("<Q").unpack_from
-_U32 = struct.Struct("<I").unpack_from
+_LEN = struct.Struct("<QI").unpack_from
 _MASK_DELTA = 0xA282EAD8
 _A4 = np.arange(4)
+_A8 = np.arange(8)
 _LENGTH_CRCS: dict[int, int] = {}  # length -> masked CRC of its 8 bytes (depends on the length only)
 
 
@@ -36,50 +36,39 @@ def _length_crc(length: int) -> int:
     return crc
 
 
-def verified_span(buf, off: int, most: int, hint: list[int]):
+def verified_span(buf, off: int, most: int):
     """Up to `most` whole records starting at buf[off], every one with both CRCs valid.
 
     Returns (blob, starts, ends, next_offset): blob is a bytes copy of the span and record r's
     data is blob[starts[r]:ends[r]]; next_offset is where the first record not taken begins.
     Returns None when the record at off does not verify or does not fit (the caller's careful
-    path decides what it is). hint[0] carries the bytes per record seen so far, to size the copy.
+    path decides what it is).
     """
     n = len(buf)
-    if off + 16 > n:
-        return None
-    # Copy first, then walk the copy (walking headers in the mapping costs more than the copy).
-    # A length sizes a copy only once its CRC has verified, so a damaged length can never make
-    # this copy gigabytes; unverified lengths below only move the walk inside the copy.
-    first = _U64(buf, off)[0]
-    if off + 16 + first > n or _length_crc(first) != _U32(buf, off + 8)[0]:
-        return None
-    guess = hint[0] * most
-    blob = buf[off:min(n, off + max(guess + (guess >> 3), 16 + first))]
+    # Walk the headers in the mapping, stepping only over lengths whose CRC verifies (so a
+    # damaged length never makes the copy below gigabytes), then copy the span out once: what
+    # is checked below is that copy, and what gets decoded is that copy.
     starts = []
     append = starts.append
-    p = 0
+    known = _LENGTH_CRCS.get
+    p = off
     count = 0
-    while True:
-        m = len(blob)
-        while count < most:
-            if p + 16 > m:
-                break
-            stop = p + 16 + _U64(blob, p)[0]
-            if stop > m:
-                break
-            append(p)
-            p = stop
-            count += 1
-        if count == most or off + m >= n or off + p + 16 > n:
+    while count < most:
+        if p + 16 > n:
             break
-        # rare: the records ran longer than the guess; extend over the next one if it verifies
-        length = _U64(buf, off + p)[0]
-        if off + p + 16 + length > n or _length_crc(length) != _U32(buf, off + p + 8)[0]:
+        length, length_crc = _LEN(buf, p)
+        if known(length) != length_crc and _length_crc(length) != length_crc:
             break
-        blob += buf[off + m:min(n, off + max(p + 16 + length, m + (m >> 2)))]
+        stop = p + 16 + length
+        if stop > n:
+            break
+        append(p - off)
+        p = stop
+        count += 1
+    blob = buf[off:p]
+    p -= off
     if not count:
         return None
-    hint[0] = p // count + 1
     raw = np.frombuffer(blob, np.uint8)
     st = np.array(starts, np.int64)
     nxt = np.empty_like(st)
@@ -87,11 +76,13 @@ def verified_span(buf, off: int, most: int, hint: list[int]):
     nxt[-1] = p
     ds = st + 12
     de = nxt - 4
+    # the walk read the mapping; the file may have changed since: check the copy again
     lengths = (de - ds).tolist()
+    good = raw[st[:, None] + _A8].view("<u8")[:, 0] == (de - ds).astype(np.uint64)
     expected = list(map(_LENGTH_CRCS.get, lengths))  # a C-level loop once the lengths are known
     if None in expected:
         expected = [_length_crc(x) for x in lengths]
-    good = raw[st[:, None] + 8 + _A4].view("<u4")[:, 0] == np.array(expected, np.uint32)
+    good &= raw[st[:, None] + 8 + _A4].view("<u4")[:, 0] == np.array(expected, np.uint32)
     crcs = np.array([_crc32c(blob[a:b]) for a, b in zip(ds.tolist(), de.tolist())], np.uint64)
     masked = (((crcs >> np.uint64(15)) | (crcs << np.uint64(17))) + np.uint64(_MASK_DELTA)) & np.uint64(0xFFFFFFFF)
     good &= raw[de[:, None] + _A4].view("<u4")[:, 0] == masked

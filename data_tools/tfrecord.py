@@ -195,7 +195,6 @@ def _records(path, strict, compression, on_damage, with_offsets, batch=None):
     # strict errors, one yield per run.
     path = str(path)
     pending = None if batch is None else []
-    hint = [0]  # bytes per record so far, for data_tools.spans
     try:
         src = _open_source(path, compression)
     except OSError as err:
@@ -225,7 +224,7 @@ def _records(path, strict, compression, on_damage, with_offsets, batch=None):
                     if pending:
                         yield joined(pending)
                         pending = []
-                    while (span := verified_span(buf, off, batch, hint)) is not None:
+                    while (span := verified_span(buf, off, batch)) is not None:
                         yield span
                         record_number += len(span[1])
                         off = span[3]

@@ -214,8 +214,8 @@ def test_property_rows_equal_decode_example_even_when_damaged(tmp_path_factory, 
     assert got_damage == want_damage
 
 
-def test_records_growing_past_the_size_guess(tmp_path):
-    # small records first set the copy-size guess; much larger ones then need the copy extended
+def test_records_of_very_different_sizes_in_one_span(tmp_path):
+    # small records, then large ones: spans of mixed sizes, template checks that fail midway
     records = [encode_example({"x": b"s" * 10})] * 20 + [encode_example({"x": b"L" * 50000})] * 20
     path = tmp_path / "growing.tfrecord"
     write_records(path, records)
