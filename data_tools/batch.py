@@ -164,6 +164,7 @@ def _entry_layout(blob, pos, limit):
 
 
 _ARANGE = np.arange(64)
+_ONE_TO_3 = np.arange(1, 4)
 
 
 def _decode_spans(blob, starts, ends, keys):
@@ -177,21 +178,21 @@ def _decode_spans(blob, starts, ends, keys):
     path accepts and the values are its values.
     """
     buf = np.frombuffer(blob, _U8)
-    rows = len(starts)
     first_end = int(ends[0])
     if not (ends > starts).all():
         raise _Irregular  # an empty record decodes to {}
-    # Example.features: 0a LEN, the LEN running to the record's end
-    p0 = int(starts[0])
-    if blob[p0] != 0x0A:
+    # Example.features: 0a LEN, the LEN (1-3 bytes, widths may differ) running to the record's end
+    if not (buf[starts] == 0x0A).all():
         raise _Irregular
-    ln, w = _scalar_varint(blob, p0 + 1, first_end)
-    if p0 + 1 + w + ln != first_end:
+    head = buf[starts[:, None] + _ONE_TO_3].astype(_I64)
+    c0 = head[:, 0] >= 0x80
+    c01 = c0 & (head[:, 1] >= 0x80)
+    if (c01 & (head[:, 2] >= 0x80)).any():
         raise _Irregular
-    head = buf[starts[:, None] + _ARANGE[:1 + w]]
-    if not (head == head[0]).all() and not _varints_fit(head, [(1, w)], ends - starts - 1 - w, 0):
+    length = (head[:, 0] & 0x7F) | np.where(c0, (head[:, 1] & 0x7F) << 7, 0) | np.where(c01, head[:, 2] << 14, 0)
+    o = starts + 2 + c0 + c01
+    if not (o + length == ends).all():
         raise _Irregular
-    o = starts + 1 + w
     out = {}
     seen = set()
     while True:
@@ -215,11 +216,7 @@ def _decode_spans(blob, starts, ends, keys):
             sizes = None
             o = k + size
         else:
-            # same template except the four lengths: decode them, check they nest exactly
-            sizes = _varints_fit(window, varints, None, h)
-            if sizes is None:
-                raise _Irregular
-            k = o + h
+            k, sizes = _variable_entry(blob, buf, o, ends, window, h, kb, tag, varints)
             o = k + sizes
         if keys is not None and key not in keys:
             continue
@@ -229,22 +226,46 @@ def _decode_spans(blob, starts, ends, keys):
     return out
 
 
-def _varints_fit(window, varints, outer_lengths, h):
-    """Rows equal row 0 except at the varints, which keep row 0's widths; returns the last varint's values.
+def _variable_entry(blob, buf, o, ends, window, h, kb, tag, varints):
+    """Payload starts and sizes of an entry whose size varies: row 0's template except the lengths.
 
-    For an entry template (h > 0) the varints are L1 L2 L3 S and each Lx must equal S plus the
-    header bytes after it; for the Example header (outer_lengths given) the one varint must equal
-    outer_lengths. Returns None (or False) when a row does not fit.
+    Rows whose lengths have other widths (sizes on both sides of 128 or 16384 bytes, as JPEGs
+    are) get a template of their own, parsed from the first such row: up to four templates.
     """
+    ok, sizes = _fit(window, varints, h)
+    k = o + h
+    todo = ~ok
+    for _ in range(3):
+        rows = np.flatnonzero(todo)
+        if not len(rows):
+            return k, sizes
+        r = int(rows[0])
+        h2, kb2, tag2, _, varints2 = _entry_layout(blob, int(o[r]), int(ends[r]))
+        if kb2 != kb or tag2 != tag:
+            raise _Irregular
+        at = o[rows]
+        ok2, sizes2 = _fit(buf[at[:, None] + np.arange(h2)], varints2, h2)
+        if not ok2[0]:
+            raise _Irregular
+        done = rows[ok2]
+        k[done] = at[ok2] + h2
+        sizes[done] = sizes2[ok2]
+        todo[done] = False
+    if todo.any():
+        raise _Irregular
+    return k, sizes
+
+
+def _fit(window, varints, h):
+    """Which rows equal row 0 except at the varints L1 L2 L3 S, with row 0's widths, and nest
+    exactly (each Lx equals S plus the header bytes after it); and every row's S."""
     varcols = [c + i for c, w in varints for i in range(w)]
     const = np.ones(window.shape[1], bool)
     const[varcols] = False
-    if not (window[:, const] == window[0, const]).all():
-        return None
-    raw = window[:, varcols].astype(np.int64)
+    ok = (window[:, const] == window[0, const]).all(axis=1)
+    raw = window[:, varcols].astype(_I64)
     cont = raw >= 0x80
-    if not (cont == cont[0]).all():
-        return None  # a width differs: the template does not hold
+    ok &= (cont == cont[0]).all(axis=1)
     values = []
     j = 0
     for c, w in varints:
@@ -253,21 +274,22 @@ def _varints_fit(window, varints, outer_lengths, h):
             v = v | ((raw[:, j + i] & 0x7F) << (7 * i))
         values.append(v)
         j += w
-    if outer_lengths is not None:
-        return bool((values[0] == outer_lengths).all())
     size = values[-1]
     for (c, w), v in zip(varints[:-1], values[:-1]):
-        if not (v - size == h - (c + w)).all():
-            return None
-    return size
+        ok &= v - size == h - (c + w)
+    return ok, size
 
 
 def _column(blob, buf, tag, k, end, size, sizes):
     """One feature's column; sizes is None when every row's payload is `size` bytes."""
+    if sizes is not None and tag != 0x0A and (sizes == sizes[0]).all():
+        size, sizes = int(sizes[0]), None  # one size after all (lengths written with extra bytes)
     if tag == 0x0A:  # bytes: one list[bytes] per record
         return [[blob[a:b]] for a, b in zip(k.tolist(), end.tolist())]
     if sizes is not None:  # numbers whose counts vary: one array per record
         if tag == 0x12:
+            if (sizes & 3).any():
+                raise _Irregular  # not whole float32s: decode_example's protobuf path decides
             return [np.frombuffer(blob, "<f4", (b - a) >> 2, a).astype(np.float32)
                     for a, b in zip(k.tolist(), end.tolist())]
         return _stack_if_even([_packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])

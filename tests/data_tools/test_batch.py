@@ -94,7 +94,7 @@ def test_irregular_records_fall_back_with_the_same_values(tmp_path):
 def test_mixed_varint_widths_and_varying_counts(tmp_path):
     rng = np.random.default_rng(1)
     records = [encode_example({
-        "image": rng.bytes(int(rng.choice([100, 200, 20000]))),
+        "image": rng.bytes(int(rng.choice([100, 200, 20000]))),  # 1-, 2-, 3-byte lengths
         "scores": rng.random(int(rng.integers(1, 40)), dtype=np.float32),
         "ids": rng.integers(-5, 10 ** 12, size=3),
     }) for _ in range(40)]
@@ -102,6 +102,9 @@ def test_mixed_varint_widths_and_varying_counts(tmp_path):
     write_records(path, records)
     got = rows(read_examples(path, batch=16))
     assert_same_rows(got, expected(path))
+    # lengths of one, two and three varint bytes in one batch still take the numpy path
+    blob, starts, ends, _ = joined(records)
+    assert set(_decode_spans(blob, starts, ends, None)) == {"image", "scores", "ids"}
 
 
 @pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
