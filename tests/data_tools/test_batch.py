@@ -114,8 +114,8 @@ def test_compressed_files(tmp_path, compression):
     assert_same_rows(rows(read_examples(path, batch=8)), expected(path))
 
 
-def damaged_file(tmp_path):
-    records = image_records(30, sizes=(200, 400))
+def damaged_file(tmp_path, sizes=(200, 400)):
+    records = image_records(30, sizes=sizes)
     path = tmp_path / "damaged.tfrecord"
     write_records(path, records)
     data = bytearray(path.read_bytes())
@@ -128,8 +128,9 @@ def damaged_file(tmp_path):
 
 
 @pytest.mark.parametrize("batch", [1, 4, 256])
-def test_damaged_file_gives_the_same_records_and_reports(tmp_path, batch):
-    path = damaged_file(tmp_path)
+@pytest.mark.parametrize("sizes", [(200, 400), (20000, 30000)])  # lengths of 2 and 3 varint bytes
+def test_damaged_file_gives_the_same_records_and_reports(tmp_path, batch, sizes):
+    path = damaged_file(tmp_path, sizes)
     want_damage, got_damage = [], []
     want = [decode_example(r) for r in read_records(path, on_damage=want_damage.append)]
     got = rows(read_examples(path, batch=batch, on_damage=got_damage.append))
