@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config")
     parser.add_argument("--resume", default="auto")
     args = parser.parse_args(argv)
+    die_with_launcher()
     try:
         return train(load_config(args.config), args.resume)
     except ApplianceError as err:
@@ -298,6 +299,25 @@ def main(argv: list[str] | None = None) -> int:
         _exit_now(2)
     except BaseException:
         traceback.print_exc()
+        _exit_now(1)
+
+
+def die_with_launcher() -> None:
+    """Ask Linux to SIGKILL this worker when its torchrun agent dies.
+
+    torchrun starts workers in sessions of their own, so a `kill -9` of `appliance train` (or of
+    the pipeline around it) would otherwise leave them training on, writing checkpoints beside
+    the run that resumes them.
+    """
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: nothing to ask for
+    if os.getppid() != parent:  # the agent died before prctl took effect
         _exit_now(1)
 
 

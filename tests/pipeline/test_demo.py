@@ -95,7 +95,21 @@ def test_pipeline_killed_during_training_finishes_with_the_same_model(demo, tmp_
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert not (work / "out" / "train" / "model" / "model.safetensors").exists(), "killed too late"
+    # torchrun puts workers in sessions of their own; they must die with their agent, not train on.
+    deadline = time.monotonic() + 10
+    while any(str(work) in " ".join(cmdline) for cmdline in _command_lines()):
+        assert time.monotonic() < deadline, "a training worker outlived the killed pipeline"
+        time.sleep(0.2)
     run_offline("pipeline", str(work / "pipeline.toml"))
     resumed = (work / "out" / "train" / "model" / "model.safetensors").read_bytes()
     uninterrupted = (out / "out" / "train" / "model" / "model.safetensors").read_bytes()
     assert resumed == uninterrupted
+
+
+def _command_lines():
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                yield open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+            except OSError:
+                continue
