@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _verb_label(args) -> str:
+    """`data check`, `edge verify`, ...: the words the user typed, for the one-line error."""
+    sub = next((getattr(args, k) for k in ("data_verb", "edge_verb", "bundle_verb") if getattr(args, k, None)), None)
+    return f"{args.verb} {sub}" if sub else str(args.verb)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug is accepted anywhere on the line, not only before the verb.
@@ -60,17 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     except ApplianceError as err:
         if args.debug:
             traceback.print_exc()
-        print(f"appliance {args.verb}: error: {err}", file=sys.stderr)
+        print(f"appliance {_verb_label(args)}: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
-        print(f"appliance {args.verb}: interrupted", file=sys.stderr)
+        print(f"appliance {_verb_label(args)}: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # an unexpected failure still gets one line, with a hint
         if args.debug:
             traceback.print_exc()
         else:
             print(
-                f"appliance {args.verb}: internal error: {type(err).__name__}: {err} "
+                f"appliance {_verb_label(args)}: internal error: {type(err).__name__}: {err} "
                 "(rerun with --debug for the traceback)",
                 file=sys.stderr,
             )

@@ -89,7 +89,7 @@ def test_build_lists_every_missing_or_mismatched_wheel_and_writes_nothing(tmp_pa
     assert ("missing: test: tomli-w==0.0.1: no wheel for CPython 3.11 x86_64-manylinux_2_28; "
             "the index has no wheel of it") in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"appliance bundle: error: 2 locked wheel(s) missing or mismatched (listed above); nothing was written to {out}")
+        f"appliance bundle build: error: 2 locked wheel(s) missing or mismatched (listed above); nothing was written to {out}")
     assert not out.exists() or not list(out.iterdir())
 
 
@@ -104,7 +104,7 @@ def test_unknown_profile_and_foreign_lock_are_one_line_errors(tmp_path):
     proc = bundle_kit.build(tmp_path / "out", "--profile", "test", source=src, cache=tmp_path / "cache")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"appliance bundle: error: {lock}: header does not say --python-platform x86_64-manylinux_2_28: "
+        f"appliance bundle build: error: {lock}: header does not say --python-platform x86_64-manylinux_2_28: "
         "the lock was not resolved for profile test's platform"]
 
 

@@ -66,14 +66,14 @@ def test_malformed_schema_file_is_one_line(tmp_path):
     schema.write_text('{"features": {"image/encoded": {"dtype": "bytes"},}}')
     proc = run_appliance("data", "check", str(planted.val), "--schema", str(schema), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2
-    assert proc.stderr == f"appliance data: error: {schema}: line 1: schema is not valid JSON: " \
+    assert proc.stderr == f"appliance data check: error: {schema}: line 1: schema is not valid JSON: " \
                           "Expecting property name enclosed in double quotes\n"
 
 
 def test_unknown_gate_metric_is_one_line(tmp_path):
     proc = run_appliance("data", "check", "x.tfrecord", "--out", str(tmp_path), "--fail-on", "corupt>0")
     assert proc.returncode == 2
-    assert proc.stderr.startswith("appliance data: error: --fail-on: unknown metric 'corupt'")
+    assert proc.stderr.startswith("appliance data check: error: --fail-on: unknown metric 'corupt'")
 
 
 def test_gzip_input_gives_the_same_result_and_serial_equals_parallel(tmp_path):

@@ -85,7 +85,7 @@ def test_cat_prints_json_lines_and_warns_about_damage(tmp_path):
 def test_missing_and_non_tfrecord_files_are_one_line_errors(tmp_path):
     for verb in ("cat", "index"):
         proc = run_appliance("data", verb, str(tmp_path / "missing.tfrecord"))
-        assert proc.returncode == 2 and proc.stderr == f"appliance data: error: {tmp_path / 'missing.tfrecord'}: no such file\n"
+        assert proc.returncode == 2 and proc.stderr == f"appliance data {verb}: error: {tmp_path / 'missing.tfrecord'}: no such file\n"
         notes = tmp_path / "notes.txt"
         notes.write_text("these are my notes, not a TFRecord file\n" * 20)
         proc = run_appliance("data", verb, str(notes))

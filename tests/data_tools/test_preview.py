@@ -45,5 +45,5 @@ def test_preview_of_a_file_without_images_is_one_line(tmp_path):
     empty.write_bytes(b"")
     proc = run_appliance("data", "preview", str(empty), "--out", str(tmp_path / "g.png"))
     assert proc.returncode == 2
-    assert proc.stderr == (f"appliance data: error: {empty}: no record with a decodable "
+    assert proc.stderr == (f"appliance data preview: error: {empty}: no record with a decodable "
                            "'image/encoded' image to preview\n")

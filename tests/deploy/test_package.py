@@ -105,7 +105,7 @@ def test_tampered_package_is_one_line(edge_package, tmp_path):
     proc = run_appliance("edge", "verify", str(tampered))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert lines == [f"appliance edge: error: {tampered}: model.json: sha256 does not match SHA256SUMS "
+    assert lines == [f"appliance edge verify: error: {tampered}: model.json: sha256 does not match SHA256SUMS "
                      "(modified after packaging)"]
 
 
