@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.bundle.profiles import Pin, Profile
+from appliance.manifest import sha256_file
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 PROGRESS_EVERY_S = 3.0
@@ -139,21 +140,13 @@ class Progress:
                       file=sys.stderr, flush=True)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fetch(wheels: list[Wheel], cache: Path, problems: list[str]) -> dict[str, tuple[Path, str]]:
     """Download (or reuse from cache) every wheel, check its sha256; filename -> (path, sha256)."""
     cache.mkdir(parents=True, exist_ok=True)
     todo, paths = [], {}
     for w in wheels:
         cached = [cache / h / w.filename for h in sorted(w.allowed) if (cache / h / w.filename).exists()]
-        digest = _sha256(cached[0]) if cached else None
+        digest = sha256_file(cached[0]) if cached else None
         if digest in w.allowed:  # re-hashed: a cache is no reason to trust a file
             paths[w.filename] = (cached[0], digest)
         else:

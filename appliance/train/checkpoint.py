@@ -17,7 +17,6 @@ warning naming what was wrong, and the previous good one is used.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from appliance.errors import EnvironmentProblem
+from appliance.manifest import sha256_file
 from appliance.train import faults
 
 COMMIT_MARKER = "COMMITTED"
@@ -87,14 +87,6 @@ def _write_json(path: Path, obj) -> None:
         json.dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _dist() -> bool:
@@ -185,7 +177,7 @@ class CheckpointManager:
 
         if self.rank == 0:
             files = sorted(p for p in tmp.iterdir() if p.is_file())
-            sums = "".join(f"{_sha256(p)}  {p.name}\n" for p in files)
+            sums = "".join(f"{sha256_file(p)}  {p.name}\n" for p in files)
             (tmp / CHECKSUMS).write_text(sums)
             _fsync_path(tmp / CHECKSUMS)
             _fsync_path(tmp)
@@ -283,7 +275,7 @@ class CheckpointManager:
             file = path / name
             if not file.is_file():
                 raise CheckpointDamaged(f"{name} is missing")
-            if _sha256(file) != digest:
+            if sha256_file(file) != digest:
                 raise CheckpointDamaged(f"{name} fails its sha256 check (damaged or changed after saving)")
         present = {p.name for p in path.iterdir() if p.is_file()} - {CHECKSUMS, COMMIT_MARKER}
         if present - set(listed):
