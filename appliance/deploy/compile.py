@@ -191,9 +191,14 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         info["check"] = check_against_ort(library, model_path, shape, sample_files, meta, tolerance, inp.name)
     atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2) + "\n")
     inputs = [model_path, *(Path(f) for f in sample_files or [])]
+    if tuning:  # the schedules in model.so came from these records
+        from appliance.deploy.tune import HEADER, RECORDS, WORKLOADS
+
+        inputs += [Path(tuning["database"]) / name for name in (HEADER, WORKLOADS, RECORDS)]
     write_manifest(out_dir, "compile", inputs, {"target": target_name, "tvm_target": target,
                                                  "input_shape": shape, "tolerance": tolerance,
-                                                 "lineage": lineage_from(model_path.parent)})
+                                                 "lineage": lineage_from(model_path.parent),
+                                                 **({"tuning": tuning} if tuning else {})})
     if not cross and not info["check"]["passed"]:
         raise DataError(f"{library}: TVM output differs from onnxruntime by {info['check']['max_abs_diff']:.3g} "
                         f"(allowed {info['check']['allowed']:.3g}); see {out_dir / 'compile.json'}")

@@ -4,6 +4,7 @@ reused without measuring, and bad databases refused with one line."""
 import json
 
 from conftest import run_appliance
+from appliance.manifest import read_manifest
 
 TRIALS = 2
 
@@ -28,6 +29,8 @@ def test_tune_writes_a_reusable_database_and_reuse_measures_nothing(tmp_path, ex
     assert len(tuned) == header["records"] and header["tasks"] <= len(tuned) <= header["tasks"] * TRIALS
     info = json.loads((tmp_path / "tuned" / "compile.json").read_text())
     assert info["tuning"]["reused"] is False
+    manifest_inputs = [i["path"] for i in read_manifest(tmp_path / "tuned")["inputs"]]
+    assert any(p.endswith("database_tuning_record.json") for p in manifest_inputs)
     assert info["check"]["passed"] and info["check"]["max_abs_diff"] <= 1e-4 and info["check"]["top1_agreement"] == 1.0
 
     before = (db / "database_tuning_record.json").read_bytes()
