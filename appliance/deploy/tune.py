@@ -160,11 +160,7 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     tmp.mkdir(parents=True)
     mod = relax.get_pipeline("zero")(mod)
     tasks = ms.relax_integration.extract_tasks(mod, target)
-    # MutateComputeLocation and MutateParallel crash TVM 0.27's TuneContext initialisation
-    # (ToJSONGraph) even on apache-tvm-ffi 0.1.14; tile-size and unroll mutations remain.
-    mutators = {m: p for m, p in ms.Mutator.create("llvm").items()
-                if type(m).__name__ in ("MutateTileSize", "MutateUnroll")}
-    space = ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm", mutator_probs=mutators)
+    space = ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm", mutator_probs="llvm")
     # Small populations: the random cost model cannot rank a large one, and it costs seconds.
     strategy = ms.search_strategy.EvolutionarySearch(population_size=max(64, 4 * trials),
                                                      init_min_unmeasured=min(50, 4 * trials), genetic_num_iters=2)
