@@ -4,8 +4,10 @@
 
 For each model at 1x3x224x224 (untrained weights; latency does not depend on them): onnxruntime
 FP32, onnxruntime INT8 (S8S8 QDQ, `appliance quantize`'s default, and U8S8 with
-reduce_range, its `--scheme u8s8`) and the TVM host build (as
-`appliance compile --target x86_64` makes it, untuned). Prints median latency, ratios against
+reduce_range, its `--scheme u8s8`), the TVM host build (as
+`appliance compile --target x86_64` makes it, untuned) and, for the models in --tune-models, the
+TVM build tuned by `appliance compile --tune N` (N = --tune-trials trials per task; the tuning
+time is printed). Prints median latency, ratios against
 onnxruntime FP32 and file sizes. Targets from the issue: INT8 <= 0.6x FP32, TVM <= 1.0x ORT FP32.
 """
 
@@ -42,7 +44,7 @@ def interleaved_medians(fns: dict, runs: int, budget_s: float = 90.0) -> dict:
     return {name: (statistics.median(t), len(t)) for name, t in times.items()}
 
 
-def bench_model(arch: str, work: Path, runs: int) -> dict:
+def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0) -> dict:
     import tvm
     from tvm import relax
 
@@ -65,6 +67,10 @@ def bench_model(arch: str, work: Path, runs: int) -> dict:
     start = time.perf_counter()
     info = compile_model(fp32, "x86_64", work / "tvm")
     compile_s = time.perf_counter() - start
+    tuned = None
+    if tune_trials:
+        tuned = compile_model(fp32, "x86_64", work / "tvm-tuned", tune_trials=tune_trials,
+                              log=lambda line: print(f"  {arch}: {line}", flush=True))
 
     x = calib[:1]
     s_fp32, s_int8, s_u8 = ort_session(fp32), ort_session(int8), ort_session(u8)
@@ -75,10 +81,14 @@ def bench_model(arch: str, work: Path, runs: int) -> dict:
 
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(work / "tvm" / "model.so")), tvm.cpu())
     x_tvm = tvm.runtime.tensor(x)
-    medians = interleaved_medians({"ort_fp32": lambda: s_fp32.run(None, {"input": x}),
-                                   "ort_int8": lambda: s_int8.run(None, {"input": x}),
-                                   "ort_u8s8": lambda: s_u8.run(None, {"input": x}),
-                                   "tvm": lambda: vm["main"](x_tvm)}, runs)
+    routes = {"ort_fp32": lambda: s_fp32.run(None, {"input": x}),
+              "ort_int8": lambda: s_int8.run(None, {"input": x}),
+              "ort_u8s8": lambda: s_u8.run(None, {"input": x}),
+              "tvm": lambda: vm["main"](x_tvm)}
+    if tuned:
+        vm_tuned = relax.VirtualMachine(tvm.runtime.load_module(str(work / "tvm-tuned" / "model.so")), tvm.cpu())
+        routes["tvm_tuned"] = lambda: vm_tuned["main"](x_tvm)
+    medians = interleaved_medians(routes, runs)
     (ort_fp32, n1), (ort_int8, n2), (tvm_ms, n3) = medians["ort_fp32"], medians["ort_int8"], medians["tvm"]
     ort_u8 = medians["ort_u8s8"][0]
     return {"model": arch, "ort_fp32_ms": ort_fp32, "ort_int8_ms": ort_int8, "tvm_ms": tvm_ms,
@@ -87,7 +97,11 @@ def bench_model(arch: str, work: Path, runs: int) -> dict:
             "runs": [n1, n2, n3], "int8_ratio": ort_int8 / ort_fp32, "tvm_ratio": tvm_ms / ort_fp32,
             "fp32_mb": fp32.stat().st_size / 1e6, "int8_mb": int8.stat().st_size / 1e6,
             "tvm_mb": (work / "tvm" / "model.so").stat().st_size / 1e6, "tvm_compile_s": compile_s,
-            "tvm_max_abs_diff_vs_ort": info["check"]["max_abs_diff"]}
+            "tvm_max_abs_diff_vs_ort": info["check"]["max_abs_diff"],
+            **({"tvm_tuned_ms": medians["tvm_tuned"][0], "tvm_tuned_ratio": medians["tvm_tuned"][0] / ort_fp32,
+                "tune_trials_per_task": tune_trials, "tune_tasks": tuned["tuning"]["tasks"],
+                "tune_s": tuned["tuning"]["tuned_in_seconds"],
+                "tvm_tuned_max_abs_diff_vs_ort": tuned["check"]["max_abs_diff"]} if tuned else {})}
 
 
 def main() -> None:
@@ -97,6 +111,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--tune-models", nargs="*", default=["mobilenet_v2"],
+                        help="models also compiled with `--tune` (a tuned TVM column)")
+    parser.add_argument("--tune-trials", type=int, default=8, help="MetaSchedule trials per task")
     args = parser.parse_args()
     import os
 
@@ -105,13 +122,19 @@ def main() -> None:
     results = []
     for arch in args.models:
         with tempfile.TemporaryDirectory(prefix=f"bench-{arch}-") as tmp:
-            results.append(bench_model(arch, Path(tmp), args.runs))
+            results.append(bench_model(arch, Path(tmp), args.runs,
+                                       args.tune_trials if arch in args.tune_models else 0))
         r = results[-1]
         print(f"{arch:>13}  ORT FP32 {r['ort_fp32_ms']:8.2f} ms | ORT INT8 S8S8 {r['ort_int8_ms']:8.2f} ms "
               f"(x{r['int8_ratio']:.2f}, target <= 0.6, rel err {r['int8_rel_err']:.3f}) | ORT INT8 U8S8-rr "
               f"{r['ort_u8s8_ms']:8.2f} ms (x{r['u8s8_ratio']:.2f}, rel err {r['u8s8_rel_err']:.3f}) | TVM {r['tvm_ms']:9.2f} ms (x{r['tvm_ratio']:.2f}, "
               f"target <= 1.0) | sizes FP32 {r['fp32_mb']:.1f} MB, INT8 {r['int8_mb']:.1f} MB, "
               f"TVM .so {r['tvm_mb']:.1f} MB | TVM compile {r['tvm_compile_s']:.0f} s, runs {r['runs']}", flush=True)
+        if "tvm_tuned_ms" in r:
+            print(f"{arch:>13}  TVM tuned {r['tvm_tuned_ms']:9.2f} ms (x{r['tvm_tuned_ratio']:.2f} ORT FP32, "
+                  f"x{r['tvm_ms'] / r['tvm_tuned_ms']:.1f} faster than untuned) after {r['tune_s']:.0f} s of tuning, "
+                  f"{r['tune_trials_per_task']} trials x {r['tune_tasks']} tasks; max abs diff vs ORT "
+                  f"{r['tvm_tuned_max_abs_diff_vs_ort']:.2g}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

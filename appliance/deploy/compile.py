@@ -36,19 +36,42 @@ def register(subparsers) -> None:
                    "(default 1e-4; 1e-2 for FP16 models)")
     p.add_argument("--allow-failed-gate", action="store_true",
                    help="compile a quantized model even though `appliance quantize` failed its accuracy gate")
+    p.add_argument("--tune", type=_positive, metavar="N",
+                   help="MetaSchedule-tune every kernel with N measured trials on this CPU (x86_64 target), "
+                   "keeping the records as a reusable database (default DIR/tuning)")
+    p.add_argument("--tuning-db", metavar="DIR",
+                   help="tuning database to apply; made by --tune (into DIR when it does not exist yet), "
+                   "reused without tuning when it does")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     if not args.allow_failed_gate:
         refuse_failed_gate(args.model)
-    info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance)
+    info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
+                         tune_trials=args.tune, tuning_db=args.tuning_db)
+    if "tuning" in info:
+        t = info["tuning"]
+        if t["reused"]:
+            print(f"reused tuning database {t['database']} ({t['records']} records, {t['trials_per_task']} trials x "
+                  f"{t['tasks']} tasks, tuned in {t['tuned_in_seconds']:.0f} s); no new measurements")
+        else:
+            print(f"tuned {t['tasks']} tasks x {t['trials_per_task']} trials in {t['tuned_in_seconds']:.0f} s; "
+                  f"{t['records']} records in {t['database']}")
     line = f"wrote {info['library']} for {args.target} ({info['library_bytes'] / 1e6:.2f} MB) in {info['compile_seconds']:.1f} s"
     if "check" in info:
         c = info["check"]
         line += f"; vs onnxruntime on {c['samples']} samples: max abs diff {c['max_abs_diff']:.3g}, top-1 agreement {c['top1_agreement']:.4f}"
     print(line)
     return 0
+
+
+def _positive(text: str) -> int:
+    import argparse
+
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of trials, got {text!r}")
+    return int(text)
 
 
 def target_for(name: str) -> dict:
@@ -114,7 +137,7 @@ def import_relax(model, path, shape: list):
 
 
 def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
-                  batch: int = 1) -> dict:
+                  batch: int = 1, tune_trials: int | None = None, tuning_db=None, log=print) -> dict:
     import numpy as np
 
     import time
@@ -142,6 +165,9 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     start = time.perf_counter()
     mod = import_relax(model, model_path, shape)
     target = target_for(target_name)
+    tuning = None
+    if tune_trials or tuning_db:
+        mod, target, tuning = _tuned(mod, model_path, target_name, target, out_dir, tune_trials, tuning_db, log)
     executable = tvm.compile(mod, target=tvm.target.Target(target))
     library, tmp = out_dir / "model.so", out_dir / ".model.so.tmp.so"
     if cross:
@@ -159,17 +185,45 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
             "precision": model_precision,
             "library": str(library), "library_bytes": library.stat().st_size,
             "compile_seconds": round(seconds, 2), **meta}
+    if tuning:
+        info["tuning"] = tuning
     if not cross:
         info["check"] = check_against_ort(library, model_path, shape, sample_files, meta, tolerance, inp.name)
     atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2) + "\n")
     inputs = [model_path, *(Path(f) for f in sample_files or [])]
+    if tuning:  # the schedules in model.so came from these records
+        from appliance.deploy.tune import HEADER, RECORDS, WORKLOADS
+
+        inputs += [Path(tuning["database"]) / name for name in (HEADER, WORKLOADS, RECORDS)]
     write_manifest(out_dir, "compile", inputs, {"target": target_name, "tvm_target": target,
                                                  "input_shape": shape, "tolerance": tolerance,
-                                                 "lineage": lineage_from(model_path.parent)})
+                                                 "lineage": lineage_from(model_path.parent),
+                                                 **({"tuning": tuning} if tuning else {})})
     if not cross and not info["check"]["passed"]:
         raise DataError(f"{library}: TVM output differs from onnxruntime by {info['check']['max_abs_diff']:.3g} "
                         f"(allowed {info['check']['allowed']:.3g}); see {out_dir / 'compile.json'}")
     return info
+
+
+def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log):
+    """Apply the tuning database (made now by tuning, or reused as it is): (mod, target, summary)."""
+    from appliance.deploy import tune
+
+    target = tune.tuning_target(target)
+    db_dir = Path(db_dir) if db_dir else out_dir / "tuning"
+    model_sha = tune.sha256_of(model_path)
+    reused = (db_dir / tune.HEADER).exists() or not trials
+    if reused:
+        header = tune.check_database(db_dir, model_sha, target_name, target)
+    elif target_name != "x86_64":
+        raise DataError(f"{model_path}: --tune measures candidates on this CPU, so it tunes the x86_64 target only; "
+                        f"tune {target_name} on such a device and pass its database with --tuning-db")
+    else:
+        header = tune.tune(mod, target_name, target, db_dir, trials, model_sha, log=log)
+    mod = tune.apply_database(mod, target, db_dir)
+    return mod, target, {"database": str(db_dir), "reused": reused, "trials_per_task": header["trials_per_task"],
+                         "tasks": header["tasks"], "records": header["records"],
+                         "tuned_in_seconds": header["tuning_seconds"], "tvm_ffi": header["tvm_ffi"]}
 
 
 def check_against_ort(library, model_path, shape, sample_files, meta, tolerance, input_name="input") -> dict:

@@ -1,0 +1,198 @@
+"""MetaSchedule tuning for `appliance compile --tune N [--tuning-db DIR]`: a reusable database.
+
+Tune once (on this host, measuring candidates on its CPU), keep the records as a directory of
+MetaSchedule JSON files plus `tuning.json` saying what made them, and apply them offline with
+`relax.transform.MetaScheduleApplyDatabase` on every later compile of the same model and target.
+
+Everything runs in this process: the popen-pool builder/runner would need psutil and re-import
+TVM per worker (the 30 s `tvm.s_tir.tensor_intrin` import made every build time out), and
+the random cost model needs no xgboost. apache-tvm-ffi 0.1.15.x segfaults in ToJSONGraph when
+the JSON database saves a PrimFunc, hence the 0.1.14.post1 pin in the locks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import sys
+import time
+import types
+from pathlib import Path
+
+from appliance.errors import DataError
+
+HEADER = "tuning.json"
+WORKLOADS, RECORDS = "database_workload.json", "database_tuning_record.json"
+
+
+def prepare_meta_schedule() -> None:
+    """Make MetaSchedule usable in-process, fast, without psutil.
+
+    TuneContext imports `tvm.s_tir.tensor_intrin`, whose package __init__ registers CUDA, ROCm
+    and Hexagon intrinsics too (about 25 s of the 30 s import); a CPU search only needs the x86
+    and ARM ones, so the package is registered with just those submodules loaded. MetaSchedule
+    asks psutil for the core count; the CPUs this process may run on are the right answer."""
+    import tvm
+    import tvm.s_tir
+    import tvm_ffi
+
+    name = "tvm.s_tir.tensor_intrin"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(Path(tvm.s_tir.__file__).parent / "tensor_intrin")]
+        sys.modules[name] = package
+        for sub in ("x86", "arm_cpu"):
+            importlib.import_module(f"{name}.{sub}")
+    tvm_ffi.register_global_func("s_tir.meta_schedule.cpu_count",
+                                 lambda logical=True: len(os.sched_getaffinity(0)), override=True)
+
+
+def tuning_target(target: dict) -> dict:
+    """MetaSchedule needs the core count in the target; the database records it too."""
+    return {**target, "num-cores": len(os.sched_getaffinity(0))}
+
+
+def sha256_of(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _versions() -> dict:
+    import tvm
+    import tvm_ffi
+
+    return {"tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__}
+
+
+def check_database(db_dir, model_sha256: str, target_name: str, tvm_target: dict) -> dict:
+    """The header of an existing database, after checking it was made for this model, target
+    and TVM, and that every record line parses; one line naming the file otherwise."""
+    db_dir = Path(db_dir)
+    header_path = db_dir / HEADER
+    try:
+        header = json.loads(header_path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{header_path}: not found; {db_dir} is not a tuning database made by "
+                        "`appliance compile --tune`") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise DataError(f"{header_path}: not a tuning database header ({err})") from None
+    if not isinstance(header, dict) or header.get("made_by") != "appliance compile --tune":
+        raise DataError(f"{header_path}: not a tuning database header made by `appliance compile --tune`")
+    if header.get("model_sha256") != model_sha256:
+        raise DataError(f"{header_path}: tuned for another model (sha256 {str(header.get('model_sha256'))[:12]}..., "
+                        f"this one is {model_sha256[:12]}...); tune this model with --tune N")
+    def kind(t):  # the core count shapes the search, not whether its schedules run here
+        return {k: v for k, v in t.items() if k != "num-cores"} if isinstance(t, dict) else t
+
+    if header.get("target") != target_name or kind(header.get("tvm_target")) != kind(tvm_target):
+        raise DataError(f"{header_path}: tuned for target {header.get('tvm_target')}, not {tvm_target}; "
+                        "tune on a host of that kind with --tune N")
+    if header.get("tvm") != _versions()["tvm"]:
+        raise DataError(f"{header_path}: made with TVM {header.get('tvm')}, this is {_versions()['tvm']}; re-tune")
+    for name in (WORKLOADS, RECORDS):
+        path = db_dir / name
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as err:
+            raise DataError(f"{path}: cannot read the tuning database ({err.strerror})") from None
+        for number, line in enumerate(lines, 1):
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}: line {number}: not a MetaSchedule JSON record ({err.msg})") from None
+        if name == RECORDS and len(lines) != header.get("records"):
+            raise DataError(f"{path}: has {len(lines)} records, {HEADER} says {header.get('records')} "
+                            "(modified after tuning)")
+    return header
+
+
+def open_database(db_dir):
+    from tvm.s_tir import meta_schedule as ms
+
+    db_dir = Path(db_dir)
+    try:
+        return ms.database.JSONDatabase(str(db_dir / WORKLOADS), str(db_dir / RECORDS), allow_missing=False)
+    except Exception as err:  # TVM raises its own error types; the user gets the file and the reason
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise DataError(f"{db_dir / RECORDS}: TVM cannot load the tuning database ({first})") from None
+
+
+def apply_database(mod, tvm_target: dict, db_dir):
+    """The Relax module with each tuned kernel replaced by its best measured schedule."""
+    import tvm
+    from tvm import relax
+
+    prepare_meta_schedule()
+    mod = relax.get_pipeline("zero")(mod)
+    with tvm.target.Target(tvm_target), open_database(db_dir):
+        return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+
+
+def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha256: str, *,
+         log=print, seed: int = 0) -> dict:
+    """Tune every kernel of `mod` with `trials` measured candidates each; write the database to
+    db_dir (built beside it, then renamed, so an interrupted run leaves no half database)."""
+    import tvm
+    from tvm import relax
+    from tvm.s_tir import meta_schedule as ms
+
+    from appliance.deploy.tune_measure import InProcessBuilder, InProcessRunner, progress_callback
+
+    import tvm_ffi
+
+    if tvm_ffi.__version__.startswith("0.1.15"):
+        from appliance.errors import EnvironmentProblem
+
+        raise EnvironmentProblem(f"apache-tvm-ffi {tvm_ffi.__version__}: crashes in MetaSchedule tuning (ToJSONGraph); "
+                                 "install 0.1.14.post1 as manifests/dev.lock pins it")
+    prepare_meta_schedule()
+    start = time.perf_counter()
+    target = tvm.target.Target(tvm_target)
+    db_dir = Path(db_dir)
+    tmp = db_dir.with_name(f".{db_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mod = relax.get_pipeline("zero")(mod)
+    tasks = ms.relax_integration.extract_tasks(mod, target)
+    space = ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm", mutator_probs="llvm")
+    # Small populations: the random cost model cannot rank a large one, and it costs seconds.
+    strategy = ms.search_strategy.EvolutionarySearch(population_size=max(64, 4 * trials),
+                                                     init_min_unmeasured=min(50, 4 * trials), genetic_num_iters=2)
+    logs = tmp / "logs"
+    _quiet_meta_schedule_console()
+    contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+        tasks, str(tmp), space=space, strategy=strategy, num_threads=len(os.sched_getaffinity(0)), seed=seed)
+    log(f"tuning {len(contexts)} tasks x {trials} trials on this CPU ({tvm_target.get('mcpu', '?')})")
+    database = ms.database.JSONDatabase(str(tmp / WORKLOADS), str(tmp / RECORDS), allow_missing=True)
+    callbacks = [*ms.MeasureCallback.create("default"),
+                 progress_callback([c.task_name for c in contexts], trials, start, log)]
+    ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(tmp), max_trials_global=trials * len(contexts),
+                  max_trials_per_task=trials, num_trials_per_iter=min(trials, 32), builder=InProcessBuilder(tmp / "build"),
+                  runner=InProcessRunner(), database=database, cost_model="random", measure_callbacks=callbacks,
+                  task_scheduler="round-robin")
+    shutil.rmtree(logs, ignore_errors=True)
+    shutil.rmtree(tmp / "build", ignore_errors=True)
+    seconds = time.perf_counter() - start
+    records = len((tmp / RECORDS).read_text().splitlines())
+    header = {"made_by": "appliance compile --tune", "model_sha256": model_sha256, "target": target_name,
+              "tvm_target": tvm_target, "trials_per_task": trials, "tasks": len(contexts), "records": records,
+              "tuning_seconds": round(seconds, 1), "search": "evolutionary, random cost model, in-process measuring",
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_versions()}
+    (tmp / HEADER).write_text(json.dumps(header, indent=2) + "\n")
+    if db_dir.exists():
+        shutil.rmtree(db_dir)
+    tmp.replace(db_dir)
+    return header
+
+
+def _quiet_meta_schedule_console() -> None:
+    """MetaSchedule prints a task table per iteration; our progress lines replace it."""
+    import logging
+
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)

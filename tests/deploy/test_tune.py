@@ -1,0 +1,84 @@
+"""appliance compile --tune / --tuning-db: a real MetaSchedule search on the small CNN, its database
+reused without measuring, and bad databases refused with one line."""
+
+import json
+
+from conftest import run_appliance
+from appliance.manifest import read_manifest
+
+TRIALS = 2
+
+
+def records(db):
+    return (db / "database_tuning_record.json").read_text().splitlines()
+
+
+def test_tune_writes_a_reusable_database_and_reuse_measures_nothing(tmp_path, exported, val_npz):
+    model = exported / "model.onnx"
+    db = tmp_path / "db"
+    proc = run_appliance("compile", str(model), "--target", "x86_64", "--out", str(tmp_path / "tuned"),
+                         "--tune", str(TRIALS), "--tuning-db", str(db), "--samples", str(val_npz))
+    assert proc.returncode == 0, proc.stderr
+    assert "tuning: tasks done" in proc.stdout and "ETA" in proc.stdout
+    header = json.loads((db / "tuning.json").read_text())
+    assert header["made_by"] == "appliance compile --tune" and header["trials_per_task"] == TRIALS
+    assert header["tvm"].startswith("0.27") and header["target"] == "x86_64"
+    from appliance.manifest import sha256_file
+    assert header["model_sha256"] == sha256_file(model)
+    tuned = records(db)
+    assert len(tuned) == header["records"] and header["tasks"] <= len(tuned) <= header["tasks"] * TRIALS
+    info = json.loads((tmp_path / "tuned" / "compile.json").read_text())
+    assert info["tuning"]["reused"] is False
+    manifest_inputs = [i["path"] for i in read_manifest(tmp_path / "tuned")["inputs"]]
+    assert any(p.endswith("database_tuning_record.json") for p in manifest_inputs)
+    assert info["check"]["passed"] and info["check"]["max_abs_diff"] <= 1e-4 and info["check"]["top1_agreement"] == 1.0
+
+    before = (db / "database_tuning_record.json").read_bytes()
+    proc = run_appliance("compile", str(model), "--target", "x86_64", "--out", str(tmp_path / "reused"),
+                         "--tune", str(TRIALS), "--tuning-db", str(db), "--samples", str(val_npz))
+    assert proc.returncode == 0, proc.stderr
+    assert f"reused tuning database {db} ({len(tuned)} records" in proc.stdout and "no new measurements" in proc.stdout
+    assert "tuning: tasks done" not in proc.stdout
+    assert (db / "database_tuning_record.json").read_bytes() == before
+    info = json.loads((tmp_path / "reused" / "compile.json").read_text())
+    assert info["tuning"]["reused"] is True and info["check"]["passed"]
+    # the same tuned kernels: the reused build gives the tuned build's outputs
+    assert info["check"]["max_abs_diff"] <= 1e-4
+
+
+def test_bad_or_mismatched_database_is_one_line(tmp_path, exported):
+    model = exported / "model.onnx"
+    db = tmp_path / "db"
+    db.mkdir()
+    proc = run_appliance("compile", str(model), "--target", "x86_64", "--out", str(tmp_path / "o"),
+                         "--tuning-db", str(db))
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{db / 'tuning.json'}: not found" in proc.stderr
+
+    header = {"made_by": "appliance compile --tune", "model_sha256": "0" * 64, "target": "x86_64",
+              "tvm_target": {"kind": "llvm"}, "trials_per_task": 1, "tasks": 1, "records": 1, "tvm": "0.27.0.post1"}
+    (db / "tuning.json").write_text(json.dumps(header))
+    proc = run_appliance("compile", str(model), "--target", "x86_64", "--out", str(tmp_path / "o"),
+                         "--tuning-db", str(db))
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{db / 'tuning.json'}: tuned for another model" in proc.stderr
+    assert not (tmp_path / "o" / "model.so").exists()
+
+
+def test_damaged_record_file_is_named(tmp_path, exported):
+    from appliance.deploy.tune import sha256_of, tuning_target
+    from appliance.deploy.compile import target_for
+
+    model = exported / "model.onnx"
+    db = tmp_path / "db"
+    db.mkdir()
+    header = {"made_by": "appliance compile --tune", "model_sha256": sha256_of(model), "target": "x86_64",
+              "tvm_target": tuning_target(target_for("x86_64")), "trials_per_task": 1, "tasks": 1, "records": 1,
+              "tvm": __import__("tvm").__version__}
+    (db / "tuning.json").write_text(json.dumps(header))
+    (db / "database_workload.json").write_text("")
+    (db / "database_tuning_record.json").write_text('[0, [[["GetSBlock"\n')
+    proc = run_appliance("compile", str(model), "--target", "x86_64", "--out", str(tmp_path / "o"),
+                         "--tuning-db", str(db))
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{db / 'database_tuning_record.json'}: line 1: not a MetaSchedule JSON record" in proc.stderr
