@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.errors import ConfigError
+from appliance.tomlconfig import read_toml
 
 PROFILES_FILE = "profiles.toml"
 _KEYS = {"description", "platform", "glibc_floor", "python", "cuda_major", "project", "install", "self_test"}
@@ -56,12 +56,7 @@ class Profile:
 
 def load_profiles(manifests: Path) -> dict[str, Profile]:
     path = manifests / PROFILES_FILE
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: missing (bundle profiles are declared there)") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    data = read_toml(path, "bundle profiles file (profiles are declared there)")
     profiles = {}
     for name, table in data.get("profiles", {}).items():
         where = f"{path}: profiles.{name}"

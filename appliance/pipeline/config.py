@@ -8,12 +8,11 @@ stage's config, with the data files replaced by the check stage's clean shards.
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.errors import ConfigError
+from appliance.tomlconfig import parse_section, read_toml
 
 TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment")
 
@@ -84,41 +83,18 @@ _STAGE_SECTIONS = {"pipeline": PipelineSection, "check": CheckSection, "export":
                    "verify": VerifySection}
 
 
-def _section(cls, raw, source: Path, name: str):
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: [{name}] must be a table")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    values = {}
-    for key, value in raw.items():
-        if key not in fields:
-            raise ConfigError(f"{source}: [{name}] unknown key {key!r} (known: {', '.join(fields)})")
-        default = fields[key].default
-        expected = type(default)
-        if expected is tuple:
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{source}: [{name}] {key} must be a list of strings")
-            value = tuple(value)
-        elif expected is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ConfigError(f"{source}: [{name}] {key} must be {expected.__name__}, got {value!r}")
-        values[key] = value
-    return cls(**values)
-
-
 def load_pipeline_config(path: str | Path) -> PipelineConfig:
     source = Path(path).resolve()
-    try:
-        raw = tomllib.loads(source.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such pipeline config") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    raw = read_toml(path, "pipeline config")
     unknown = set(raw) - set(TRAIN_SECTIONS) - set(_STAGE_SECTIONS)
     if unknown:
         raise ConfigError(f"{path}: unknown section [{sorted(unknown)[0]}] (known: "
                           f"{', '.join(TRAIN_SECTIONS + tuple(_STAGE_SECTIONS))})")
-    sections = {name: _section(cls, raw.get(name, {}), source, name) for name, cls in _STAGE_SECTIONS.items()}
+    for name in _STAGE_SECTIONS:
+        if not isinstance(raw.get(name, {}), dict):
+            raise ConfigError(f"{path}: [{name}] must be a table")
+    sections = {name: parse_section(cls, raw.get(name, {}), str(source), name)
+                for name, cls in _STAGE_SECTIONS.items()}
     q = sections["quantize"]
     if q.mode not in ("int8", "fp16", "none"):
         raise ConfigError(f"{path}: [quantize] mode must be int8, fp16 or none, got {q.mode!r}")

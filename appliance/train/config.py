@@ -11,12 +11,11 @@ import dataclasses
 import glob
 import hashlib
 import json
-import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.errors import ConfigError
+from appliance.tomlconfig import parse_section, read_toml
 from appliance.train.models import ARCHITECTURES
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -143,43 +142,6 @@ _SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection,
                   "augment": AugmentSection}
 
 
-def _type_name(tp) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
-
-
-def _coerce(value, tp, where: str):
-    """Check value against a field type; return it in the dataclass's form (lists become tuples)."""
-    if typing.get_origin(tp) is tuple:
-        (item_tp, _) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{where} must be a list of {_type_name(item_tp)[2:]}s, got {value!r}")
-        return tuple(_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
-    # TOML distinguishes 1 from 1.0; a float key accepts both, an int key only integers.
-    ok = (isinstance(value, bool) if tp is bool else
-          isinstance(value, int) and not isinstance(value, bool) if tp is int else
-          isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else
-          isinstance(value, tp))
-    if not ok:
-        raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r}")
-    return float(value) if tp is float else value
-
-
-def _section(cls, raw: dict, source: str, name: str):
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    values = {}
-    for key, value in raw.items():
-        if key not in hints:
-            raise ConfigError(f"{source}: [{name}] unknown key {key!r} (known keys: {', '.join(known)})")
-        values[key] = _coerce(value, hints[key], f"{source}: [{name}] {key}")
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    for key in required:
-        if key not in values:
-            raise ConfigError(f"{source}: [{name}] missing required key {key!r}")
-    return cls(**values)
-
-
 def _check_values(cfg: Config, source: str) -> None:
     def bad(where, what):
         raise ConfigError(f"{source}: {where} {what}")
@@ -241,12 +203,7 @@ def load_config(path: str | Path) -> Config:
     """Read and validate a training config; all errors are ConfigError naming the file and key."""
     path = Path(path)
     source = str(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such config file") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{source}: not valid TOML ({err})") from None
+    raw = read_toml(path, "config file")
     for name, value in raw.items():
         if name not in _SECTION_TYPES:
             raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(_SECTION_TYPES)})")
@@ -255,7 +212,7 @@ def load_config(path: str | Path) -> Config:
     for name in ("run", "data"):
         if name not in raw:
             raise ConfigError(f"{source}: missing section [{name}]")
-    sections = {name: _section(cls, raw.get(name, {}), source, name) for name, cls in _SECTION_TYPES.items()}
+    sections = {name: parse_section(cls, raw.get(name, {}), source, name) for name, cls in _SECTION_TYPES.items()}
     base = path.resolve().parent
     data = sections["data"]
     sections["data"] = dataclasses.replace(

@@ -27,7 +27,7 @@ def test_defaults_and_output_dir(tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     ("[quantize]\nmod = 'int8'\n", "[quantize] unknown key 'mod'"),
-    ("[quantize]\nmax_drop = 'one'\n", "[quantize] max_drop must be float"),
+    ("[quantize]\nmax_drop = 'one'\n", "[quantize] max_drop must be a number"),
     ("[compile]\ntargets = ['riscv']\n", "unknown target 'riscv'"),
     ("[package]\ntarget = 'aarch64'\n[compile]\ntargets = ['x86_64']\n", "is not among [compile] targets"),
     ("[deploy]\nx = 1\n", "unknown section [deploy]"),
