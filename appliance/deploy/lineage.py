@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from appliance.errors import DataError
 from appliance.manifest import MANIFEST_NAME
 
 
@@ -20,8 +21,9 @@ def lineage_from(*dirs) -> list[dict]:
         if path.is_file():
             try:
                 manifest = json.loads(path.read_text())
-            except json.JSONDecodeError:
-                continue
+            except json.JSONDecodeError as err:
+                # A damaged upstream manifest would silently cut the edge package's lineage.
+                raise DataError(f"{path}: damaged stage manifest ({err}); rerun that stage") from None
             earlier = manifest.get("params", {}).get("lineage", [])
             return [*earlier, {"stage": manifest.get("stage"), "dir": str(Path(d).resolve()),
                                "inputs": manifest.get("inputs", [])}]

@@ -164,3 +164,12 @@ def test_sysroot_fetch_offline_and_missing_debs_are_one_line(tmp_path, edge_pack
     proc = run_appliance("edge", "verify", str(edge_package), "--python", "--sysroot-debs", str(tmp_path / "none"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert f"{tmp_path / 'none'}: no arm64 sysroot .debs (run `appliance edge sysroot" in proc.stderr
+
+
+def test_a_damaged_upstream_manifest_is_named_not_skipped(tmp_path):
+    from appliance.deploy.lineage import lineage_from
+    from appliance.errors import DataError
+
+    (tmp_path / "manifest.json").write_text('{"stage": "export", "inputs": [')
+    with pytest.raises(DataError, match=r"manifest.json: damaged stage manifest"):
+        lineage_from(tmp_path)
