@@ -138,8 +138,6 @@ def import_relax(model, path, shape: list):
 
 def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
                   batch: int = 1, tune_trials: int | None = None, tuning_db=None, log=print) -> dict:
-    import numpy as np
-
     import time
 
     import tvm
@@ -252,8 +250,6 @@ def check_against_ort(library, model_path, shape, sample_files, meta, tolerance,
 
 
 def _dim(d, meta, path, inp):
-    import numpy as np
-
     if isinstance(d, int) and d > 0:
         return d
     size = meta.get("preprocessing", {}).get("image_size")

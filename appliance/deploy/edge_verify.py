@@ -11,8 +11,12 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from appliance.errors import DataError, EnvironmentProblem
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DEFAULT_SYSROOT = "/usr/aarch64-linux-gnu"
 

@@ -124,7 +124,7 @@ def run(args) -> int:
               f"{cfg.run_dir / 'checkpoints'}: run the same command to resume", file=sys.stderr)
         return 128 + getattr(signal, stopped_by)
     if returncode != 0:
-        print(f"appliance train: error: training failed (torchrun exit status {proc.returncode}); "
+        print(f"appliance train: error: training failed (torchrun exit status {returncode}); "
               f"the log above names the failing rank. Checkpoints: {cfg.run_dir / 'checkpoints'}",
               file=sys.stderr)
         return 1

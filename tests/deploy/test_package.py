@@ -1,6 +1,5 @@
 """appliance package and appliance edge verify: the tar, its runners, and agreement under qemu."""
 
-import hashlib
 import io
 import json
 import os

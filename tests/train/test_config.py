@@ -1,6 +1,5 @@
 """Training configs: the example parses, every mistake is one line naming the file and key."""
 
-import json
 import shutil
 from pathlib import Path
 
