@@ -13,40 +13,56 @@ def bars_svg(title: str, unit: str, values: list[tuple[str, float]], fmt: str) -
     rows = []
     for i, (label, value) in enumerate(values):
         y, width = 30 + i * 34, 300 * value / top
-        rows.append(f'<text x="0" y="{y + 17}" font-size="13">{html.escape(label)}</text>'
+        rows.append(f'<text x="0" y="{y + 17}" font-size="13">{html.escape(label[:14])}</text>'
                     f'<rect x="110" y="{y}" width="{width:.1f}" height="24" fill="{PALETTE[i % len(PALETTE)]}"/>'
                     f'<text x="{115 + width:.1f}" y="{y + 17}" font-size="13">{fmt.format(value)} {unit}</text>')
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="560" height="{40 + 34 * len(values)}" role="img">'
+    return (f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" width="560" height="{40 + 34 * len(values)}" role="img">'
             f'<text x="0" y="16" font-size="14" font-weight="bold">{html.escape(title)}</text>{"".join(rows)}</svg>')
 
 
 def columns_svg(title: str, values: list[float], limit: float | None = None, color: str = PALETTE[0]) -> str:
     """One column per sample (e.g. max |difference| per sample) on a log scale, since differences
-    of 1e-8 and a limit of 1e-4 must both be visible, with the allowed limit as a red line."""
+    of 1e-8 and a limit of 1e-4 must both be visible, with the allowed limit as a red line.
+
+    A log scale cannot draw 0: when every value is 0 there is no chart, only a line saying so."""
     import math
 
+    n, zeros = len(values), sum(1 for v in values if v <= 0)
+    if zeros == n:
+        return (f'<p class="identical"><b>{html.escape(title)}</b>: identical on all {n} samples '
+                "(every difference is 0).</p>")
     positive = [v for v in [*values, limit or 0.0] if v > 0]
-    top = max(positive, default=1.0)
-    floor = min(min(positive, default=top) / 10, top / 10)
+    top = max(positive)
+    floor = min(min(positive) / 10, top / 10)
     span = math.log10(top) - math.log10(floor)
 
     def frac(v: float) -> float:
         return (math.log10(max(v, floor)) - math.log10(floor)) / span
 
-    width, height = 680, 160
-    step = (width - 60) / max(len(values), 1)
-    cols = "".join(f'<rect x="{50 + i * step:.1f}" y="{30 + height * (1 - frac(v)):.1f}" width="{max(step - 1, 1):.1f}" '
-                   f'height="{height * frac(v):.1f}" fill="{color}"><title>sample {i}: {v:.3g}</title></rect>'
+    # The plot ends 110 px before the right edge: the limit's label sits there, clear of the columns.
+    width, height, left, right = 680, 160, 50, 570
+    step = (right - left) / n
+    cols = "".join(f'<rect class="column" x="{left + i * step:.1f}" y="{30 + height * (1 - frac(v)):.1f}" '
+                   f'width="{max(step - 1, 1):.1f}" height="{height * frac(v) if v > 0 else 0:.1f}" fill="{color}">'
+                   f'<title>sample {i}: {v:.3g}</title></rect>'
                    for i, v in enumerate(values))
-    line = ""
+    line, above = "", 0
     if limit:
+        above = sum(1 for v in values if v > limit)
         y = 30 + height * (1 - frac(limit))
-        line = (f'<line x1="50" x2="{width - 10}" y1="{y:.1f}" y2="{y:.1f}" stroke="#cf222e" stroke-dasharray="4"/>'
-                f'<text x="{width - 10}" y="{y - 4:.1f}" font-size="11" text-anchor="end" fill="#cf222e">allowed {limit:.3g}</text>')
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 50}" role="img">'
+        line = (f'<line x1="{left}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#cf222e" stroke-dasharray="4"/>'
+                f'<text class="limit" x="{right + 4}" y="{y + 4:.1f}" font-size="11" fill="#cf222e">'
+                f'allowed {limit:.3g}</text>')
+    counts = [f"{n} samples"]
+    if zeros:
+        counts.append(f"{zeros} identical (difference 0, no column)")
+    if limit:
+        counts.append(f"{above} above the allowed {limit:.3g}")
+    return (f'<svg class="columns" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 50}" role="img">'
             f'<text x="0" y="16" font-size="14" font-weight="bold">{html.escape(title)} (log scale)</text>'
             f'<text x="45" y="36" font-size="11" text-anchor="end">{top:.0e}</text>'
-            f'<text x="45" y="{30 + height}" font-size="11" text-anchor="end">{floor:.0e}</text>{cols}{line}</svg>')
+            f'<text x="45" y="{30 + height}" font-size="11" text-anchor="end">{floor:.0e}</text>{cols}{line}</svg>'
+            f'<p class="counts">{"; ".join(counts)}.</p>')
 
 
 def page(title: str, made_by: str, json_name: str, verdict: bool | None, body: str) -> str:

@@ -22,10 +22,11 @@ def bar_chart(labels: list[str], counts: list[int], title: str, plot_id: str) ->
         parts.append(f'<rect class="bar" x="{x + 1:.1f}" y="{y:.1f}" width="{max(bar_w - 2, 1):.1f}" '
                      f'height="{h:.1f}" fill="#4a7ab5"><title>{escape(label)}: {count}</title></rect>')
         if n <= 40:
-            parts.append(f'<text x="{x + bar_w / 2:.1f}" y="{y - 3:.1f}" font-size="10" '
-                         f'text-anchor="middle">{count}</text>')
-            parts.append(f'<text x="{x + bar_w / 2:.1f}" y="{HEIGHT - PAD_BOTTOM + 14}" font-size="10" '
-                         f'text-anchor="middle">{escape(label)}</text>')
+            if len(str(count)) * 6 <= bar_w:  # a count wider than its bar would run into the next one
+                parts.append(f'<text x="{x + bar_w / 2:.1f}" y="{y - 3:.1f}" font-size="10" '
+                             f'text-anchor="middle">{count}</text>')
+            parts.append(f'<text class="tick" x="{x + bar_w / 2:.1f}" y="{HEIGHT - PAD_BOTTOM + 14}" font-size="10" '
+                         f'text-anchor="middle">{escape(_fit(label, bar_w))}</text>')
     parts.append(_axes())
     parts.append("</svg>")
     return "".join(parts)
@@ -55,12 +56,19 @@ def histogram(counts: list[int], edges: list[float], bounds: dict, title: str, p
         parts.append(f'<line class="bound {key}" x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_TOP}" '
                      f'y2="{PAD_TOP + inner_h}" stroke="{colour}" stroke-width="1.5" stroke-dasharray="{dash}">'
                      f'<title>{key} = {bounds[key]:.4g}</title></line>')
-    for v in (lo, (lo + hi) / 2, hi):
-        parts.append(f'<text x="{sx(v):.1f}" y="{HEIGHT - PAD_BOTTOM + 14}" font-size="10" '
-                     f'text-anchor="middle">{v:.4g}</text>')
+    # The end ticks are anchored inwards so that their labels stay inside the plot.
+    for v, anchor in ((lo, "start"), ((lo + hi) / 2, "middle"), (hi, "end")):
+        parts.append(f'<text class="tick" x="{sx(v):.1f}" y="{HEIGHT - PAD_BOTTOM + 14}" font-size="10" '
+                     f'text-anchor="{anchor}">{v:.4g}</text>')
     parts.append(_axes())
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _fit(label: str, width: float) -> str:
+    """The label cut to what fits under a bar (about 6 px a character at font size 10); the bar's title has it all."""
+    room = max(int(width // 6), 1)
+    return label if len(label) <= room else label[:max(room - 1, 1)] + "\u2026"
 
 
 def _open(plot_id: str, title: str, kind: str) -> str:

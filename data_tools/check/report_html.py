@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from html import escape
 from pathlib import Path
 
@@ -12,22 +13,56 @@ _CSS = """
 body{font-family:sans-serif;margin:24px;color:#222;max-width:1200px}
 table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
 .pass{color:#1e7e34;font-weight:bold}.fail{color:#c0392b;font-weight:bold}
-.thumbs{display:flex;flex-wrap:wrap;gap:10px}.thumb{font-size:11px;width:120px;word-break:break-all}
-.thumb img{display:block;max-width:110px;border:1px solid #999}.group{border:1px solid #ddd;padding:6px;margin:6px 0}
+.thumbs{display:flex;flex-wrap:wrap;gap:10px}.thumb{font-size:11px;width:140px;overflow-wrap:break-word}
+.thumb img{display:block;border:1px solid #999;margin-bottom:2px}.thumb img.scaled{image-rendering:pixelated}
+.thumb .file{white-space:nowrap;overflow:hidden;text-overflow:ellipsis}.thumb .w{white-space:nowrap}
+.group{border:1px solid #ddd;padding:6px;margin:6px 0}.shown{color:#555;font-style:italic}
 .plots{display:flex;flex-wrap:wrap;gap:12px}
 """
 
+MAX_DAMAGED_ROWS = 200
+# Thumbnails are drawn at least this large (longer side), small images scaled up by a whole factor.
+THUMB_DISPLAY = 96
+
 
 def write_html(path: Path, report: dict, thumbs: dict) -> None:
-    atomic_write_text(path, render(report, thumbs))
+    atomic_write_text(path, render(report, thumbs, Path(path).parent))
 
 
-def render(report: dict, thumbs: dict) -> str:
+def remake_command(report: dict, out_dir: Path | None = None) -> str:
+    """The command line that made the report, or an equivalent one built from its inputs and parameters."""
+    if report.get("command"):
+        return shlex.join(report["command"])
+    plain = [f["path"] for f in report["files"] if not f["split"]]
+    train = [f["path"] for f in report["files"] if f["split"] == "train"]
+    val = [f["path"] for f in report["files"] if f["split"] == "val"]
+    args = ["appliance", "data", "check", *plain]
+    args += ["--train", *train] if train else []
+    args += ["--val", *val] if val else []
+    args += ["--out", str(out_dir or "OUT")]
+    params = report.get("params", {})
+    if report.get("schema_source", "").startswith("given: "):
+        args += ["--schema", report["schema_source"][len("given: "):]]
+    for key, option in (("fail_on", "--fail-on"), ("image_key", "--image-key"), ("label_key", "--label-key"),
+                        ("max_pixels", "--max-pixels"), ("near_distance", "--near-distance")):
+        if params.get(key) is not None:
+            args += [option, str(params[key])]
+    return shlex.join(args)
+
+
+def _shown(shown: int, total: int, what: str) -> str:
+    """A line saying that a list was cut; nothing when everything is shown."""
+    if shown >= total:
+        return ""
+    return f"<p class='shown'>shown {shown} of {total} {what}; every one is listed in report.json</p>"
+
+
+def render(report: dict, thumbs: dict, out_dir: Path | None = None) -> str:
     gate = report.get("gate", {"passed": True, "failed": [], "conditions": []})
     out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Data check report</title>"
            f"<meta name='generator' content='{escape(report['made_by'])}'><style>{_CSS}</style></head><body>",
            f"<!-- made by {escape(report['made_by'])} at {escape(report['created'])}; "
-           f"remake with: {escape(' '.join(report.get('command') or []))} -->",
+           f"remake with: {escape(remake_command(report, out_dir))} -->",
            "<h1>Data check report</h1>",
            f"<p>{report['records_total']} records read: <b>{report['records_valid']} valid</b>, "
            f"<b>{report['records_quarantined']} quarantined</b>; {len(report['damaged_ranges'])} unreadable "
@@ -44,16 +79,22 @@ def render(report: dict, thumbs: dict) -> str:
         out.append(f"<tr><td>{escape(f['path'])}</td><td>{escape(f['split'] or '')}</td><td>{f['records']}</td>"
                    f"<td>{f['valid']}</td><td>{f['quarantined']}</td><td>{f['damaged_ranges']}</td>"
                    f"<td>{escape(f['error'] or '')}</td></tr>")
-    out.append("</table><h2>Checks</h2><table><tr><th>check</th><th>records</th></tr>")
-    out += [f"<tr><td>{escape(k)}</td><td>{v}</td></tr>" for k, v in report["checks"].items()]
-    out.append("</table>")
+    out.append("</table><h2>Checks</h2>")
+    if report["checks"]:
+        out.append("<table id='checks'><tr><th>check</th><th>records</th></tr>")
+        out += [f"<tr><td>{escape(k)}</td><td>{v}</td></tr>" for k, v in report["checks"].items()]
+        out.append("</table>")
+    else:
+        out.append(f"<p id='checks'>No record failed a check: all {report['records_total']} records read "
+                   "passed framing, parse, schema, image and duplicate checks.</p>")
 
     labels = report["labels"]
     out.append("<h2>Label balance</h2>")
     if labels["histogram"]:
         names = labels.get("class_names", {})
         keys = list(labels["histogram"])
-        out.append(bar_chart([f"{k} {names[k]}" if k in names else k for k in keys],
+        # Class names that are just the label again ("0" for label 0) are not repeated.
+        out.append(bar_chart([f"{k} {names[k]}" if names.get(k, k) != k else k for k in keys],
                              list(labels["histogram"].values()), "records per class (valid records)",
                              "plot-label-balance"))
         imbalance = labels["imbalance"]
@@ -71,15 +112,23 @@ def render(report: dict, thumbs: dict) -> str:
                                  f"{name}", f"plot-stat-{name.replace('/', '-')}"))
     out.append("</div>")
 
-    out.append(f"<h2>Outliers ({report['metrics']['outliers']} records)</h2><div class='thumbs' id='outliers'>")
+    outliers = report["metrics"]["outliers"]
+    out.append(f"<h2>Outliers ({outliers} records)</h2>")
+    out.append(_shown(len(thumbs["outliers"]), outliers, "outlier records"))
+    out.append("<div class='thumbs' id='outliers'>")
     out += [_thumb(item) for item in thumbs["outliers"]]
     out.append("</div>")
-    out.append(f"<h2>Duplicates</h2><p>{len(report['duplicates']['exact_groups'])} exact groups, "
-               f"{len(report['duplicates']['near_groups'])} near-duplicate groups "
-               f"({report['duplicates']['near_groups_across_splits']} across train and val).</p>"
-               "<div id='duplicate-groups'>")
+    exact, near = report["duplicates"]["exact_groups"], report["duplicates"]["near_groups"]
+    out.append(f"<h2>Duplicates</h2><p>{len(exact)} exact groups, {len(near)} near-duplicate groups "
+               f"({report['duplicates']['near_groups_across_splits']} across train and val).</p>")
+    for kind, groups, what in (("exact duplicates", exact, "exact-duplicate groups"),
+                               ("near duplicates", near, "near-duplicate groups")):
+        out.append(_shown(sum(1 for g in thumbs["groups"] if g["kind"] == kind), len(groups), what))
+    out.append("<div id='duplicate-groups'>")
     for group in thumbs["groups"]:
-        out.append(f"<div class='group'><b>{escape(group['kind'])}</b><div class='thumbs'>")
+        size, members = group.get("size", len(group["members"])), len(group["members"])
+        cut = f" (shown {members})" if members < size else ""
+        out.append(f"<div class='group'><b>{escape(group['kind'])}</b>, {size} records{cut}<div class='thumbs'>")
         out += [_thumb(m) for m in group["members"]]
         out.append("</div></div>")
     out.append("</div>")
@@ -87,8 +136,10 @@ def render(report: dict, thumbs: dict) -> str:
     if report["damaged_ranges"]:
         out.append("<h2>Unreadable byte ranges</h2><table><tr><th>file</th><th>bytes</th><th>reason</th></tr>")
         out += [f"<tr><td>{escape(d['file'])}</td><td>{d['start']}-{d['end']}</td><td>{escape(d['reason'])}</td></tr>"
-                for d in report["damaged_ranges"][:200]]
+                for d in report["damaged_ranges"][:MAX_DAMAGED_ROWS]]
         out.append("</table>")
+        out.append(_shown(min(len(report["damaged_ranges"]), MAX_DAMAGED_ROWS), len(report["damaged_ranges"]),
+                          "unreadable byte ranges"))
     out.append(f"<h2>Outputs</h2><p>{escape(report['clean_output'])}. Quarantined records: "
                f"quarantine/ (reasons in {escape(report['quarantine']['reasons'])}).</p>")
     out.append("</body></html>")
@@ -96,7 +147,15 @@ def render(report: dict, thumbs: dict) -> str:
 
 
 def _thumb(item: dict) -> str:
-    image = (f"<img alt='record {item['record_number']}' src='data:image/png;base64,{item['png']}'>"
-             if item.get("png") else "<div>(no image)</div>")
-    return (f"<div class='thumb'>{image}{escape(Path(item['file']).name)} #{item['record_number']}<br>"
-            f"{escape(item['caption'])}</div>")
+    image = "<div>(no image)</div>"
+    if item.get("png"):
+        width, height = item.get("width", THUMB_DISPLAY), item.get("height", THUMB_DISPLAY)
+        scale = max(1, THUMB_DISPLAY // max(width, height, 1))  # whole factors keep pixels square
+        image = (f"<img{' class=scaled' if scale > 1 else ''} alt='record {item['record_number']}' "
+                 f"width='{width * scale}' height='{height * scale}' src='data:image/png;base64,{item['png']}'>")
+    # Captions break only between words: "(3-sigma)" is one word, not "(3-" and "sigma)".
+    words = " ".join(f"<span class='w'>{escape(w)}</span>" for w in item.get("caption", "").split())
+    caption = f"<div class='caption'>{words}</div>" if words else ""
+    return (f"<div class='thumb'>{image}<div class='record'>record {item['record_number']}</div>"
+            f"<div class='file' title='{escape(item['file'])}'>{escape(Path(item['file']).name)}</div>"
+            f"{caption}</div>")

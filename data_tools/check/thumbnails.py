@@ -19,7 +19,10 @@ MAX_GROUP_MEMBERS = 4
 
 
 def collect_thumbnails(out: Path, report: dict, results, names) -> dict:
-    """{"outliers": [{file, record_number, caption, png}], "groups": [{kind, members: [...]}]}; png is base64."""
+    """{"outliers": [{file, record_number, caption, png, width, height}], "groups": [{kind, size, members}]}.
+
+    png is base64 (width and height are its pixels); a group's size counts all its records, members only those shown.
+    """
     index_of = {r.path: i for i, r in enumerate(results)}
     outlier_items, seen = [], set()
     for o in report["outliers"]:
@@ -36,7 +39,8 @@ def collect_thumbnails(out: Path, report: dict, results, names) -> dict:
     for kind in ("exact_groups", "near_groups"):
         for group in report["duplicates"][kind][:MAX_GROUPS]:
             group_items.append({"kind": "exact duplicates" if kind == "exact_groups" else "near duplicates",
-                                "members": [dict(m, caption=f"{m['split'] or ''} record {m['record_number']}")
+                                "size": len(group),
+                                "members": [dict(m, caption=f"{m['split']} split" if m["split"] else "")
                                             for m in group[:MAX_GROUP_MEMBERS]]})
 
     wanted = [(m["file"], m["record_number"]) for m in outlier_items]
@@ -45,7 +49,14 @@ def collect_thumbnails(out: Path, report: dict, results, names) -> dict:
     for item in outlier_items + [m for g in group_items for m in g["members"]]:
         png = images.get((item["file"], item["record_number"]))
         item["png"] = base64.b64encode(png).decode("ascii") if png else None
+        if png:
+            item["width"], item["height"] = png_size(png)
     return {"outliers": outlier_items, "groups": group_items}
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk, which always comes first."""
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
 
 
 def _read_images(out: Path, results, names, index_of, wanted: set, image_key) -> dict:
