@@ -202,14 +202,12 @@ def generate_key_pair(made_by: str) -> tuple[str, str, str]:
     return pub_text, sec_text, kid
 
 
-def file_digest(path: str, extra=None) -> bytes:
-    """blake2b-512 of a file (minisign's prehash); extra(block) also sees every block."""
+def file_digest(path: str) -> bytes:
+    """blake2b-512 of a file (minisign's prehash)."""
     h = hashlib.blake2b(digest_size=64)
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
             h.update(block)
-            if extra:
-                extra(block)
     return h.digest()
 
 
@@ -228,12 +226,17 @@ def sign_file(path: str, secret_key_path: str, trusted_comment: str | None = Non
             f"{base64.b64encode(global_signature).decode()}\n")
 
 
-def verify_file(path: str, signature_path: str, public_key: str, extra=None) -> str:
+def verify_file(path: str, signature_path: str, public_key: str) -> str:
     """Check a minisign signature of the file at path; return its trusted comment.
 
     public_key is a .pub file or its base64 line. Raises SignatureError with one line.
-    extra(block) sees every block of the file as it is hashed (one read for two digests).
     """
+    return verify_digest(file_digest(path), os.path.basename(path), signature_path, public_key)
+
+
+def verify_digest(digest: bytes, file_name: str, signature_path: str, public_key: str) -> str:
+    """verify_file for a file whose blake2b-512 the caller computed (e.g. while copying it, so that
+    the bytes checked are the bytes used); file_name only names it in errors."""
     key_id, public = read_public_key(public_key)
     try:
         with open(signature_path, encoding="utf-8") as f:
@@ -253,9 +256,8 @@ def verify_file(path: str, signature_path: str, public_key: str, extra=None) -> 
         raise SignatureError(f"{signature_path}: legacy (not prehashed) signature; sign without minisign -l")
     if algorithm != b"ED":
         raise SignatureError(f"{signature_path}: unknown signature algorithm {algorithm!r}")
-    message = file_digest(path, extra)
-    if not ed25519_verify(public, message, signature):
-        raise SignatureError(f"{signature_path}: signature does not match {os.path.basename(path)} "
+    if not ed25519_verify(public, digest, signature):
+        raise SignatureError(f"{signature_path}: signature does not match {file_name} "
                              "(the file was changed after signing, or the signature is damaged)")
     trusted_comment = lines[2][len("trusted comment: "):]
     global_signature = _b64_line(lines[3], signature_path, 64)

@@ -1,12 +1,19 @@
 """Every tampered bundle is refused with one line naming the file, nothing installed, the previous install intact."""
 
+import fcntl
 import hashlib
+import json
+import os
 import tarfile
+import select
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 import bundle_kit
+from conftest import offline_cmd
 from appliance.bundle import minisign
 
 
@@ -152,3 +159,79 @@ def test_members_leaving_the_bundle_are_refused_even_when_signed(site, tmp_path,
     line = assert_refused(site, proc, expected)
     assert line.startswith(f"refused: {info.name}: ")
     assert not evil.exists()
+
+
+def start_install(bundle_tar: Path, prefix: Path, pubkey: Path) -> subprocess.Popen:
+    """bundle_kit.install() in the background, to act while the installer runs."""
+    cmd = [str(bundle_kit.INSTALL_SH), str(bundle_tar), "--prefix", str(prefix), "--python",
+           bundle_kit.BASE_PYTHON, "--pubkey", str(pubkey)]
+    return subprocess.Popen(offline_cmd(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=bundle_kit.user_env())
+
+
+def read_until(proc: subprocess.Popen, text: str, timeout: float) -> str:
+    """proc's stderr up to the end of the first line holding text (or up to its end or the timeout)."""
+    seen, deadline, fd = b"", time.monotonic() + timeout, proc.stderr.fileno()
+    while text.encode() not in seen and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 65536) if ready else b""
+        if not chunk:
+            break
+        seen += chunk
+    return seen.decode()
+
+
+def consistent_but_unsigned(signed: Path, dest: Path) -> Path:
+    """signed with bundle.json changed and its SHA256SUMS line fixed: passes every check but the signature."""
+    with tarfile.open(signed) as tar:
+        name = next(m.name for m in tar.getmembers() if m.name.endswith("/bundle.json"))
+        original = tar.extractfile(name).read()
+    evil = original.replace(b"{", b'{"swapped": "unsigned code",', 1)
+    old, new = hashlib.sha256(original).hexdigest().encode(), hashlib.sha256(evil).hexdigest().encode()
+
+    def change(member_name, data):
+        if member_name == name:
+            return evil
+        return data.replace(old, new) if member_name.endswith("/SHA256SUMS") else data
+
+    return bundle_kit.rewrite_tar(signed, dest, change=change)
+
+
+@pytest.mark.parametrize("swap", ["rename", "overwrite"])
+def test_bundle_swapped_after_the_signature_check_installs_the_verified_bytes(site, tmp_path, swap):
+    """Issue 18's attack: hold PREFIX/.install.lock so the installer stalls right after its signature
+    check, replace BUNDLE by an unsigned one whose SHA256SUMS agree, let go. The installer must install
+    what it verified (or refuse), never the swapped file."""
+    carried = tmp_path / "usb" / site["tar"].name
+    carried.parent.mkdir()
+    carried.write_bytes(site["tar"].read_bytes())
+    Path(f"{carried}.minisig").write_bytes(Path(f"{site['tar']}.minisig").read_bytes())
+    signed_sha = hashlib.sha256(carried.read_bytes()).hexdigest()
+    evil = consistent_but_unsigned(carried, tmp_path / "evil.tar")
+    prefix = tmp_path / "opt-appliance"
+    prefix.mkdir()
+    lock = os.open(prefix / ".install.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    proc = start_install(carried, prefix, pubkey=site["pub"])
+    try:
+        seen = read_until(proc, "signature: verified", timeout=120)
+        assert "signature: verified" in seen, seen
+        time.sleep(0.5)
+        assert proc.poll() is None  # stalled on the lock we hold, after the check
+        if swap == "rename":
+            os.replace(evil, carried)
+        else:  # same inode, new bytes: defeats a fix that only holds on to the file's inode
+            with open(carried, "r+b") as f:
+                f.write(evil.read_bytes())
+                f.truncate()
+        assert hashlib.sha256(carried.read_bytes()).hexdigest() != signed_sha
+    finally:
+        os.close(lock)
+    stderr = seen + proc.communicate(timeout=600)[1].decode()
+    assert proc.returncode == 0, stderr
+    record = json.loads((prefix / "current" / "install.json").read_text())
+    assert record["bundle_sha256"] == signed_sha and record["version"] == "0.1.0"
+    installed = (prefix / "current" / "bundle" / "bundle.json").read_bytes()
+    assert b"swapped" not in installed and json.loads(installed)["version"] == "0.1.0"
+    assert bundle_kit.installed(prefix, "--version").stdout.strip() == "appliance 0.1.0"
+    assert not any(p.name.startswith(".staging-") for p in prefix.iterdir())
