@@ -4,9 +4,11 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
 import tarfile
 import select
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -181,20 +183,58 @@ def read_until(proc: subprocess.Popen, text: str, timeout: float) -> str:
     return seen.decode()
 
 
-def consistent_but_unsigned(signed: Path, dest: Path) -> Path:
-    """signed with bundle.json changed and its SHA256SUMS line fixed: passes every check but the signature."""
+def with_bundle_json(signed: Path, dest: Path, edit) -> Path:
+    """signed with bundle.json rewritten by edit(text) and its SHA256SUMS line fixed (signature not redone)."""
     with tarfile.open(signed) as tar:
         name = next(m.name for m in tar.getmembers() if m.name.endswith("/bundle.json"))
         original = tar.extractfile(name).read()
-    evil = original.replace(b"{", b'{"swapped": "unsigned code",', 1)
-    old, new = hashlib.sha256(original).hexdigest().encode(), hashlib.sha256(evil).hexdigest().encode()
+    changed = edit(original.decode()).encode()
+    old, new = hashlib.sha256(original).hexdigest().encode(), hashlib.sha256(changed).hexdigest().encode()
 
     def change(member_name, data):
         if member_name == name:
-            return evil
+            return changed
         return data.replace(old, new) if member_name.endswith("/SHA256SUMS") else data
 
     return bundle_kit.rewrite_tar(signed, dest, change=change)
+
+
+def consistent_but_unsigned(signed: Path, dest: Path) -> Path:
+    """Passes every check but the signature."""
+    return with_bundle_json(signed, dest, lambda text: text.replace("{", '{"swapped": "unsigned code",', 1))
+
+
+def retarget(platform: str | None = None, python: str | None = None):
+    """An edit of bundle.json that moves the test profile to another platform or CPython."""
+    def edit(text: str) -> str:
+        manifest = json.loads(text)
+        profile = manifest["profiles"]["test"]
+        if platform:
+            profile["platform"] = platform
+        if python:
+            profile["python"] = python
+            if "pythons" in profile:
+                profile["pythons"] = [python]
+        return json.dumps(manifest, indent=2)
+    return edit
+
+
+def test_bundle_for_another_platform_names_what_it_holds_and_what_this_host_is(site, tmp_path):
+    tar = sign(with_bundle_json(site["tar"], tmp_path / site["tar"].name, retarget("aarch64-manylinux_2_28")),
+               site["key"])
+    proc = bundle_kit.install(tar, site["prefix"], pubkey=site["pub"])
+    machine, (libc, version) = platform.machine(), platform.libc_ver()
+    python = "%d.%d" % sys.version_info[:2]
+    assert_refused(site, proc, f"refused: {tar}: no installable profile for this host ({machine}, CPython {python} "
+                   f"({bundle_kit.BASE_PYTHON}), {libc} {version}); the bundle holds "
+                   f"test (aarch64-manylinux_2_28, CPython {python})")
+
+
+def test_bundle_for_another_python_names_what_it_holds(site, tmp_path):
+    tar = sign(with_bundle_json(site["tar"], tmp_path / site["tar"].name, retarget(python="3.99")), site["key"])
+    proc = bundle_kit.install(tar, site["prefix"], pubkey=site["pub"])
+    line = assert_refused(site, proc, "3.99", "%d.%d" % sys.version_info[:2])
+    assert line.endswith(f"; the bundle holds test ({platform.machine()}-manylinux_2_28, CPython 3.99)"), line
 
 
 @pytest.mark.parametrize("swap", ["rename", "overwrite"])
