@@ -275,3 +275,33 @@ def test_bundle_swapped_after_the_signature_check_installs_the_verified_bytes(si
     assert b"swapped" not in installed and json.loads(installed)["version"] == "0.1.0"
     assert bundle_kit.installed(prefix, "--version").stdout.strip() == "appliance 0.1.0"
     assert not any(p.name.startswith(".staging-") for p in prefix.iterdir())
+
+
+def test_a_killed_installers_copy_is_swept_and_a_live_ones_is_kept(site, tmp_path):
+    """The private copy is made before the install lock; the sweep of stale work directories must
+    not delete the copy of an installer that is still verifying (it holds a flock on it)."""
+    prefix = tmp_path / "opt-appliance"
+    dead, live = prefix / ".staging-dead", prefix / ".staging-live"
+    for d in (dead, live):
+        d.mkdir(parents=True, mode=0o700)
+        (d / ".in-use").write_text("")
+        (d / "bundle.tar").write_bytes(b"partial copy")
+    fd = os.open(live / ".in-use", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        proc = bundle_kit.install(site["tar"], prefix, pubkey=site["pub"])
+    finally:
+        os.close(fd)
+    assert proc.returncode == 0, proc.stderr
+    assert not dead.exists() and (live / "bundle.tar").read_bytes() == b"partial copy"
+
+
+def test_a_prefix_every_user_can_write_is_refused(site, tmp_path):
+    prefix = tmp_path / "shared"
+    prefix.mkdir()
+    prefix.chmod(0o777)
+    proc = bundle_kit.install(site["tar"], prefix, pubkey=site["pub"])
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"refused: {prefix}: writable by every user: anyone could change what gets "
+                                   "installed (chmod o-w it)")
+    assert list(prefix.iterdir()) == []
