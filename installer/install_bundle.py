@@ -354,6 +354,7 @@ def install(args) -> int:
     started = time.monotonic()
     if not bundle.is_file():
         raise Refusal(f"{bundle}: no such file")
+    created = not prefix.exists()
     prefix.mkdir(parents=True, exist_ok=True)
     if prefix.lstat().st_mode & 0o002:  # a renamed staging or release directory would undo every check
         raise Refusal(f"{prefix}: writable by every user: anyone could change what gets installed "
@@ -423,6 +424,11 @@ def install(args) -> int:
         if copy is not None:
             copy.close()
         shutil.rmtree(staging, ignore_errors=True)
+        if created:  # refused before the lock: leave no empty PREFIX behind
+            try:
+                prefix.rmdir()
+            except OSError:
+                pass
         if release_dir is not None and not (release_dir / "install.json").exists():
             shutil.rmtree(release_dir, ignore_errors=True)
             if (prefix / "releases").exists() and not any((prefix / "releases").iterdir()):

@@ -128,6 +128,8 @@ def test_wrong_key_damaged_and_missing_signatures_are_refused(site, tmp_path):
 
     proc = bundle_kit.install(tar, site["prefix"])  # no --pubkey and no --allow-unsigned
     assert_refused(site, proc, f"refused: {tar}: no --pubkey given")
+    proc = bundle_kit.install(tar, tmp_path / "new-prefix", pubkey=site["pub"])
+    assert proc.returncode == 1 and not (tmp_path / "new-prefix").exists()  # nothing left behind
 
 
 def member(name: str, data: bytes = b"", kind=tarfile.REGTYPE, target: str = "") -> tarfile.TarInfo:
