@@ -217,11 +217,10 @@ def _scrypt_params(opslimit: int, memlimit: int) -> tuple[int, int, int]:
 
 def _key_stream(passphrase: str, salt: bytes, opslimit: int, memlimit: int, what: str) -> bytes:
     n, r, p = _scrypt_params(opslimit, memlimit)
-    need = 128 * r * (n + p + 2)
-    if need > 4 << 30 or p < 1:
+    maxmem = 128 * r * (n + p + 2) + (1 << 20)
+    if maxmem > 2**31 - 1 or p < 1:  # hashlib (OpenSSL) takes at most 2 GiB; minisign's default is 1 GiB
         raise SignatureError(f"{what}: scrypt parameters out of range (N={n}, r={r}, p={p})")
-    return hashlib.scrypt(passphrase.encode("utf-8"), salt=salt, n=n, r=r, p=p, dklen=_SECRET_LEN,
-                          maxmem=need + (1 << 20))
+    return hashlib.scrypt(passphrase.encode("utf-8"), salt=salt, n=n, r=r, p=p, dklen=_SECRET_LEN, maxmem=maxmem)
 
 
 def _xor(a: bytes, b: bytes) -> bytes:
