@@ -6,9 +6,11 @@
 #   installer/install.sh --rollback --prefix D                      (back to the previous install)
 #   options: --profile P (default: the bundle's installable profile for this machine),
 #            --python PATH (default: python3), --use auto|uv|pip (default auto: uv when bundled),
-#            --no-compile (skip compiling bytecode at install)
+#            --no-compile (skip compiling bytecode at install),
+#            --allow-downgrade (install a version lower than the installed one)
 #
-# Verifies the signature (BUNDLE.minisig) and SHA256SUMS, extracts safely, builds a venv under
+# Copies BUNDLE once into a private directory (PREFIX/.staging-*, mode 0700); on that copy only:
+# verifies the signature (BUNDLE.minisig) and SHA256SUMS, extracts safely; builds a venv under
 # PREFIX/releases/, installs with no network, runs the self-test, then switches PREFIX/current.
 # Re-running the same bundle does nothing; a failure leaves the previous install as it was.
 # Every refusal is one line: `refused: FILE: reason`. The work is in install_bundle.py.
@@ -19,7 +21,7 @@ python=python3
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[$i]}" in
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     --python) python=${args[$((i + 1))]:-python3} ;;
     --python=*) python=${args[$i]#--python=} ;;
   esac

@@ -1,6 +1,7 @@
 """Install an appliance bundle offline: the steps behind installer/install.sh.
 
-Standard library only (python3 >= 3.10). Order: signature, SHA256SUMS, safe extraction,
+Standard library only (python3 >= 3.10). Order: one read of BUNDLE into a private copy
+(PREFIX/.staging-*/, mode 0700), then on that copy only: signature, SHA256SUMS, safe extraction;
 versioned venv, install with --no-index --only-binary :all: --require-hashes (uv from the
 bundle when it carries one, else pip), self-test, then `current` is switched atomically.
 
@@ -21,6 +22,7 @@ import datetime as _dt
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +32,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verify_bundle import Refusal, check_signature, check_sums, extract  # noqa: E402
+from verify_bundle import Refusal, check_signature, check_sums, extract, private_copy  # noqa: E402
 
 SELF_TEST_TIMEOUT_S = 900
 
@@ -75,17 +77,34 @@ def target_facts(python: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def choose_profile(manifest: dict, wanted: str | None, facts: dict, bundle: Path) -> str:
+def bundle_holds(manifest: dict) -> str:
+    """What a bundle offers, for refusals: each profile with its platform and CPython versions."""
+    parts = []
+    for name, d in manifest["profiles"].items():
+        pythons = d.get("pythons") or [d.get("python", "?")]
+        parts.append(f"{name} ({d.get('platform', '?')}, CPython {'/'.join(pythons)}"
+                     f"{'' if d.get('install') else ', carried only'})")
+    return ", ".join(parts) or "no profiles"
+
+
+def this_host(facts: dict, python: str) -> str:
+    libc, version = facts["libc"]
+    return f"{facts['machine']}, CPython {facts['python']} ({python}), {libc or 'no glibc'} {version}".rstrip()
+
+
+def choose_profile(manifest: dict, wanted: str | None, facts: dict, bundle: Path, python: str) -> str:
     profiles = manifest["profiles"]
     if wanted is not None:
         if wanted not in profiles or not profiles[wanted]["install"]:
-            installable = [p for p, d in profiles.items() if d["install"]]
-            raise Refusal(f"{bundle}: no installable profile {wanted!r} (installable: {', '.join(installable)})")
+            raise Refusal(f"{bundle}: no installable profile {wanted!r}; the bundle holds {bundle_holds(manifest)}")
         return wanted
     fits = [p for p, d in profiles.items() if d["install"] and d["platform"].startswith(facts["machine"] + "-")]
-    if len(fits) != 1:
-        raise Refusal(f"{bundle}: {len(fits) or 'no'} installable profiles for {facts['machine']} "
-                      f"({', '.join(fits) or 'none'}): pass --profile")
+    if not fits:
+        raise Refusal(f"{bundle}: no installable profile for this host ({this_host(facts, python)}); "
+                      f"the bundle holds {bundle_holds(manifest)}")
+    if len(fits) > 1:
+        raise Refusal(f"{bundle}: {len(fits)} installable profiles for {facts['machine']} "
+                      f"({', '.join(fits)}): pass --profile")
     return fits[0]
 
 
@@ -101,6 +120,38 @@ def check_host(profile: dict, name: str, facts: dict, python: str) -> None:
     if libc != "glibc" or tuple(int(x) for x in version.split(".")[:2]) < floor:
         raise Refusal(f"{python}: profile {name} needs glibc >= {profile['glibc_floor']}, this host has "
                       f"{libc or 'no glibc'} {version}")
+
+
+def version_key(text: str) -> tuple | None:
+    """A sort key for PEP 440 versions of the usual shapes (1.2, 1.2.3rc1, 1.2.post1, 1.2.dev3), or None."""
+    m = re.fullmatch(r"v?(\d+(?:\.\d+)*)(?:(a|b|rc)(\d+))?(?:\.post(\d+))?(?:\.dev(\d+))?(?:\+[a-z0-9.]+)?",
+                     text.strip().lower())
+    if m is None:
+        return None
+    release = tuple(int(x) for x in m[1].split("."))
+    release += (0,) * (8 - len(release))  # 1.2 == 1.2.0
+    pre = (("a", "b", "rc").index(m[2]), int(m[3])) if m[2] else (3, 0)  # a final release follows its rcs
+    if m[5] is not None and not m[2] and m[4] is None:
+        pre = (-1, 0)  # 1.0.dev1 comes before 1.0a1
+    post = int(m[4]) if m[4] is not None else -1
+    dev = int(m[5]) if m[5] is not None else float("inf")
+    return release, pre, post, dev
+
+
+def refuse_downgrade(prefix: Path, current: str | None, version: str, bundle: Path, allowed: bool) -> None:
+    """A bundle older than the current install is refused unless --allow-downgrade (an old bundle
+    signed with the same key stays valid forever; installing it must be a decision)."""
+    if current is None or allowed:
+        return
+    installed = json.loads((prefix / "releases" / current / "install.json").read_text())["version"]
+    new, old = version_key(version), version_key(installed)
+    if new is None or old is None:
+        raise Refusal(f"{bundle}: cannot tell whether version {version} is older than the installed {installed} "
+                      "(pass --allow-downgrade to install it anyway)")
+    if new < old:
+        raise Refusal(f"{bundle}: version {version} is older than the installed {installed} "
+                      f"({prefix / 'current'} -> releases/{current}); pass --allow-downgrade to install it "
+                      "anyway, or --rollback to return to the previous install")
 
 
 def uv_binary(wheelhouse: Path, wheels: list[dict], work: Path) -> Path | None:
@@ -200,6 +251,43 @@ def hold_lock(prefix: Path) -> int:
     return fd
 
 
+STAGING_IN_USE = ".in-use"
+
+
+def new_staging(prefix: Path) -> Path:
+    """A private (0700) work directory in PREFIX, flocked for as long as this process lives.
+
+    It holds the verified copy from before the install lock is taken, so the stale-directory
+    sweep below must tell a live installer's directory from a killed one's: by that flock.
+    """
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=prefix))  # mkdtemp: mode 0700, ours
+    fd = os.open(staging / STAGING_IN_USE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # kept open (never closed): released when this process ends
+    return staging
+
+
+def remove_stale_staging(prefix: Path, ours: Path) -> None:
+    """Remove work directories of killed installers; those of live ones (still copying) hold their flock."""
+    for stale in prefix.glob(".staging-*"):
+        if stale == ours:
+            continue
+        try:
+            fd = os.open(stale / STAGING_IN_USE, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:  # killed before its flock, or made by an older installer
+            if time.time() - stale.lstat().st_mtime < 600:
+                continue  # or just created by a live one that is about to take it
+        except OSError:
+            continue
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            finally:
+                os.close(fd)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def rollback(prefix: Path) -> int:
     if not prefix.is_dir():
         raise Refusal(f"{prefix}: no previous install to roll back to")
@@ -214,13 +302,15 @@ def rollback(prefix: Path) -> int:
     return 0
 
 
-def build_release(args, bundle: Path, bundle_sha: str, comment: str | None, top: str, manifest: dict, name: str,
+def build_release(args, copy, comment: str | None, manifest: dict, name: str,
                   python: str, release_dir: Path, staging: Path, started: float) -> dict:
-    """Extract, install into release_dir/venv, self-test; return the install.json record."""
+    """Extract the verified copy, install into release_dir/venv, self-test; return the install.json record."""
+    bundle = copy.origin
     profile = manifest["profiles"][name]
     prefix = release_dir.parent.parent
-    root = extract(bundle, top, staging)
-    log(f"extracted {top} safely")
+    (staging / "extracted").mkdir()
+    root = extract(copy, staging / "extracted")
+    log(f"extracted {root.name} safely from the verified copy")
     timings = {"verify_and_extract_s": round(time.monotonic() - started, 2)}
     find_links = staging / "find-links"  # only this profile's files: pins never see another profile's
     find_links.mkdir()
@@ -251,8 +341,9 @@ def build_release(args, bundle: Path, bundle_sha: str, comment: str | None, top:
     checks = self_test(release_dir / "venv", profile.get("self_test", {}), log_file, prefix)
     timings["self_test_s"] = round(time.monotonic() - t0, 2)
     log("self-test passed: " + "; ".join(checks))
-    return {"made_by": "installer/install.sh", "bundle": str(bundle), "bundle_sha256": bundle_sha,
-            "signature": comment, "version": manifest["version"], "profile": name, "installer": used,
+    # bundle_sha256: of the private copy that was verified and extracted, i.e. of what was installed.
+    return {"made_by": "installer/install.sh", "bundle": str(bundle), "bundle_sha256": copy.sha256,
+            "bundle_bytes": copy.size, "signature": comment, "version": manifest["version"], "profile": name, "installer": used,
             "bytecode_compiled": not args.no_compile, "python": python,
             "installed": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "self_test": checks, "timings": timings, "log": str(log_file)}
@@ -263,32 +354,46 @@ def install(args) -> int:
     started = time.monotonic()
     if not bundle.is_file():
         raise Refusal(f"{bundle}: no such file")
-    bundle_sha, comment = check_signature(bundle, args.pubkey, args.allow_unsigned)
-    log(f"signature: {'verified, trusted comment: ' + comment if comment else 'NOT CHECKED (--allow-unsigned)'}")
+    created = not prefix.exists()
     prefix.mkdir(parents=True, exist_ok=True)
-    hold_lock(prefix)
-    for stale in prefix.glob(".staging-*"):  # left by a killed run; under the lock none is in use
-        shutil.rmtree(stale, ignore_errors=True)
-
-    current = linked_release(prefix, "current")
-    if current:
-        record = json.loads((prefix / "releases" / current / "install.json").read_text())
-        if record["bundle_sha256"] == bundle_sha and args.profile in (None, record["profile"]):
-            log(f"{bundle.name} (profile {record['profile']}) is already installed and current "
-                f"({prefix / 'current'} -> releases/{current}): nothing to do")
-            return 0
-
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=prefix))
-    release_dir = None
+    if prefix.lstat().st_mode & 0o002:  # a renamed staging or release directory would undo every check
+        raise Refusal(f"{prefix}: writable by every user: anyone could change what gets installed "
+                      "(chmod o-w it)")
+    free, size = shutil.disk_usage(prefix).free, bundle.stat().st_size
+    if free < size:
+        raise Refusal(f"{prefix}: {free / 1e9:.1f} GB free, the private copy of {bundle.name} alone needs "
+                      f"{size / 1e9:.1f} GB")
+    staging = new_staging(prefix)
+    copy, release_dir = None, None
     try:
-        top, manifest = check_sums(bundle, staging)
+        # From here on BUNDLE is never opened again: everything reads this copy.
+        copy = private_copy(bundle, staging)
+        bundle_sha = copy.sha256
+        comment = check_signature(copy, args.pubkey, args.allow_unsigned)
+        log(f"signature: {'verified, trusted comment: ' + comment if comment else 'NOT CHECKED (--allow-unsigned)'}")
+        hold_lock(prefix)
+        remove_stale_staging(prefix, staging)
+
+        current = linked_release(prefix, "current")
+        if current:
+            record = json.loads((prefix / "releases" / current / "install.json").read_text())
+            if record["bundle_sha256"] == bundle_sha and args.profile in (None, record["profile"]):
+                log(f"{bundle.name} (profile {record['profile']}) is already installed and current "
+                    f"({prefix / 'current'} -> releases/{current}): nothing to do")
+                return 0
+
+        top, manifest = check_sums(copy, staging / "extracted")
         log(f"SHA256SUMS: every file of {top} verified")
         python = args.python or sys.executable
         facts = target_facts(python)
-        name = choose_profile(manifest, args.profile, facts, bundle)
-        check_host(manifest["profiles"][name], name, facts, python)
+        name = choose_profile(manifest, args.profile, facts, bundle, python)
+        try:
+            check_host(manifest["profiles"][name], name, facts, python)
+        except Refusal as err:  # say what would fit: the engineer may have carried the wrong bundle
+            raise Refusal(f"{err}; the bundle holds {bundle_holds(manifest)}") from None
+        refuse_downgrade(prefix, current, manifest["version"], bundle, args.allow_downgrade)
         # Room for the extracted bundle and an unpacked venv (about 2x its wheels), checked up front.
-        need = bundle.stat().st_size + 2 * manifest["profiles"][name]["bytes"]
+        need = copy.size + 2 * manifest["profiles"][name]["bytes"]
         free = shutil.disk_usage(prefix).free
         if free < need:
             raise Refusal(f"{prefix}: {free / 1e9:.1f} GB free, installing this bundle needs about "
@@ -299,8 +404,7 @@ def install(args) -> int:
             log(f"releases/{release} is already installed (a rolled-back install): switching to it")
         else:
             shutil.rmtree(release_dir, ignore_errors=True)  # leftovers of an interrupted install
-            record = build_release(args, bundle, bundle_sha, comment, top, manifest, name, python, release_dir,
-                                   staging, started)
+            record = build_release(args, copy, comment, manifest, name, python, release_dir, staging, started)
             tmp = release_dir / ".install.json.tmp"
             tmp.write_text(json.dumps(record, indent=2) + "\n")
             os.replace(tmp, release_dir / "install.json")  # the release is complete from here on
@@ -317,7 +421,14 @@ def install(args) -> int:
             f"run {prefix / 'current' / 'venv' / 'bin' / 'appliance'}")
         return 0
     finally:
+        if copy is not None:
+            copy.close()
         shutil.rmtree(staging, ignore_errors=True)
+        if created:  # refused before the lock: leave no empty PREFIX behind
+            try:
+                prefix.rmdir()
+            except OSError:
+                pass
         if release_dir is not None and not (release_dir / "install.json").exists():
             shutil.rmtree(release_dir, ignore_errors=True)
             if (prefix / "releases").exists() and not any((prefix / "releases").iterdir()):
@@ -331,6 +442,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pubkey", help="minisign public key file (or its base64 line) the bundle must be signed with")
     parser.add_argument("--allow-unsigned", action="store_true", help="install without checking a signature")
     parser.add_argument("--rollback", action="store_true", help="switch back to the previous install")
+    parser.add_argument("--allow-downgrade", action="store_true",
+                        help="install a bundle whose version is lower than the installed one")
     parser.add_argument("--profile", help="profile to install (default: the one for this machine)")
     parser.add_argument("--python", help="python3 to build the venv with (default: the one running this)")
     parser.add_argument("--use", choices=("auto", "uv", "pip"), default="auto",

@@ -1,5 +1,7 @@
-"""Check a bundle before anything is installed: signature, SHA256SUMS, safe extraction.
+"""Check a bundle before anything is installed: private copy, signature, SHA256SUMS, safe extraction.
 
+The bundle is read once, into a private copy; the signature, SHA256SUMS and extraction all
+read that copy, so replacing BUNDLE after the check changes nothing that gets installed.
 Standard library only (python3 >= 3.10): this runs on the air-gapped host before any
 package exists there. Each failure raises Refusal, whose text is the single line
 install.sh prints after "refused: ", naming the file and the reason.
@@ -7,10 +9,12 @@ install.sh prints after "refused: ", naming the file and the reason.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import posixpath
+import stat
 import sys
 import tarfile
 from pathlib import Path
@@ -28,26 +32,86 @@ class Refusal(Exception):
     """The bundle is refused; str() is 'FILE: reason'."""
 
 
-def check_signature(bundle: Path, pubkey: str | None, allow_unsigned: bool) -> tuple[str, str | None]:
-    """Verify BUNDLE.minisig with pubkey; return (sha256 of the bundle, trusted comment or None)."""
-    sha = hashlib.sha256()
+COPY_NAME = "bundle.tar"
+
+
+class PrivateCopy:
+    """The bundle's bytes, copied once into a directory only this user can write.
+
+    Why: a check on one read of BUNDLE and an extraction from another read would let
+    whoever can replace BUNDLE in between install unsigned code. Everything after the copy
+    (signature, SHA256SUMS, extraction) reads `file`, an fd on a file in that directory.
+    """
+
+    def __init__(self, origin: Path, path: Path, file, sha256: str, blake2b: bytes, size: int):
+        self.origin, self.path, self.file = origin, path, file
+        self.sha256, self.blake2b, self.size = sha256, blake2b, size
+
+    def tar(self) -> tarfile.TarFile:
+        self.file.seek(0)
+        try:
+            return tarfile.open(fileobj=self.file, mode="r:")
+        except (tarfile.TarError, OSError) as err:
+            raise Refusal(f"{self.origin}: not a readable tar ({err})") from None
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def check_private(directory: Path) -> None:
+    """directory must be a real directory owned by this user that nobody else can write or enter."""
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise Refusal(f"{directory}: not a private directory (needs owner uid {os.geteuid()}, mode 0700; "
+                      f"has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def private_copy(bundle: Path, directory: Path) -> PrivateCopy:
+    """Copy bundle into directory (private, checked) in one read, hashing the bytes as they are written."""
+    check_private(directory)
+    try:
+        src = os.open(bundle, os.O_RDONLY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as err:
+        why = "a symlink" if err.errno == errno.ELOOP else err.strerror
+        raise Refusal(f"{bundle}: cannot open ({why})") from None
+    path = directory / COPY_NAME
+    try:
+        if not stat.S_ISREG(os.fstat(src).st_mode):
+            raise Refusal(f"{bundle}: not a regular file")
+        dst = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        copy = os.fdopen(dst, "w+b")
+        sha, blake, size = hashlib.sha256(), hashlib.blake2b(digest_size=64), 0
+        try:
+            while block := os.read(src, 1 << 20):
+                copy.write(block)
+                sha.update(block)
+                blake.update(block)
+                size += len(block)
+            copy.flush()
+        except OSError as err:
+            copy.close()
+            raise Refusal(f"{bundle}: copying into {directory} failed ({err.strerror})") from None
+    finally:
+        os.close(src)
+    return PrivateCopy(bundle, path, copy, sha.hexdigest(), blake.digest(), size)
+
+
+def check_signature(copy: PrivateCopy, pubkey: str | None, allow_unsigned: bool) -> str | None:
+    """Verify BUNDLE.minisig over the private copy's bytes with pubkey; return the trusted comment or None."""
+    bundle = copy.origin
     signature = Path(f"{bundle}.minisig")
     if pubkey is None:
         if not allow_unsigned:
             raise Refusal(f"{bundle}: no --pubkey given, so its signature cannot be checked "
                           "(pass --pubkey KEY, or --allow-unsigned to install it unverified)")
-        with open(bundle, "rb") as f:
-            while block := f.read(1 << 20):
-                sha.update(block)
-        return sha.hexdigest(), None
+        return None
     if not signature.exists():
         raise Refusal(f"{signature}: missing: the bundle is unsigned (refusing; --allow-unsigned without "
                       "--pubkey installs it unverified)")
     try:
-        comment = minisign.verify_file(str(bundle), str(signature), pubkey, extra=sha.update)
+        return minisign.verify_digest(copy.blake2b, bundle.name, str(signature), pubkey)
     except minisign.SignatureError as err:
         raise Refusal(str(err)) from None
-    return sha.hexdigest(), comment
 
 
 def _members(tar: tarfile.TarFile, bundle: Path, dest: Path) -> tuple[str, list[tarfile.TarInfo]]:
@@ -65,21 +129,17 @@ def _members(tar: tarfile.TarFile, bundle: Path, dest: Path) -> tuple[str, list[
     return top, members
 
 
-def check_sums(bundle: Path, dest: Path) -> tuple[str, dict]:
+def check_sums(copy: PrivateCopy, dest: Path) -> tuple[str, dict]:
     """Every regular file in the tar must be listed in SHA256SUMS with its hash, and every listed file present.
 
     Member names and types are checked first (see _refuse_unsafe): a name that leaves the
     bundle is refused before any byte of it is read, and again at extraction.
     """
-    try:
-        tar = tarfile.open(bundle, "r:")
-    except (tarfile.TarError, OSError) as err:
-        raise Refusal(f"{bundle}: not a readable tar ({err})") from None
-    with tar:
-        top, members = _members(tar, bundle, dest)
+    with copy.tar() as tar:
+        top, members = _members(tar, copy.origin, dest)
         files = {m.name[len(top) + 1:]: m for m in members if m.isfile()}
         if "SHA256SUMS" not in files:
-            raise Refusal(f"{bundle}: SHA256SUMS missing")
+            raise Refusal(f"{copy.origin}: SHA256SUMS missing")
         listed = {}
         for number, line in enumerate(tar.extractfile(files["SHA256SUMS"]).read().decode("utf-8", "replace")
                                       .splitlines(), 1):
@@ -133,10 +193,10 @@ def _refuse_unsafe(member: tarfile.TarInfo, top: str, dest: Path) -> None:
         raise Refusal(f"{name}: resolves outside the extraction directory")
 
 
-def extract(bundle: Path, top: str, dest: Path) -> Path:
-    """Extract into dest after checking every member; return dest/top."""
-    with tarfile.open(bundle, "r:") as tar:
-        top, members = _members(tar, bundle, dest)
+def extract(copy: PrivateCopy, dest: Path) -> Path:
+    """Extract the private copy into dest after checking every member again; return dest/top."""
+    with copy.tar() as tar:
+        top, members = _members(tar, copy.origin, dest)
         if hasattr(tarfile, "data_filter"):  # Python 3.10.12+ / 3.11.4+: PEP 706 as a second guard
             try:
                 tar.extractall(dest, members=members, filter="data")

@@ -22,20 +22,35 @@ def _keygen(args) -> int:
     from appliance.bundle import minisign
     from appliance.errors import ConfigError
 
-    pub, key = Path(f"{args.out}.pub"), Path(f"{args.out}.key")
-    for path in (pub, key):
-        if path.exists() and not args.force:
-            raise ConfigError(f"{path}: exists; refusing to overwrite a key (pass --force)")
-    pub_text, key_text, key_id = minisign.generate_key_pair(f"appliance bundle keygen {__version__}")
-    key.parent.mkdir(parents=True, exist_ok=True)
-    # The secret key is created readable by its owner only, before any byte is written.
-    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key_text)
-    pub.write_text(pub_text)
-    print(f"key id {key_id}: secret key {key} (keep it on the build host), public key {pub} "
-          "(give it to sites: install.sh --pubkey, or minisign -V -p)", file=sys.stderr)
+    passphrase = None
+    if args.passphrase_file:
+        passphrase = minisign.read_passphrase_file(args.passphrase_file)
+    elif args.encrypt:
+        passphrase = minisign.passphrase_from_env() or _ask_passphrase()
+        if passphrase is None:
+            raise ConfigError(f"--encrypt: no passphrase: set {minisign.PASSPHRASE_ENV} or "
+                              f"{minisign.PASSPHRASE_FILE_ENV}, pass --passphrase-file, or run on a terminal")
+    key, pub, key_id = minisign.write_key_pair(args.out, f"appliance bundle keygen {__version__}", passphrase,
+                                               args.force)
+    print(f"key id {key_id}: secret key {key} ({'encrypted' if passphrase else 'unencrypted'}; keep it on the "
+          f"build host), public key {pub} (give it to sites: install.sh --pubkey, or minisign -V -p)",
+          file=sys.stderr)
     return 0
+
+
+def _ask_passphrase() -> str | None:
+    import getpass
+
+    from appliance.errors import ConfigError
+
+    if not sys.stdin.isatty():
+        return None
+    first = getpass.getpass("passphrase for the new secret key: ")
+    if not first:
+        raise ConfigError("--encrypt: empty passphrase")
+    if getpass.getpass("the same passphrase again: ") != first:
+        raise ConfigError("--encrypt: the two passphrases differ")
+    return first
 
 
 def register(subparsers) -> None:
@@ -60,7 +75,15 @@ def register(subparsers) -> None:
     build.set_defaults(func=_build)
 
     keygen = verbs.add_parser("keygen", help="make an Ed25519 signing key pair (minisign format)",
-                              description="Write PREFIX.key (secret, mode 0600, unencrypted) and PREFIX.pub.")
+                              description="Write PREFIX.key (secret, mode 0600) and PREFIX.pub. With --encrypt "
+                              "the secret key is protected by a passphrase in minisign's own format (scrypt), "
+                              "so stock `minisign -S` uses it too; `bundle build` then reads the passphrase "
+                              "from $APPLIANCE_SIGN_PASSPHRASE or the file named by "
+                              "$APPLIANCE_SIGN_PASSPHRASE_FILE.")
     keygen.add_argument("--out", required=True, help="path prefix of the key files")
+    keygen.add_argument("--encrypt", action="store_true",
+                        help="protect the secret key with a passphrase ($APPLIANCE_SIGN_PASSPHRASE, "
+                        "$APPLIANCE_SIGN_PASSPHRASE_FILE, or asked on the terminal)")
+    keygen.add_argument("--passphrase-file", help="encrypt with the first line of this file as the passphrase")
     keygen.add_argument("--force", action="store_true", help="overwrite existing key files")
     keygen.set_defaults(func=_keygen)

@@ -1,20 +1,21 @@
-"""Ed25519 signatures in minisign's file formats, in pure-Python standard library.
+"""Ed25519 signatures in minisign's file formats.
 
-Why pure Python: the offline installer must verify a bundle before anything is installed,
-with nothing but the target's python3 (>= 3.10). This file is therefore copied into every
-bundle (`installer/minisign.py`) and imports nothing outside the standard library. The same
-code signs on the build host, so one implementation is tested both ways, against RFC 8032's
-test vectors and against the stock `minisign` tool (tests/bundle/test_minisign.py).
-
-Ed25519 follows RFC 8032 section 6 (the reference implementation, extended coordinates).
-Verification handles only public data, so timing does not matter there. Signing uses Python
-integers, which are not constant time: fine for a one-shot CLI on the build host, never
-expose `sign` as a service.
+Two sides, one file:
+- verifying (the air-gapped side) is pure-Python standard library: the offline installer must
+  check a bundle before anything is installed, with nothing but the target's python3 (>= 3.10).
+  This file is therefore copied into every bundle (`installer/minisign.py`) and needs nothing
+  outside the standard library to verify. Ed25519 verification follows RFC 8032 section 6
+  (extended coordinates); it handles only public data, so its timing does not matter.
+- signing and key generation (the connected host) use the maintained, constant-time Ed25519 of
+  the `cryptography` package, imported only there (manifests/dev.lock).
+Both are tested against RFC 8032's vectors and the stock `minisign` tool (tests/bundle/test_minisign.py).
 
 minisign formats (https://jedisct1.github.io/minisign/), all base64 lines after a comment:
   public key   "Ed" | key id (8) | public key (32)
-  secret key   "Ed" | kdf "\\0\\0" (unencrypted) | "B2" | salt (32) | opslimit (8) | memlimit (8)
-               | key id (8) | secret key: seed + public (64) | blake2b-256 checksum (32)
+  secret key   "Ed" | kdf "\\0\\0" (unencrypted) or "Sc" (scrypt) | "B2" | salt (32) | opslimit (8)
+               | memlimit (8) | key id (8) | secret key: seed + public (64) | blake2b-256 checksum (32)
+               With "Sc", the last 104 bytes are xored with scrypt(passphrase, salt) as libsodium's
+               crypto_pwhash_scryptsalsa208sha256 derives it from opslimit and memlimit.
   signature    "ED" | key id (8) | ed25519(blake2b-512(file)) (64), then a trusted comment
                line and ed25519(signature (64) + trusted comment) (64). Legacy "Ed" signatures
                (minisign -l, over the raw file) are refused: a bundle is too big to hold in memory.
@@ -79,12 +80,6 @@ _GX = _recover_x(_GY, 0)
 _G = (_GX, _GY, 1, _GX * _GY % _P)
 
 
-def _compress(P) -> bytes:
-    zinv = pow(P[2], _P - 2, _P)
-    x, y = P[0] * zinv % _P, P[1] * zinv % _P
-    return (y | ((x & 1) << 255)).to_bytes(32, "little")
-
-
 def _decompress(s: bytes):
     y = int.from_bytes(s, "little")
     sign, y = y >> 255, y & ((1 << 255) - 1)
@@ -94,28 +89,6 @@ def _decompress(s: bytes):
 
 def _hash_int(data: bytes) -> int:
     return int.from_bytes(hashlib.sha512(data).digest(), "little") % _L
-
-
-def _expand(seed: bytes) -> tuple[int, bytes]:
-    h = hashlib.sha512(seed).digest()
-    a = int.from_bytes(h[:32], "little")
-    a &= (1 << 254) - 8
-    a |= 1 << 254
-    return a, h[32:]
-
-
-def ed25519_public_key(seed: bytes) -> bytes:
-    a, _ = _expand(seed)
-    return _compress(_mul(a, _G))
-
-
-def ed25519_sign(seed: bytes, message: bytes) -> bytes:
-    a, prefix = _expand(seed)
-    public = _compress(_mul(a, _G))
-    r = _hash_int(prefix + message)
-    R = _compress(_mul(r, _G))
-    s = (r + _hash_int(R + public + message) * a) % _L
-    return R + s.to_bytes(32, "little")
 
 
 def ed25519_verify(public: bytes, message: bytes, signature: bytes) -> bool:
@@ -130,11 +103,40 @@ def ed25519_verify(public: bytes, message: bytes, signature: bytes) -> bool:
     return _equal(_mul(s, _G), _add(R, _mul(h, A)))
 
 
+# --- signing: the connected host only ----------------------------------------------------
+
+
+def _private_key(seed: bytes):
+    # Imported here, not at the top: this file also runs on the air-gapped host, which has
+    # only the standard library and only verifies.
+    try:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    except ImportError:
+        raise SignatureError("signing needs the `cryptography` package (manifests/dev.lock): sign on the "
+                             "connected host; the air-gapped side only verifies") from None
+    return Ed25519PrivateKey.from_private_bytes(seed)
+
+
+def ed25519_public_key(seed: bytes) -> bytes:
+    return _private_key(seed).public_key().public_bytes_raw()
+
+
+def ed25519_sign(seed: bytes, message: bytes) -> bytes:
+    """Constant-time Ed25519 (cryptography / OpenSSL)."""
+    return _private_key(seed).sign(message)
+
+
 # --- minisign files -----------------------------------------------------------------------
 
 
-class SignatureError(Exception):
-    """A key or signature file is malformed, or a signature does not verify (one line)."""
+try:  # in the appliance package a bad key is a user error (one line, exit 2), never "internal error"
+    from appliance.errors import ApplianceError as _ErrorBase
+except ImportError:  # copied into a bundle, on the air-gapped host: standard library only
+    _ErrorBase = Exception
+
+
+class SignatureError(_ErrorBase):
+    """A key, passphrase or signature file is unusable, or a signature does not verify (one line)."""
 
 
 def key_id_text(key_id: bytes) -> str:
@@ -167,19 +169,100 @@ def read_public_key(path_or_text: str) -> tuple[bytes, bytes]:
     return raw[2:10], raw[10:]
 
 
-def read_secret_key(path: str) -> tuple[bytes, bytes]:
-    """(key id, 32-byte seed) from an unencrypted minisign secret key file."""
-    with open(path, encoding="utf-8") as f:
-        lines = [ln for ln in f.read().splitlines() if ln.strip()]
+PASSPHRASE_ENV = "APPLIANCE_SIGN_PASSPHRASE"
+PASSPHRASE_FILE_ENV = "APPLIANCE_SIGN_PASSPHRASE_FILE"
+# What stock `minisign -G` writes (libsodium's *_SENSITIVE limits): scrypt N=2^20, r=8, p=1, 1 GiB.
+OPSLIMIT, MEMLIMIT = 33554432, 1073741824
+_streams: dict[bytes, bytes] = {}
+_SECRET_LEN = 104  # key id (8) + seed and public key (64) + checksum (32): the part scrypt encrypts
+
+
+def read_passphrase_file(path: str) -> str:
+    """The first line of a passphrase file (without its line end)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise SignatureError(f"{path}: passphrase file unreadable ({getattr(err, 'strerror', None) or err})") \
+            from None
+    passphrase = text.splitlines()[0] if text else ""
+    if not passphrase:
+        raise SignatureError(f"{path}: passphrase file is empty")
+    return passphrase
+
+
+def passphrase_from_env() -> str | None:
+    """$APPLIANCE_SIGN_PASSPHRASE_FILE (a file whose first line is it) or $APPLIANCE_SIGN_PASSPHRASE."""
+    if os.environ.get(PASSPHRASE_FILE_ENV):
+        return read_passphrase_file(os.environ[PASSPHRASE_FILE_ENV])
+    return os.environ.get(PASSPHRASE_ENV) or None
+
+
+def _scrypt_params(opslimit: int, memlimit: int) -> tuple[int, int, int]:
+    """(N, r, p) from libsodium's opslimit/memlimit, as crypto_pwhash_scryptsalsa208sha256 picks them."""
+    def log2_n(max_n: int) -> int:  # the smallest n with 2**n > max_n / 2
+        n = 1
+        while n < 63 and (1 << n) <= max_n // 2:
+            n += 1
+        return n
+
+    opslimit, r = max(opslimit, 32768), 8
+    if opslimit < memlimit // 32:
+        n, p = log2_n(opslimit // (r * 4)), 1
+    else:
+        n = log2_n(memlimit // (r * 128))
+        p = min((opslimit // 4) >> n, 0x3FFFFFFF) // r
+    return 1 << n, r, p
+
+
+def _key_stream(passphrase: str, salt: bytes, opslimit: int, memlimit: int, what: str) -> bytes:
+    n, r, p = _scrypt_params(opslimit, memlimit)
+    maxmem = 128 * r * (n + p + 2) + (1 << 20)
+    if maxmem > 2**31 - 1 or p < 1:  # hashlib (OpenSSL) takes at most 2 GiB; minisign's default is 1 GiB
+        raise SignatureError(f"{what}: scrypt parameters out of range (N={n}, r={r}, p={p})")
+    return hashlib.scrypt(passphrase.encode("utf-8"), salt=salt, n=n, r=r, p=p, dklen=_SECRET_LEN, maxmem=maxmem)
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return bytes(x ^ y for x, y in zip(a, b))
+
+
+def read_secret_key(path: str, passphrase: str | None = None) -> tuple[bytes, bytes]:
+    """(key id, 32-byte seed) from a minisign secret key file, unencrypted or passphrase-protected.
+
+    For a protected key the passphrase is the argument, else passphrase_from_env().
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.strip()]
+    except FileNotFoundError:
+        raise SignatureError(f"{path}: secret key file missing") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise SignatureError(f"{path}: unreadable ({err})") from None
     raw = _b64_line(lines[-1] if lines else "", path, 158)
     if raw[:2] != b"Ed" or raw[4:6] != b"B2":
         raise SignatureError(f"{path}: not an Ed25519 minisign secret key")
-    if raw[2:4] != b"\0\0":
-        raise SignatureError(f"{path}: password-protected key; use one from `appliance bundle keygen` "
-                             "or `minisign -G -W`")
-    key_id, secret, checksum = raw[54:62], raw[62:126], raw[126:158]
-    # minisign -W leaves the checksum zero; ours is the real blake2b-256 of alg | id | secret.
-    if any(checksum) and checksum != hashlib.blake2b(raw[:2] + key_id + secret, digest_size=32).digest():
+    kdf, secret_part = raw[2:4], raw[54:158]
+    if kdf == b"Sc":
+        passphrase = passphrase or passphrase_from_env()
+        if not passphrase:
+            raise SignatureError(f"{path}: passphrase-protected key: set {PASSPHRASE_ENV}, or {PASSPHRASE_FILE_ENV} "
+                                 "to a file holding the passphrase")
+        salt = raw[6:38]
+        opslimit, memlimit = int.from_bytes(raw[38:46], "little"), int.from_bytes(raw[46:54], "little")
+        # scrypt with minisign's limits takes seconds and 1 GiB: derive once per key and process
+        # (bundle build checks the key before its downloads, then signs with it).
+        cache_key = hashlib.sha256(raw + b"\0" + passphrase.encode("utf-8")).digest()
+        if cache_key not in _streams:
+            _streams[cache_key] = _key_stream(passphrase, salt, opslimit, memlimit, path)
+        secret_part = _xor(secret_part, _streams[cache_key])
+    elif kdf != b"\0\0":
+        raise SignatureError(f"{path}: unknown key derivation {kdf!r} (minisign knows scrypt and none)")
+    key_id, secret, checksum = secret_part[:8], secret_part[8:72], secret_part[72:]
+    # minisign -W leaves the checksum zero; ours and every encrypted key carry blake2b-256 of alg | id | secret.
+    if (kdf == b"Sc" or any(checksum)) and checksum != _checksum(key_id, secret):
+        if kdf == b"Sc":
+            raise SignatureError(f"{path}: wrong passphrase (or a damaged key file)")
         raise SignatureError(f"{path}: checksum mismatch (damaged key file)")
     seed, public = secret[:32], secret[32:]
     if ed25519_public_key(seed) != public:
@@ -187,35 +270,65 @@ def read_secret_key(path: str) -> tuple[bytes, bytes]:
     return key_id, seed
 
 
-def generate_key_pair(made_by: str) -> tuple[str, str, str]:
-    """A new key pair: (public key file text, secret key file text, key id)."""
+def _checksum(key_id: bytes, secret: bytes) -> bytes:
+    return hashlib.blake2b(b"Ed" + key_id + secret, digest_size=32).digest()
+
+
+def generate_key_pair(made_by: str, passphrase: str | None = None) -> tuple[str, str, str]:
+    """A new key pair: (public key file text, secret key file text, key id).
+
+    With a passphrase the secret key is encrypted as `minisign -G` does it, so stock minisign uses it.
+    """
     seed, key_id = os.urandom(32), os.urandom(8)
     public = ed25519_public_key(seed)
     secret = seed + public
-    checksum = hashlib.blake2b(b"Ed" + key_id + secret, digest_size=32).digest()
-    raw_secret = b"Ed" + b"\0\0" + b"B2" + bytes(32 + 8 + 8) + key_id + secret + checksum
+    secret_part = key_id + secret + _checksum(key_id, secret)
+    if passphrase:
+        salt = os.urandom(32)
+        header = b"Ed" + b"Sc" + b"B2" + salt + OPSLIMIT.to_bytes(8, "little") + MEMLIMIT.to_bytes(8, "little")
+        secret_part = _xor(secret_part, _key_stream(passphrase, salt, OPSLIMIT, MEMLIMIT, "new key"))
+        kind = "encrypted"
+    else:
+        header, kind = b"Ed" + b"\0\0" + b"B2" + bytes(32 + 8 + 8), "unencrypted"
     kid = key_id_text(key_id)
     pub_text = (f"untrusted comment: minisign public key {kid}\n"
                 f"{base64.b64encode(b'Ed' + key_id + public).decode()}\n")
-    sec_text = (f"untrusted comment: minisign secret key {kid} (unencrypted; made by {made_by})\n"
-                f"{base64.b64encode(raw_secret).decode()}\n")
+    sec_text = (f"untrusted comment: minisign {kind} secret key {kid} (made by {made_by})\n"
+                f"{base64.b64encode(header + secret_part).decode()}\n")
     return pub_text, sec_text, kid
 
 
-def file_digest(path: str, extra=None) -> bytes:
-    """blake2b-512 of a file (minisign's prehash); extra(block) also sees every block."""
+def write_key_pair(out: str, made_by: str, passphrase: str | None = None, force: bool = False
+                   ) -> tuple[str, str, str]:
+    """Write OUT.key (mode 0600 from its first byte) and OUT.pub; return (key path, pub path, key id)."""
+    key, pub = f"{out}.key", f"{out}.pub"
+    for path in (pub, key):
+        if os.path.lexists(path) and not force:
+            raise SignatureError(f"{path}: exists; refusing to overwrite a key (pass --force)")
+    pub_text, key_text, key_id = generate_key_pair(made_by, passphrase)
+    os.makedirs(os.path.dirname(os.path.abspath(key)), exist_ok=True)
+    for path, text, mode in ((key, key_text, 0o600), (pub, pub_text, 0o644)):
+        tmp = f"{path}.tmp-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # a forced overwrite never keeps an old file's wider mode
+    return key, pub, key_id
+
+
+def file_digest(path: str) -> bytes:
+    """blake2b-512 of a file (minisign's prehash)."""
     h = hashlib.blake2b(digest_size=64)
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
             h.update(block)
-            if extra:
-                extra(block)
     return h.digest()
 
 
-def sign_file(path: str, secret_key_path: str, trusted_comment: str | None = None) -> str:
+def sign_file(path: str, secret_key_path: str, trusted_comment: str | None = None,
+              passphrase: str | None = None) -> str:
     """The text of a minisign signature (prehashed, "ED") of the file at path."""
-    key_id, seed = read_secret_key(secret_key_path)
+    key_id, seed = read_secret_key(secret_key_path, passphrase)
     if trusted_comment is None:
         trusted_comment = f"timestamp:{int(time.time())}\tfile:{os.path.basename(path)}\thashed"
     if "\n" in trusted_comment or "\r" in trusted_comment:
@@ -228,12 +341,17 @@ def sign_file(path: str, secret_key_path: str, trusted_comment: str | None = Non
             f"{base64.b64encode(global_signature).decode()}\n")
 
 
-def verify_file(path: str, signature_path: str, public_key: str, extra=None) -> str:
+def verify_file(path: str, signature_path: str, public_key: str) -> str:
     """Check a minisign signature of the file at path; return its trusted comment.
 
     public_key is a .pub file or its base64 line. Raises SignatureError with one line.
-    extra(block) sees every block of the file as it is hashed (one read for two digests).
     """
+    return verify_digest(file_digest(path), os.path.basename(path), signature_path, public_key)
+
+
+def verify_digest(digest: bytes, file_name: str, signature_path: str, public_key: str) -> str:
+    """verify_file for a file whose blake2b-512 the caller computed (e.g. while copying it, so that
+    the bytes checked are the bytes used); file_name only names it in errors."""
     key_id, public = read_public_key(public_key)
     try:
         with open(signature_path, encoding="utf-8") as f:
@@ -253,9 +371,8 @@ def verify_file(path: str, signature_path: str, public_key: str, extra=None) -> 
         raise SignatureError(f"{signature_path}: legacy (not prehashed) signature; sign without minisign -l")
     if algorithm != b"ED":
         raise SignatureError(f"{signature_path}: unknown signature algorithm {algorithm!r}")
-    message = file_digest(path, extra)
-    if not ed25519_verify(public, message, signature):
-        raise SignatureError(f"{signature_path}: signature does not match {os.path.basename(path)} "
+    if not ed25519_verify(public, digest, signature):
+        raise SignatureError(f"{signature_path}: signature does not match {file_name} "
                              "(the file was changed after signing, or the signature is damaged)")
     trusted_comment = lines[2][len("trusted comment: "):]
     global_signature = _b64_line(lines[3], signature_path, 64)

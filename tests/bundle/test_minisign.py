@@ -1,11 +1,16 @@
-"""The pure-Python Ed25519/minisign code the offline installer trusts: RFC 8032 vectors and stock minisign."""
+"""minisign files: pure-Python verification (what the offline installer trusts), signing with
+`cryptography`, passphrase-protected keys; RFC 8032 vectors and the stock minisign tool."""
 
+import os
 import shutil
+import stat
 import subprocess
+import sys
 
 import pytest
 
 from appliance.bundle import minisign
+from conftest import ROOT, VENV_BIN
 
 # RFC 8032, section 7.1: TEST 1, 2 and 3 (secret seed, public key, message, signature).
 RFC8032 = [
@@ -108,9 +113,115 @@ def test_changed_trusted_comment_is_refused(tmp_path):
         minisign.verify_file(str(payload), str(tmp_path / "f.minisig"), str(tmp_path / "k.pub"))
 
 
-def test_password_protected_key_is_refused_with_a_clear_line(tmp_path, stock_minisign):
-    proc = subprocess.run([stock_minisign, "-G", "-p", str(tmp_path / "p.pub"), "-s", str(tmp_path / "p.key")],
-                          input="pw\npw\n", capture_output=True, text=True)
+def minisign_g(stock_minisign, base, passphrase):
+    """A passphrase-protected key pair made by stock `minisign -G` (passphrase fed on stdin)."""
+    proc = subprocess.run([stock_minisign, "-G", "-p", f"{base}.pub", "-s", f"{base}.key"],
+                          input=f"{passphrase}\n{passphrase}\n", capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    with pytest.raises(minisign.SignatureError, match="password-protected key"):
-        minisign.read_secret_key(str(tmp_path / "p.key"))
+    return f"{base}.key", f"{base}.pub"
+
+
+def test_stock_minisign_encrypted_key_signs_with_its_passphrase_and_only_with_it(tmp_path, stock_minisign,
+                                                                                monkeypatch):
+    key, pub = minisign_g(stock_minisign, tmp_path / "m", "correct horse")
+    payload = tmp_path / "bundle.tar"
+    payload.write_bytes(b"appliance" * 1000)
+    monkeypatch.delenv(minisign.PASSPHRASE_ENV, raising=False)
+    monkeypatch.delenv(minisign.PASSPHRASE_FILE_ENV, raising=False)
+    with pytest.raises(minisign.SignatureError, match=f"passphrase-protected key: set {minisign.PASSPHRASE_ENV}"):
+        minisign.read_secret_key(key)
+    with pytest.raises(minisign.SignatureError, match="wrong passphrase"):
+        minisign.read_secret_key(key, "wrong horse")
+    (tmp_path / "pass").write_text("correct horse\n")
+    monkeypatch.setenv(minisign.PASSPHRASE_FILE_ENV, str(tmp_path / "pass"))
+    (tmp_path / "bundle.tar.minisig").write_text(minisign.sign_file(str(payload), key, "from an encrypted key"))
+    proc = subprocess.run([stock_minisign, "-V", "-m", str(payload), "-p", pub], capture_output=True, text=True)
+    assert proc.returncode == 0 and "from an encrypted key" in proc.stdout, proc.stderr
+
+
+def test_keygen_encrypted_key_is_used_by_stock_minisign(tmp_path, stock_minisign):
+    (tmp_path / "pass").write_text("s3cret passphrase\n")
+    proc = subprocess.run([str(VENV_BIN / "appliance"), "bundle", "keygen", "--out", str(tmp_path / "k"),
+                           "--passphrase-file", str(tmp_path / "pass")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "(encrypted;" in proc.stderr
+    key = tmp_path / "k.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert "encrypted secret key" in key.read_text()
+    payload = tmp_path / "f"
+    payload.write_bytes(b"data" * 100)
+    proc = subprocess.run([stock_minisign, "-S", "-s", str(key), "-m", str(payload), "-t", "stock, our key"],
+                          input="s3cret passphrase\n", capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert minisign.verify_file(str(payload), f"{payload}.minisig", str(tmp_path / "k.pub")) == "stock, our key"
+    # A wrong passphrase is refused by minisign as well: the key really is encrypted.
+    proc = subprocess.run([stock_minisign, "-S", "-s", str(key), "-m", str(payload)], input="nope\n",
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+
+
+def test_keygen_refuses_to_overwrite_and_force_replaces_a_wide_mode(tmp_path):
+    cmd = [str(VENV_BIN / "appliance"), "bundle", "keygen", "--out", str(tmp_path / "k")]
+    assert subprocess.run(cmd, capture_output=True, text=True).returncode == 0
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"appliance bundle keygen: error: {tmp_path / 'k.pub'}: exists; refusing to "
+                                   "overwrite a key (pass --force)")
+    proc = subprocess.run([*cmd[:-1], str(tmp_path / "e"), "--encrypt"], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_SIGN_")})
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"appliance bundle keygen: error: --encrypt: no passphrase: set {minisign.PASSPHRASE_ENV} or "
+        f"{minisign.PASSPHRASE_FILE_ENV}, pass --passphrase-file, or run on a terminal")
+    assert not (tmp_path / "e.key").exists()
+    os.chmod(tmp_path / "k.key", 0o644)
+    assert subprocess.run(cmd + ["--force"], capture_output=True, text=True).returncode == 0
+    assert stat.S_IMODE((tmp_path / "k.key").stat().st_mode) == 0o600
+
+
+def test_verification_needs_only_the_standard_library(tmp_path):
+    """What the air-gapped installer does: no site-packages (-S), so no cryptography to lean on."""
+    payload = tmp_path / "f"
+    payload.write_bytes(b"offline" * 100)
+    pub_text, key_text, _ = minisign.generate_key_pair("test")
+    (tmp_path / "k.pub").write_text(pub_text)
+    (tmp_path / "k.key").write_text(key_text)
+    (tmp_path / "f.minisig").write_text(minisign.sign_file(str(payload), str(tmp_path / "k.key"), "ok"))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import minisign; "
+            "print(minisign.verify_file(sys.argv[2], sys.argv[3], sys.argv[4])); "
+            "assert not any(m.startswith(('cryptography', 'appliance')) for m in sys.modules), sorted(sys.modules)")
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(ROOT / "appliance" / "bundle"), str(payload),
+                           str(tmp_path / "f.minisig"), str(tmp_path / "k.pub")], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_bundle_build_signs_with_a_stock_minisign_encrypted_key(tmp_path, tmp_path_factory, stock_minisign,
+                                                                monkeypatch):
+    import bundle_kit
+
+    key, pub = minisign_g(stock_minisign, tmp_path / "site", "bundle pass")
+    cache = tmp_path_factory.getbasetemp() / "bundles" / "cache"  # shared with bundle_kit's builds
+    cache.mkdir(parents=True, exist_ok=True)
+    monkeypatch.delenv(minisign.PASSPHRASE_ENV, raising=False)
+    monkeypatch.delenv(minisign.PASSPHRASE_FILE_ENV, raising=False)
+    out = tmp_path / "out"
+    proc = bundle_kit.build(out, "--profile", "test", "--sign-key", key, cache=cache)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"appliance bundle build: error: {key}: passphrase-protected key: set {minisign.PASSPHRASE_ENV}, or "
+        f"{minisign.PASSPHRASE_FILE_ENV} to a file holding the passphrase"]
+    (tmp_path / "wrong").write_text("bundle pas\n")
+    monkeypatch.setenv(minisign.PASSPHRASE_FILE_ENV, str(tmp_path / "wrong"))
+    proc = bundle_kit.build(out, "--profile", "test", "--sign-key", key, cache=cache)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"appliance bundle build: error: {key}: wrong passphrase (or a damaged key file)"]
+    assert not list(out.glob("*.tar"))  # refused before anything was downloaded or written
+
+    monkeypatch.delenv(minisign.PASSPHRASE_FILE_ENV)
+    monkeypatch.setenv(minisign.PASSPHRASE_ENV, "bundle pass")
+    proc = bundle_kit.build(out, "--profile", "test", "--sign-key", key, cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    [tar] = out.glob("appliance-bundle-*.tar")
+    proc = subprocess.run([stock_minisign, "-V", "-m", str(tar), "-p", pub], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

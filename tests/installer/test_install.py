@@ -2,10 +2,15 @@
 
 import json
 import os
+import sys
 
 import pytest
 
 import bundle_kit
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "installer"))
+import install_bundle  # noqa: E402
 
 
 @pytest.mark.parametrize("use", ["uv", "pip"])
@@ -100,3 +105,32 @@ def test_rollback_without_a_previous_install_is_refused(tmp_path):
     proc = bundle_kit.install(tmp_path / "none.tar", tmp_path / "p", "--rollback")
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"refused: {tmp_path / 'p'}: no previous install to roll back to"
+
+
+def test_downgrade_is_refused_naming_both_versions_then_allowed_with_the_flag(tmp_path, tmp_path_factory):
+    pub = bundle_kit.public_key(tmp_path_factory)
+    old, new = bundle_kit.bundle(tmp_path_factory, "0.1.0"), bundle_kit.bundle(tmp_path_factory, "0.1.1")
+    prefix = tmp_path / "p"
+    assert bundle_kit.install(new, prefix, pubkey=pub).returncode == 0
+    release = os.readlink(prefix / "current")
+    before = bundle_kit.state(prefix)
+    proc = bundle_kit.install(old, prefix, pubkey=pub)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"refused: {old}: version 0.1.0 is older than the installed 0.1.1 ({prefix / 'current'} -> {release}); "
+        "pass --allow-downgrade to install it anyway, or --rollback to return to the previous install")
+    assert bundle_kit.state(prefix) == before
+
+    proc = bundle_kit.install(old, prefix, "--allow-downgrade", pubkey=pub)
+    assert proc.returncode == 0, proc.stderr
+    assert bundle_kit.installed(prefix, "--version").stdout.strip() == "appliance 0.1.0"
+    assert os.readlink(prefix / "previous") == release
+
+
+@pytest.mark.parametrize("lower, higher", [("0.1.0", "0.1.1"), ("0.9.9", "0.10.0"), ("1.0rc1", "1.0"),
+                                           ("1.0.dev1", "1.0a1"), ("1.0", "1.0.post1"), ("1.0a2", "1.0b1"),
+                                           ("1.0.post1.dev1", "1.0.post1")])
+def test_version_order(lower, higher):
+    assert install_bundle.version_key(lower) < install_bundle.version_key(higher)
+    assert install_bundle.version_key("0.2") == install_bundle.version_key("0.2.0")
+    assert install_bundle.version_key("not a version") is None
