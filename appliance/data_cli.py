@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from appliance.errors import DataError
+from appliance.inputs import require_file
 
 # Modules contributing `appliance data VERB` sub-verbs via register_data_verb(subparsers).
 DATA_VERB_MODULES: list[str] = [
@@ -70,8 +71,7 @@ def index_files(args) -> int:
     from data_tools.index import build_index, read_index_file
 
     for path in args.files:
-        if not Path(path).is_file():
-            raise DataError(f"{path}: no such file")
+        require_file(path)
         damage = []
         index_path = build_index(path, args.cache_dir, force=args.force, on_damage=damage.append)
         count = len(read_index_file(index_path))
@@ -103,8 +103,7 @@ def cat_file(args) -> int:
     from data_tools.example import decode_example
     from data_tools.tfrecord import iter_records_with_offsets
 
-    if not Path(args.file).is_file():
-        raise DataError(f"{args.file}: no such file")
+    require_file(args.file)
     damage = []
     shown = 0
 
@@ -135,9 +134,8 @@ def cat_file(args) -> int:
 
 
 def convert(args) -> int:
-    from tqdm import tqdm
-
     from appliance.manifest import write_manifest
+    from appliance.progress import Progress
     from data_tools.convert import convert_image_folder, decompress, find_images
     from data_tools.index import find_index, read_index_file
 
@@ -153,7 +151,7 @@ def convert(args) -> int:
         for source in args.sources:
             damage = []
             size = Path(source).stat().st_size if Path(source).is_file() else 0
-            with tqdm(desc=Path(source).name, unit="B", unit_scale=True, total=None, file=sys.stderr) as bar:
+            with Progress(desc=Path(source).name, unit="B", unit_scale=True) as bar:
                 target = decompress(source, args.out, on_damage=lambda d: (damage.append(d), _warn(d)),
                                     progress=bar.update)
             count = len(read_index_file(find_index(target)))
@@ -166,7 +164,7 @@ def convert(args) -> int:
     if len(args.sources) != 1:
         raise DataError("convert takes one IMAGE_DIR (or several files with --decompress)")
     _, images = find_images(args.sources[0])
-    with tqdm(total=len(images), desc="convert", unit="img", file=sys.stderr) as bar:
+    with Progress(total=len(images), desc="convert", unit="img") as bar:
         paths = convert_image_folder(args.sources[0], args.out, shards=args.shards, prefix=args.prefix,
                                      seed=args.seed, progress=bar.update)
     print(f"{len(images)} images -> {len(paths)} shards in {args.out}")

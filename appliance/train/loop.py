@@ -295,11 +295,32 @@ def main(argv: list[str] | None = None) -> int:
         # Raised in a DataLoader worker, the message carries the worker's traceback: keep its last line.
         line = str(err).strip().splitlines()[-1]
         line = line.split(": ", 1)[1] if line.startswith("appliance.errors.") else line
-        print(f"appliance train: error: {line}", file=sys.stderr, flush=True)
+        report_worker_error(line)
         _exit_now(2)
     except BaseException:
         traceback.print_exc()
         _exit_now(1)
+
+
+WORKER_ERROR_ENV = "APPLIANCE_WORKER_ERROR_FILE"  # set by the launcher: where a worker's one line goes
+
+
+def report_worker_error(line: str) -> None:
+    """Under `appliance train`, the first failing rank writes its line for the launcher to print
+    (once, without torchrun's stack); run by hand under torchrun, every rank prints it."""
+    path = os.environ.get(WORKER_ERROR_ENV)
+    if path:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return  # another rank said it first
+        except OSError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(line + "\n")
+            return
+    print(f"appliance train: error: {line}", file=sys.stderr, flush=True)
 
 
 def die_with_launcher() -> None:
