@@ -78,12 +78,14 @@ class Progress:
             self._bar.set_postfix_str(text, refresh=False)
         self._postfix = text
 
-    def write(self, line: str) -> None:
-        """Print a line without breaking the bar (always shown, quiet or not: it is a result)."""
+    def write(self, line: str, stream=None) -> None:
+        """Print a line (to stream, default the progress stream) without breaking the bar;
+        shown quiet or not: it is a result."""
+        stream = stream or self._stream
         if self._bar is not None:
-            self._bar.write(line, file=self._stream)
+            self._bar.write(line, file=stream)
         else:
-            print(line, file=self._stream, flush=True)
+            print(line, file=stream, flush=True)
 
     def _format(self, value: float) -> str:
         return _si(value) if self.unit_scale else f"{value:g}" if isinstance(value, float) else str(value)

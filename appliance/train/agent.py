@@ -9,7 +9,10 @@ status instead, and the launcher prints one line (the worker's, from RUN_DIR/.wo
 from __future__ import annotations
 
 import logging
+import os
 import sys
+
+WORKER_ERROR_ENV = "APPLIANCE_WORKER_ERROR_FILE"  # the launcher's; a failing worker writes its line there
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,10 +31,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _NoFailureTables(logging.Filter):
-    """The agent's per-failure error record repeats what the worker said; restarts stay visible."""
+    """Drop the agent's failure record when a worker has already said why in one line (its
+    .worker-error file exists); a worker killed by a signal still shows as `exitcode: -9`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "failed (exitcode" in record.getMessage())
+        said = os.environ.get(WORKER_ERROR_ENV, "")
+        return not (said and os.path.exists(said) and record.levelno >= logging.ERROR
+                    and "failed (exitcode" in record.getMessage())
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from appliance.errors import ConfigError
 from appliance.tomlconfig import parse_section, read_toml
-from appliance.train.models import ARCHITECTURES
+from appliance.models import ARCHITECTURES
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")

@@ -28,7 +28,7 @@ from appliance.train import data, faults
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report, load_config
 from appliance.train.determinism import rng_state, set_determinism, set_rng_state
-from appliance.train.models import ModelCard, save_trained_model
+from appliance.models import ModelCard, save_trained_model
 from appliance.train.ddp import build_training_model, pick_precision
 from appliance.train.optimizer import build_optimizer, build_scheduler
 
@@ -110,7 +110,11 @@ def train(cfg: Config, resume: str = "auto") -> int:
     set_determinism(cfg.run.seed, rank, cfg.run.deterministic)
     check_data_report(cfg)
     run_dir = cfg.run_dir
-    log = print if rank == 0 else (lambda *a, **k: None)
+    bar = None  # rank 0's progress (a bar on a terminal, plain lines in a log); lines go through it
+
+    def log(line: str, flush: bool = True) -> None:
+        if rank == 0:
+            bar.write(line, sys.stdout) if bar is not None else print(line, flush=flush)
 
     # The loaders get their own generator, reseeded per epoch: creating an iterator then never
     # draws from the global RNG, whose stream the checkpoints capture mid-epoch.
@@ -188,10 +192,11 @@ def train(cfg: Config, resume: str = "auto") -> int:
     writer = None
     if rank == 0:
         from tensorboardX import SummaryWriter
-        from tqdm import tqdm
+
+        from appliance.progress import Progress
 
         writer = SummaryWriter(str(run_dir / "tb"))
-        bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, mininterval=1.0)
+        bar = Progress(total=total_steps, initial=step, desc="train", unit="step", every=30)
     stop = StopFlag()
     criterion = nn.CrossEntropyLoss()
     model.train()
@@ -243,7 +248,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
                     for key, value in record.items():
                         if key not in ("step", "epoch"):
                             writer.add_scalar(f"train/{key}", value, step)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+                    bar.set_postfix(f"loss {record['loss']:.4f}, lr {record['lr']:.2e}")
                 window_start, data_wait, window_steps = time.perf_counter(), 0.0, 0
                 loss_sum.zero_()
             if rank == 0:
