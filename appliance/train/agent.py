@@ -31,13 +31,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _NoFailureTables(logging.Filter):
-    """Drop the agent's failure record when a worker has already said why in one line (its
+    """Drop the agent's failure records (the failed rank; SIGTERM sent to the others) when a worker has already said why in one line (its
     .worker-error file exists); a worker killed by a signal still shows as `exitcode: -9`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         said = os.environ.get(WORKER_ERROR_ENV, "")
-        return not (said and os.path.exists(said) and record.levelno >= logging.ERROR
-                    and "failed (exitcode" in record.getMessage())
+        return not (said and os.path.exists(said) and record.levelno >= logging.WARNING
+                    and any(m in record.getMessage() for m in ("failed (exitcode", "Sending process")))
 
 
 if __name__ == "__main__":
