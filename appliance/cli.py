@@ -19,7 +19,7 @@ from appliance.errors import ApplianceError
 VERB_MODULES = [  # in the order of the pipeline, as `appliance --help` lists them
     "appliance.doctor",
     "appliance.data_cli",
-    "appliance.train.launcher",
+    "appliance.train.cli",
     "appliance.deploy.export",
     "appliance.deploy.quantize",
     "appliance.deploy.compile",
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     if argv[:2] == ["train", "slurm"]:  # a sub-verb of `train`, whose own first argument is a file
-        from appliance.train.launcher import SLURM_VERB
+        from appliance.train.cli import SLURM_VERB
 
         argv = [SLURM_VERB, *argv[2:]]
     args = parser.parse_args(argv)
