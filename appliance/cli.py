@@ -18,7 +18,7 @@ from appliance.errors import ApplianceError
 # so `appliance --help` stays fast.
 VERB_MODULES = [  # in the order of the pipeline, as `appliance --help` lists them
     "appliance.doctor",
-    "appliance.data_cli",
+    "data_tools.cli",
     "appliance.train.cli",
     "appliance.deploy.export",
     "appliance.deploy.quantize",

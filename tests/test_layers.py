@@ -21,7 +21,7 @@ LAYERS = [
     ("models", ["appliance.models"]),
     ("stages", ["appliance.train", "appliance.deploy", "appliance.bundle"]),
     ("pipeline", ["appliance.pipeline"]),
-    ("cli", ["appliance.cli", "appliance.data_cli", "appliance.doctor", "*.cli"]),
+    ("cli", ["appliance.cli", "appliance.doctor", "*.cli"]),
 ]
 EXCEPTIONS = {
     # appliance/__main__.py runs the CLI: it is the entry point, above everything.
