@@ -14,7 +14,7 @@ from pathlib import Path
 from appliance.errors import ConfigError
 from appliance.tomlconfig import parse_section, read_toml
 
-TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment")
+TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment", "distributed")
 
 
 @dataclass(frozen=True)

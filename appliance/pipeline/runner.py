@@ -156,7 +156,8 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
                            nproc_per_node=cfg.pipeline.nproc_per_node, max_restarts=cfg.pipeline.max_restarts)
 
     # Training reads the data files; their content is in its fingerprint whether or not a check ran.
-    train_params = {"training": cfg.training, "nproc_per_node": cfg.pipeline.nproc_per_node,
+    computed = {k: v for k, v in cfg.training.items() if k != "distributed"}  # not where processes talk
+    train_params = {"training": computed, "nproc_per_node": cfg.pipeline.nproc_per_node,
                     "checked": cfg.check.enabled}
     stages.append(Stage("train", out / "train", train_params,
                         lambda r: [*clean(r, "train"), *clean(r, "val")], train, TrainResult.from_run_dir,

@@ -12,12 +12,31 @@ SLURM_VERB = "train-slurm"  # `appliance train slurm ...` is parsed by this pars
 def run(args) -> int:
     from appliance.train.launcher import LaunchSpec, launch_training
 
+    if args.preflight:
+        return preflight(args)
     result = launch_training(LaunchSpec(config=Path(args.config), nproc_per_node=args.nproc_per_node,
                                         nnodes=args.nnodes, node_rank=args.node_rank,
                                         rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
-                                        resume=args.resume), dry_run=args.dry_run)
+                                        resume=args.resume, iface=args.iface), dry_run=args.dry_run)
     if isinstance(result, str):
         print(result)
+    return 0
+
+
+def preflight(args) -> int:
+    import sys
+
+    from appliance.train.config import load_config
+    from appliance.train.preflight import run_preflight
+
+    cfg = load_config(args.config)
+    problems = run_preflight(cfg, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                             timeout=args.preflight_timeout, expected_gpus=args.expect_gpus)
+    for line in problems:
+        print(f"appliance train: preflight: {line}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"preflight: node {args.node_rank} of {args.nnodes} ready ({cfg.source})")
     return 0
 
 
@@ -43,7 +62,15 @@ def register(subparsers) -> None:
     p.add_argument("--node-rank", type=int, default=0, help="this machine's rank; rank 0 hosts the rendezvous")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of node rank 0 (c10d rendezvous)")
     p.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint directory")
+    p.add_argument("--iface", default="", metavar="NAME",
+                   help="network interface to use (e.g. eth1): torchrun binds its address, NCCL and Gloo use it "
+                   "(default: [distributed] iface, else the hostname's address; loopback on one node)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    p.add_argument("--preflight", action="store_true",
+                   help="check this node and agree with the others (endpoint, config, versions, disk) and exit")
+    p.add_argument("--preflight-timeout", type=float, default=60.0, metavar="S",
+                   help="how long --preflight waits for the endpoint and the other nodes (default 60)")
+    p.add_argument("--expect-gpus", type=int, default=None, metavar="N", help="--preflight: GPUs each node must have")
     p.add_argument("--quiet", action="store_true", help="no progress output (results and errors still print)")
     p.set_defaults(func=run)
 

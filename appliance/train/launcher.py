@@ -23,6 +23,7 @@ from appliance import __version__
 from appliance.errors import ApplianceError, ConfigError, DataError
 from appliance.manifest import atomic_write_text
 from appliance.progress import quiet
+from appliance.train.preflight import interface_address, network_env
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -48,12 +49,13 @@ def resolve_nproc(value: str) -> int:
 
 def torchrun_command(config: str, *, nproc: int | str, nnodes: int = 1, node_rank: int | None = 0,
                      rdzv_endpoint: str = "", rdzv_id: str = "appliance", max_restarts: int = 0,
-                     resume: str = "auto", python: str = sys.executable) -> list[str]:
-    """The torchrun argv. node_rank None leaves the rendezvous host to c10d (Slurm)."""
+                     resume: str = "auto", python: str = sys.executable, local_addr: str = "") -> list[str]:
+    """The torchrun argv. node_rank None leaves the rendezvous host to c10d (Slurm); local_addr is
+    the address this node binds and advertises (from --iface), instead of its hostname's."""
     cmd = [python, "-m", "appliance.train.agent"]  # torchrun, without its traceback
     if nnodes == 1 and not rdzv_endpoint:
         # --standalone: a private c10d store on a free localhost port; nothing listens outside.
-        cmd += ["--standalone", "--local-addr", "127.0.0.1"]
+        cmd += ["--standalone", "--local-addr", local_addr or "127.0.0.1"]
     else:
         if not rdzv_endpoint:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the node with --node-rank 0)")
@@ -61,21 +63,25 @@ def torchrun_command(config: str, *, nproc: int | str, nnodes: int = 1, node_ran
                 "--rdzv-id", rdzv_id]
         if node_rank is not None:
             cmd += ["--rdzv-conf", f"is_host={int(node_rank == 0)}"]
-        if rdzv_endpoint.rsplit(":", 1)[0].strip("[]") in LOOPBACK_HOSTS:
+        if local_addr:
+            cmd += ["--local-addr", local_addr]
+        elif rdzv_endpoint.rsplit(":", 1)[0].strip("[]") in LOOPBACK_HOSTS:
             cmd += ["--local-addr", "127.0.0.1"]
     cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "-m", "appliance.train.loop", str(config), "--resume", resume]
     return cmd
 
 
-def launch_env(cmd: list[str], nproc: int) -> dict[str, str]:
-    """Environment changes for the workers (shown by --dry-run as VAR=value prefixes)."""
-    env = {}
+def launch_env(cmd: list[str], nproc: int, network: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment changes for the workers (shown by --dry-run as VAR=value prefixes). network:
+    the site's choices ([distributed] env, the interface from --iface); the caller's own
+    environment wins over them."""
+    env = {k: v for k, v in (network or {}).items() if k not in os.environ}
     if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
         # Workers sharing the agent's rendezvous store read the previous attempt's addresses
         # after an elastic restart and fail to connect (pytorch/pytorch#135712).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    if "--local-addr" in cmd and "GLOO_SOCKET_IFNAME" not in os.environ:
+    if "--local-addr" in cmd and "GLOO_SOCKET_IFNAME" not in os.environ and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the interface of the hostname
     if "OMP_NUM_THREADS" not in os.environ and not gpu_count():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))  # no oversubscription
@@ -114,6 +120,7 @@ class LaunchSpec:
     rdzv_endpoint: str = ""
     max_restarts: int = 0
     resume: str = "auto"
+    iface: str = ""  # overrides [distributed] iface
 
 
 @dataclass(frozen=True)
@@ -184,10 +191,12 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     nproc = resolve_nproc(spec.nproc_per_node)
     if spec.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
+    iface = spec.iface or cfg.distributed.iface
     cmd = torchrun_command(str(config.resolve()), nproc=nproc, nnodes=spec.nnodes, node_rank=spec.node_rank,
                            rdzv_endpoint=spec.rdzv_endpoint, rdzv_id=cfg.run.name,
-                           max_restarts=spec.max_restarts, resume=spec.resume)
-    env = launch_env(cmd, nproc)
+                           max_restarts=spec.max_restarts, resume=spec.resume,
+                           local_addr=interface_address(iface) if iface else "")
+    env = launch_env(cmd, nproc, network_env(iface, cfg.distributed.env))
     printable = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
     if dry_run:
         return printable
