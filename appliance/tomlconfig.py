@@ -18,6 +18,8 @@ def read_toml(path: str | Path, what: str = "config file") -> dict:
         return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such {what}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a {what} (give the .toml file)") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
 
@@ -28,6 +30,11 @@ def _type_name(tp) -> str:
 
 def _coerce(value, tp, where: str):
     """Check value against a field type; return it in the dataclass's form (lists become tuples)."""
+    if typing.get_origin(tp) is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table of {_type_name(value_tp)[2:]}s, got {value!r}")
+        return {_coerce(k, key_tp, where): _coerce(v, value_tp, f"{where}.{k}") for k, v in value.items()}
     if typing.get_origin(tp) is tuple:
         (item_tp, _) = typing.get_args(tp)
         if not isinstance(value, list):

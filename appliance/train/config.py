@@ -16,7 +16,7 @@ from pathlib import Path
 
 from appliance.errors import ConfigError
 from appliance.tomlconfig import parse_section, read_toml
-from appliance.train.models import ARCHITECTURES
+from appliance.models import ARCHITECTURES
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -105,6 +105,12 @@ class AugmentSection:
 
 
 @dataclass(frozen=True)
+class DistributedSection:
+    iface: str = ""  # network interface for torchrun, NCCL and Gloo (e.g. "eth1"); --iface overrides
+    env: dict[str, str] = field(default_factory=dict)  # NCCL_IB_DISABLE, NCCL_DEBUG, ... for every process
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunSection
     data: DataSection
@@ -114,6 +120,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     augment: AugmentSection = field(default_factory=AugmentSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
     source: str = ""
 
     @property
@@ -129,6 +136,7 @@ class Config:
         d = dataclasses.asdict(self)
         d.pop("source")
         d.pop("checkpoint")
+        d.pop("distributed")  # where the processes talk, not what they compute
         d["run"] = {"seed": self.run.seed, "deterministic": self.run.deterministic}
         d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps")}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
@@ -139,7 +147,7 @@ class Config:
 
 _SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
                   "schedule": ScheduleSection, "train": TrainSection, "checkpoint": CheckpointSection,
-                  "augment": AugmentSection}
+                  "augment": AugmentSection, "distributed": DistributedSection}
 
 
 def _check_values(cfg: Config, source: str) -> None:
@@ -201,9 +209,14 @@ def _resolve(patterns: tuple[str, ...], base: Path, source: str, key: str) -> tu
 
 def load_config(path: str | Path) -> Config:
     """Read and validate a training config; all errors are ConfigError naming the file and key."""
+    return config_from_dict(read_toml(path, "config file"), path)
+
+
+def config_from_dict(raw: dict, path: str | Path) -> Config:
+    """Validate training sections read from `path` (a training config, or a pipeline config's
+    training sections); relative paths are resolved against path's directory."""
     path = Path(path)
     source = str(path)
-    raw = read_toml(path, "config file")
     for name, value in raw.items():
         if name not in _SECTION_TYPES:
             raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(_SECTION_TYPES)})")

@@ -60,7 +60,14 @@ def make_config(tmp_path: Path, name: str = "run", train_records: int = 256, val
     lines = []
     for section, values in config.items():
         lines.append(f"[{section}]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+        lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
     path = tmp_path / f"{name}.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _toml(value) -> str:
+    """JSON is TOML for strings, numbers, booleans and lists; tables are written inline."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)

@@ -1,0 +1,207 @@
+"""Before a long multi-node run: what each node can check, and what the nodes must agree on.
+
+`appliance train CONFIG --preflight` on every node (same --nnodes/--node-rank/--rdzv-endpoint as
+the run): the rendezvous endpoint is reachable (a TCP connect to the address given, nothing
+else), every node has the same config hash, appliance, torch and CUDA versions and GPU count
+(exchanged through a c10d TCPStore on the endpoint, the store torchrun's rendezvous uses), and
+enough free disk for the checkpoints the config keeps. One line per problem.
+
+Also here: the network choices for sites with several interfaces and no DNS: `iface` gives the
+address torchrun binds (--local-addr) and the interface NCCL and Gloo use.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import json
+import shutil
+import socket
+import struct
+import time
+from dataclasses import asdict, dataclass
+
+from appliance import __version__
+from appliance.errors import ConfigError
+
+SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
+
+
+def interfaces() -> list[str]:
+    return [name for _, name in socket.if_nameindex()]
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of interface `name` (e.g. eth1), read from the kernel; no DNS."""
+    if name not in interfaces():
+        raise ConfigError(f"network interface {name!r} does not exist on this node "
+                          f"(it has {', '.join(interfaces()) or 'none'})")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            raise ConfigError(f"network interface {name!r} has no IPv4 address (is it up?)") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not host or not 0 < number < 65536:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.5:29400")
+    return host, number
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    node_rank: int
+    hostname: str
+    config_hash: str
+    appliance: str
+    torch: str
+    cuda: str
+    gpus: int
+    free_disk_bytes: int
+    need_disk_bytes: int
+
+
+def checkpoint_bytes_needed(cfg) -> int:
+    """Disk the config's checkpoints take at most: weights + optimizer state per kept checkpoint,
+    the trained model, and the configured headroom."""
+    from appliance.models import build_model
+
+    model = build_model(cfg.model.architecture, cfg.num_classes, cfg.data.channels)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    optimizer_copies = 2 if cfg.optimizer.name == "adamw" else 1  # Adam moments; SGD momentum
+    per_checkpoint = weights * (1 + optimizer_copies)
+    kept = cfg.checkpoint.keep_last + cfg.checkpoint.keep_best + 1  # +1: the one being written
+    return int(per_checkpoint * kept + weights + cfg.checkpoint.min_free_gb * 2**30)
+
+
+def gather_facts(cfg, node_rank: int) -> NodeFacts:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    directory = cfg.run_dir
+    while not directory.exists():
+        directory = directory.parent
+    return NodeFacts(node_rank=node_rank, hostname=socket.gethostname(), config_hash=cfg.training_hash(),
+                     appliance=__version__, torch=torch.__version__, cuda=torch.version.cuda or "none",
+                     gpus=gpus, free_disk_bytes=shutil.disk_usage(directory).free,
+                     need_disk_bytes=checkpoint_bytes_needed(cfg))
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def local_problems(facts: NodeFacts, cfg, expected_gpus: int | None) -> list[str]:
+    problems = []
+    if facts.free_disk_bytes < facts.need_disk_bytes:
+        problems.append(f"node {facts.node_rank} ({facts.hostname}): {human_bytes(facts.free_disk_bytes)} free "
+                        f"under {cfg.run_dir}, the checkpoints need about {human_bytes(facts.need_disk_bytes)} "
+                        f"([checkpoint] keep_last, keep_best and min_free_gb in {cfg.source})")
+    if expected_gpus is not None and facts.gpus != expected_gpus:
+        problems.append(f"node {facts.node_rank} ({facts.hostname}): {facts.gpus} GPUs, expected {expected_gpus}")
+    return problems
+
+
+def compare_nodes(all_facts: list[NodeFacts]) -> list[str]:
+    """One line per node whose versions or config differ from node 0's."""
+    reference = all_facts[0]
+    problems = []
+    for facts in all_facts[1:]:
+        for key, what in (("config_hash", "training config (hash)"), ("appliance", "appliance version"),
+                          ("torch", "torch version"), ("cuda", "CUDA version"), ("gpus", "GPU count")):
+            mine, theirs = getattr(facts, key), getattr(reference, key)
+            if mine != theirs:
+                shown = (mine[:12], theirs[:12]) if key == "config_hash" else (mine, theirs)
+                problems.append(f"node {facts.node_rank} ({facts.hostname}): {what} {shown[0]} differs from "
+                                f"node 0 ({reference.hostname}): {shown[1]}")
+    return problems
+
+
+def wait_for_endpoint(host: str, port: int, timeout: float) -> str | None:
+    """None when a TCP connection to host:port succeeds within timeout, else why not."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, max(timeout, 0.1))):
+                return None
+        except OSError as err:
+            last = err.strerror or type(err).__name__
+        if time.monotonic() >= deadline:
+            return last
+        time.sleep(0.5)
+
+
+def run_preflight(cfg, *, nnodes: int, node_rank: int, rdzv_endpoint: str, timeout: float = 60.0,
+                  expected_gpus: int | None = None) -> list[str]:
+    """Every problem found, one line each (empty when this node is ready)."""
+    facts = gather_facts(cfg, node_rank)
+    problems = local_problems(facts, cfg, expected_gpus)
+    if nnodes <= 1:
+        return problems
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, port = split_endpoint(rdzv_endpoint)
+    if node_rank != 0:
+        why = wait_for_endpoint(host, port, timeout)
+        if why:
+            return problems + [f"rendezvous endpoint {host}:{port} unreachable from node {node_rank} ({why}) "
+                               f"after {timeout:g} s: is `appliance train --preflight --node-rank 0` running there, "
+                               "and does the firewall let the port through?"]
+    try:
+        store = TCPStore(host, port, world_size=nnodes, is_master=node_rank == 0,
+                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    except (RuntimeError, OSError) as err:
+        where = "listen on" if node_rank == 0 else "reach"
+        return problems + [f"rendezvous endpoint {host}:{port}: cannot {where} it from node {node_rank} "
+                           f"({str(err).strip().splitlines()[0]})"]
+    store.set(f"preflight/{node_rank}", json.dumps(asdict(facts)))
+    keys = [f"preflight/{r}" for r in range(nnodes)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except (RuntimeError, OSError):
+        missing = [k.split("/")[1] for k in keys if not store.check([k])]
+        return problems + [f"rendezvous endpoint {host}:{port}: node(s) {', '.join(missing)} did not report "
+                           f"within {timeout:g} s (run --preflight on every node)"]
+    all_facts = [NodeFacts(**json.loads(store.get(k))) for k in keys]
+    store.set(f"preflight/done/{node_rank}", "1")
+    if node_rank == 0:  # the store lives in this process: keep it until every node has read it
+        try:
+            store.wait([f"preflight/done/{r}" for r in range(nnodes)], timedelta(seconds=timeout))
+        except (RuntimeError, OSError):
+            pass
+    for other in all_facts:
+        if other.node_rank != node_rank:
+            problems += local_problems(other, cfg, expected_gpus)
+    return problems + compare_nodes(all_facts)
+
+
+def network_env(iface: str, extra: dict[str, str]) -> dict[str, str]:
+    """The environment a site's network choices give torchrun and the workers."""
+    env = dict(extra)
+    if iface:
+        env.setdefault("NCCL_SOCKET_IFNAME", iface)
+        env.setdefault("GLOO_SOCKET_IFNAME", iface)
+    return env
