@@ -28,7 +28,7 @@ import tomllib
 from pathlib import Path
 
 from appliance import __version__
-from appliance.bundle import minisign
+from appliance.bundle import minisign, vulnerabilities
 from appliance.bundle.profiles import Profile, load_profiles
 from appliance.bundle.sbom import build_sbom
 from appliance.bundle.wheelhouse import Target, Wheel, configured_index, fetch
@@ -95,7 +95,8 @@ def _tar_add(tar: tarfile.TarFile, arcname: str, path: Path | None = None, data:
 
 
 def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key: Path | None,
-                 cache: Path) -> Path:
+                 cache: Path, vulnerability_source: str | None = None) -> Path:
+    """vulnerability_source: base of the PyPI-style JSON API (default: the one beside the index)."""
     started = time.monotonic()
     manifests = source / "manifests"
     profiles = load_profiles(manifests)
@@ -123,6 +124,16 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
         raise BundleError(f"{len(problems)} locked wheel(s) missing or mismatched ({', '.join(names)}; listed above); "
                           f"nothing was written to {out_dir}")
     files = {w.filename: (w.path, w.sha256) for ws in planned.values() for w in ws}
+    vulns = vulnerabilities.fetch(vulnerability_source or vulnerabilities.default_source(index),
+                                  [(w.name, w.version) for ws in planned.values() for w in ws])
+    if vulns.offered:
+        said = (f"{sum(len(a) for a in vulns.advisories.values())} known advisories for the "
+                f"{len(vulns.advisories)} pinned versions it knows")
+        if vulns.no_data:
+            said += f"; nothing on {', '.join(f'{n}=={v}' for n, v in sorted(vulns.no_data))}"
+    else:
+        said = f"none offered ({'; '.join(sorted(set(vulns.no_data.values())))}); the SBOM says so"
+    print(f"bundle: vulnerability data from {vulns.source} taken {vulns.taken}: {said}", file=sys.stderr, flush=True)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     top = f"appliance-bundle-{version}"
@@ -155,11 +166,11 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
                                   f"appliance=={version} \\\n    --hash=sha256:{project['sha256']}\n")
                 where = f"profiles/{profile.name}/py{python}"
                 generated[f"{where}/requirements.lock"] = lock_text.encode()
-                sbom = build_sbom(profile.name, version, MADE_BY, wheels,
-                                  {Path(n).name: p for n, (p, _) in files.items()},
+                sbom = build_sbom(profile.name, python, profile.arch, version, MADE_BY, wheels,
+                                  {n: p for n, (p, _) in files.items()},
                                   {"platform": profile.platform, "python": python, "glibc_floor": profile.glibc_floor,
-                                   "cuda_major": profile.cuda_major})
-                generated[f"{where}/sbom.cdx.json"] = (json.dumps(sbom, indent=2) + "\n").encode()
+                                   "cuda_major": profile.cuda_major}, vulns)
+                generated[f"{where}/sbom.cdx.json"] = sbom.encode()
                 by_python[python] = {"python": python, "lock": f"{where}/requirements.lock",
                                      "sbom": f"{where}/sbom.cdx.json", "wheels": wheels,
                                      "bytes": sum(w["bytes"] for w in wheels)}
@@ -218,7 +229,9 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
     outputs = [tar_path] + ([signature] if sign_key is not None else [])
     write_manifest(out_dir, "bundle", inputs=[manifests / "profiles.toml"] + [t.lock_file for t in targets],
                    params={"profiles": [p.name for p in chosen], "signed": sign_key is not None,
-                           "index": index}, outputs=outputs)
+                           "index": index, "vulnerability_data": {"source": vulns.source, "taken": vulns.taken,
+                                                                  "offered": vulns.offered}},
+                   outputs=outputs)
     size = tar_path.stat().st_size
     print(f"bundle: wrote {tar_path} ({size / 1e6:.1f} MB, {len(sums) + 1} files"
           f"{', signed' if sign_key is not None else ', UNSIGNED'}) in {time.monotonic() - started:.0f} s",

@@ -41,7 +41,7 @@ def test_bundle_holds_locked_wheels_sums_sbom_manifest_and_a_minisign_signature(
     # Exactly the locked files: each wheel's hash is one the lock allows, and every pin has its wheel.
     lock = files["profiles/test/py3.11/requirements.lock"].decode()
     pinned = dict(re.findall(r"(?m)^([a-z0-9-]+)==\S+ \\\n((?:\s+--hash=sha256:[0-9a-f]{64}.*\n?)+)", lock))
-    assert set(pinned) == {"attrs", "packaging", "six", "tomli-w", "uv", "appliance"}
+    assert set(pinned) == {"attrs", "packaging", "python-dateutil", "six", "tomli-w", "tzdata", "uv", "appliance"}
     wheels = {n: d for n, d in files.items() if n.startswith("wheelhouse/")}
     assert len(wheels) == len(pinned)
     for name, data in wheels.items():
@@ -63,7 +63,7 @@ def test_bundle_holds_locked_wheels_sums_sbom_manifest_and_a_minisign_signature(
         assert {w["file"] for w in variant["wheels"]} == set(wheels)  # the test profile's wheels are all py3
 
     sbom = json.loads(files["profiles/test/py3.11/sbom.cdx.json"])
-    assert sbom["bomFormat"] == "CycloneDX" and sbom["specVersion"] == "1.5"
+    assert sbom["bomFormat"] == "CycloneDX" and sbom["specVersion"] == "1.6"
     components = {c["name"]: c for c in sbom["components"]}
     assert set(components) == set(pinned)
     six = components["six"]

@@ -17,7 +17,7 @@ def test_build_from_an_html_only_index_on_loopback(tmp_path, tmp_path_factory):
         log = served.log()
     assert proc.returncode == 0, proc.stderr
     # pip read the HTML pages and took every file from this index (its only one).
-    for name in ("attrs", "packaging", "six", "tomli-w", "uv"):
+    for name in ("attrs", "packaging", "python-dateutil", "six", "tomli-w", "tzdata", "uv"):
         assert f"GET /simple/{name}/ HTTP/1.1\" 200" in log, log
     assert "GET /files/six-1.17.0-py2.py3-none-any.whl HTTP/1.1\" 200" in log
     with tarfile.open(out / "appliance-bundle-0.1.0.tar") as tar:
