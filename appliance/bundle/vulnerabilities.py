@@ -47,11 +47,27 @@ def default_source(index: str) -> str:
     return (index[: -len("/simple")] if index.endswith("/simple") else index) + "/pypi"
 
 
-def _release(source: str, name: str, version: str) -> list[Advisory]:
-    url = f"{source}/{name}/{version}/json"
+class NoData(Exception):
+    """The source has nothing on this release (the message says why)."""
+
+
+def _get(url: str) -> dict:
     with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": "application/json"}),
                                 timeout=60) as response:
-        data = json.load(response)
+        return json.load(response)
+
+
+def _release(source: str, name: str, version: str) -> list[Advisory]:
+    try:
+        data = _get(f"{source}/{name}/{version}/json")
+    except urllib.error.HTTPError as err:
+        if err.code != 404:
+            raise
+        # Some mirrors serve only the project page; its `vulnerabilities` are those of its latest release.
+        data = _get(f"{source}/{name}/json")
+        latest = data["info"]["version"]
+        if latest != version:
+            raise NoData(f"HTTP 404 for the release; the project page describes {latest}") from None
     vulns = data["vulnerabilities"]  # KeyError/TypeError: not the JSON API pip-audit reads
     return [Advisory(id=v["id"], aliases=tuple(v.get("aliases") or ()), summary=(v.get("summary") or "").strip(),
                      details=(v.get("details") or "").strip(), fixed_in=tuple(v.get("fixed_in") or ()),
@@ -67,6 +83,8 @@ def fetch(source: str, pins: list[tuple[str, str]]) -> VulnerabilityData:
     def one(pin):
         try:
             return pin, _release(data.source, *pin), None
+        except NoData as err:
+            return pin, None, str(err)
         except urllib.error.HTTPError as err:
             return pin, None, f"HTTP {err.code}"
         except (urllib.error.URLError, OSError) as err:

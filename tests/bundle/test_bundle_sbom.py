@@ -139,3 +139,16 @@ def test_audit_refuses_an_sbom_that_does_not_match_the_bundles_sums(audited, tmp
     assert proc.stderr.strip().splitlines() == [
         f"appliance bundle audit: error: {tar}: profiles/test/py3.12/sbom.cdx.json does not match SHA256SUMS "
         "(the bundle was altered)"]
+
+
+def test_a_source_with_only_project_pages_gives_data_for_latest_releases_only(tmp_path):
+    from appliance.bundle import vulnerabilities
+
+    for name, latest in (("six", "1.17.0"), ("attrs", "99.0")):
+        page = tmp_path / "pypi" / name / "json"
+        page.parent.mkdir(parents=True)
+        page.write_text(json.dumps({"info": {"name": name, "version": latest}, "vulnerabilities": [ADVISORY]}))
+    with bundle_kit.Served(tmp_path) as served:
+        data = vulnerabilities.fetch(f"{served.url}/pypi", [("six", "1.17.0"), ("attrs", "26.1.0")])
+    assert data.offered and [a.id for a in data.advisories[("six", "1.17.0")]] == ["PYSEC-2099-1"]
+    assert data.no_data == {("attrs", "26.1.0"): "HTTP 404 for the release; the project page describes 99.0"}
