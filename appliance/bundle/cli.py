@@ -55,11 +55,12 @@ def register(subparsers) -> None:
     verbs = bundle.add_subparsers(dest="bundle_verb", metavar="VERB", required=True)
 
     build = verbs.add_parser("build", help="download the locked wheels and write the bundle tar",
-                             description="Download exactly the locked wheels of each profile (binary only, "
-                             "sha256 checked), add this project's wheel, SHA256SUMS, a CycloneDX SBOM per "
-                             "profile and bundle.json, write appliance-bundle-<version>.tar into --out and "
-                             "sign it (minisign format) with --sign-key. Wheels are fetched with pip download, so pip's "
-                             "index, proxy, certificate and netrc settings apply.")
+                             description="Download exactly the locked wheels of each profile and Python it "
+                             "serves (binary only, sha256 checked), add this project's wheel, SHA256SUMS, a "
+                             "CycloneDX SBOM per profile and Python, and bundle.json, write "
+                             "appliance-bundle-<version>.tar into --out and sign it (minisign format) with "
+                             "--sign-key. Wheels are fetched with `pip download`, so pip's index, proxy, "
+                             "certificate and netrc settings apply.")
     build.add_argument("--profile", action="append", required=True,
                        help="profile from manifests/profiles.toml (repeat for several)")
     build.add_argument("--out", required=True, help="output directory")

@@ -157,7 +157,8 @@ def test_a_pin_with_no_wheel_for_one_of_the_pythons_is_named_before_anything_is_
     # numpy 1.24.4 has wheels for CPython 3.8 to 3.11 only: the 3.12 lock cannot be served.
     lock.write_text(lock.read_text() + "numpy==1.24.4 \\\n    --hash=sha256:" + "1" * 64 + "\n")
     out = tmp_path / "out"
-    proc = bundle_kit.build(out, "--profile", "test", source=src, cache=tmp_path_factory.getbasetemp() / "bundles" / "cache")
+    cache = tmp_path_factory.getbasetemp() / "bundles" / "cache"
+    proc = bundle_kit.build(out, "--profile", "test", source=src, cache=cache)
     assert proc.returncode == 2
     assert ("bundle: missing: test (CPython 3.12): numpy==1.24.4: no wheel for CPython 3.12 x86_64-manylinux_2_28"
             in proc.stderr), proc.stderr

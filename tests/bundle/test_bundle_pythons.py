@@ -33,9 +33,11 @@ def test_this_hosts_python_gets_its_own_lock(tmp_path, tmp_path_factory):
 def test_a_python_the_bundle_does_not_serve_is_refused_naming_the_versions_it_does(tmp_path, tmp_path_factory):
     # A python3 that reports CPython 3.10 when the installer asks what it is, and is the real one otherwise.
     fake = tmp_path / "python3"
+    report = ('import json, platform; print(json.dumps({"machine": platform.machine(), "python": "3.10", '
+              '"libc": platform.libc_ver()}))')
     fake.write_text(f"""#!/bin/sh
 case "$*" in
-  *platform.libc_ver*) exec {bundle_kit.BASE_PYTHON} -c 'import json, platform; print(json.dumps({{"machine": platform.machine(), "python": "3.10", "libc": platform.libc_ver()}}))' ;;
+  *platform.libc_ver*) exec {bundle_kit.BASE_PYTHON} -c '{report}' ;;
 esac
 exec {bundle_kit.BASE_PYTHON} "$@"
 """)
