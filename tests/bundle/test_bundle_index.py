@@ -5,15 +5,22 @@ import json
 import re
 import tarfile
 
+import pytest
+
 import bundle_kit
 
 
-def test_build_from_an_html_only_index_on_loopback(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("configured_by", ["PIP_INDEX_URL", "pip.conf"])
+def test_build_from_an_html_only_index_on_loopback(tmp_path, tmp_path_factory, configured_by):
     index = bundle_kit.simple_index(tmp_path / "index", bundle_kit.cached_wheels(tmp_path_factory))
     with bundle_kit.Served(index) as served:
         out = tmp_path / "out"
-        proc = bundle_kit.build(out, "--profile", "test", cache=tmp_path / "cache",
-                                env=bundle_kit.pip_env(f"{served.url}/simple"))
+        env = bundle_kit.pip_env(f"{served.url}/simple")
+        if configured_by == "pip.conf":  # the site's pip.conf names the mirror, as pip itself reads it
+            del env["PIP_INDEX_URL"]
+            env["PIP_CONFIG_FILE"] = str(tmp_path / "pip.conf")
+            (tmp_path / "pip.conf").write_text(f"[global]\nindex-url = {served.url}/simple\n")
+        proc = bundle_kit.build(out, "--profile", "test", cache=tmp_path / "cache", env=env)
         log = served.log()
     assert proc.returncode == 0, proc.stderr
     # pip read the HTML pages and took every file from this index (its only one).
