@@ -108,6 +108,18 @@ def choose_profile(manifest: dict, wanted: str | None, facts: dict, bundle: Path
     return fits[0]
 
 
+def for_python(profile: dict, name: str, facts: dict, python: str, bundle: Path) -> dict:
+    """The profile as this interpreter gets it: the lock, SBOM and wheels for its CPython version."""
+    by_python = profile.get("by_python")
+    if by_python is None:  # a bundle made before a profile could serve several Pythons
+        return profile
+    if facts["python"] not in by_python:
+        raise Refusal(f"{python}: CPython {facts['python']} on {facts['machine']}; profile {name} of {bundle.name} "
+                      f"serves CPython {', '.join(by_python)} on {profile['platform']} "
+                      "(pass --python PATH to one of those)")
+    return {**profile, **by_python[facts["python"]]}
+
+
 def check_host(profile: dict, name: str, facts: dict, python: str) -> None:
     arch = profile["platform"].split("-", 1)[0]
     if facts["machine"] != arch:
@@ -388,6 +400,7 @@ def install(args) -> int:
         facts = target_facts(python)
         name = choose_profile(manifest, args.profile, facts, bundle, python)
         try:
+            manifest["profiles"][name] = for_python(manifest["profiles"][name], name, facts, python, bundle)
             check_host(manifest["profiles"][name], name, facts, python)
         except Refusal as err:  # say what would fit: the engineer may have carried the wrong bundle
             raise Refusal(f"{err}; the bundle holds {bundle_holds(manifest)}") from None

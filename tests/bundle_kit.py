@@ -48,16 +48,23 @@ def source_copy(dest: Path, version: str, break_cli: bool = False, without_uv: b
         cli = dest / "appliance" / "cli.py"
         cli.write_text(cli.read_text() + '\nraise ImportError("deliberately broken build")\n')
     if without_uv:
-        lock = dest / "manifests" / "test.lock"
-        lock.write_text(re.sub(r"(?m)^uv==.*\n(?:\s+.*\n)*", "", lock.read_text()))
+        for lock in (dest / "manifests").glob("test*.lock"):  # every Python's lock of the profile
+            lock.write_text(re.sub(r"(?m)^uv==.*\n(?:\s+.*\n)*", "", lock.read_text()))
     return dest
 
 
-def build(out: Path, *args: str, source: Path | None = None, cache: Path) -> subprocess.CompletedProcess:
+def build(out: Path, *args: str, source: Path | None = None, cache: Path,
+          env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [str(VENV_BIN / "appliance"), "bundle", "build", "--out", str(out), "--cache", str(cache), *args]
     if source is not None:
         cmd += ["--source", str(source)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def cached_wheels(factory) -> list[Path]:
+    """The real wheels the session's test-profile bundle fetched from the index (its download cache)."""
+    bundle(factory)
+    return sorted((factory.getbasetemp() / "bundles" / "cache").glob("*/*.whl"))
 
 
 def keys(base: Path) -> tuple[Path, Path]:
@@ -88,9 +95,10 @@ def public_key(factory) -> Path:
     return keys(factory.getbasetemp() / "bundles")[1]
 
 
-def install(bundle_tar: Path, prefix: Path, *args: str, pubkey: Path | None = None) -> subprocess.CompletedProcess:
+def install(bundle_tar: Path, prefix: Path, *args: str, pubkey: Path | None = None,
+            python: str = BASE_PYTHON) -> subprocess.CompletedProcess:
     """installer/install.sh under `unshare -n`, from a user's shell (no PYTHONPATH)."""
-    cmd = [str(INSTALL_SH), str(bundle_tar), "--prefix", str(prefix), "--python", BASE_PYTHON, *args]
+    cmd = [str(INSTALL_SH), str(bundle_tar), "--prefix", str(prefix), "--python", str(python), *args]
     if pubkey is not None:
         cmd += ["--pubkey", str(pubkey)]
     return subprocess.run(offline_cmd(cmd), capture_output=True, text=True, timeout=600, env=user_env())
@@ -135,3 +143,62 @@ def rewrite_tar(src: Path, dest: Path, change=None, extra: list[tarfile.TarInfo]
             data = extra_data.get(member.name)
             tout.addfile(member, io.BytesIO(data) if data is not None else None)
     return dest
+
+
+def pip_env(index_url: str) -> dict:
+    """This environment with index_url as pip's only package index: no pip.conf, find-links or extra indexes."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": index_url}
+
+
+def simple_index(root: Path, wheels: list[Path]) -> Path:
+    """A PEP 503 HTML-only index of wheels under root: simple/<name>/index.html -> files/<wheel>#sha256=..."""
+    import hashlib
+    import html
+
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    (root / "files").mkdir(parents=True)
+    projects: dict[str, list[str]] = {}
+    for wheel in wheels:
+        shutil.copy2(wheel, root / "files" / wheel.name)
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        name = canonicalize_name(parse_wheel_filename(wheel.name)[0])
+        projects.setdefault(name, []).append(
+            f'<a href="../../files/{html.escape(wheel.name)}#sha256={digest}">{html.escape(wheel.name)}</a><br>')
+    for name, links in projects.items():
+        (root / "simple" / name).mkdir(parents=True)
+        (root / "simple" / name / "index.html").write_text(
+            f"<!DOCTYPE html><html><body><h1>Links for {name}</h1>{''.join(links)}</body></html>\n")
+    (root / "simple" / "index.html").write_text(
+        "<!DOCTYPE html><html><body>" + "".join(f'<a href="{n}/">{n}</a><br>' for n in sorted(projects))
+        + "</body></html>\n")
+    return root
+
+
+class Served:
+    """`python -m http.server` over a directory on loopback; .url is its base, .log what it was asked."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def __enter__(self) -> "Served":
+        self.log_file = open(self.root.parent / f"{self.root.name}.http.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1",
+                                      "--directory", str(self.root)], stdout=subprocess.PIPE, stderr=self.log_file,
+                                     text=True)
+        line = self.proc.stdout.readline()  # "Serving HTTP on 127.0.0.1 port N (http://127.0.0.1:N/) ..."
+        port = re.search(r"port (\d+)", line)
+        assert port, f"http.server did not start: {line!r}"
+        self.url = f"http://127.0.0.1:{port.group(1)}"
+        return self
+
+    def log(self) -> str:
+        self.log_file.seek(0)
+        return self.log_file.read()
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+        self.log_file.close()

@@ -38,10 +38,21 @@ def read_lock(path: Path) -> dict[str, tuple[Version, int]]:
 LOCKS = sorted(MANIFESTS.glob("*.in"))
 
 
+def locks_of(in_file: Path) -> list[Path]:
+    """NAME.lock, and NAME-pyX.Y.lock for each further Python a bundle profile serves (profiles.toml)."""
+    return [in_file.with_suffix(".lock"), *sorted(MANIFESTS.glob(f"{in_file.stem}-py*.lock"))]
+
+
 @pytest.mark.parametrize("in_file", LOCKS, ids=lambda p: p.stem)
 def test_lock_pins_every_requirement_of_its_in_file(in_file):
-    lock = in_file.with_suffix(".lock")
-    assert lock.exists(), f"{lock.name} missing: compile it (see manifests/README.md)"
+    problems = []
+    for lock in locks_of(in_file):
+        assert lock.exists(), f"{lock.name} missing: compile it (see manifests/README.md)"
+        problems += _out_of_step(in_file, lock)
+    assert not problems, "lock out of step, recompile it:\n" + "\n".join(problems)
+
+
+def _out_of_step(in_file: Path, lock: Path) -> list[str]:
     pins = read_lock(lock)
     problems = []
     for req in read_in(in_file):
@@ -50,16 +61,17 @@ def test_lock_pins_every_requirement_of_its_in_file(in_file):
             problems.append(f"{req} is in {in_file.name} but not pinned in {lock.name}")
         elif req.specifier and not req.specifier.contains(pins[name][0], prereleases=True):
             problems.append(f"{req} in {in_file.name} excludes the pinned {name}=={pins[name][0]}")
-    assert not problems, "lock out of step, recompile it:\n" + "\n".join(problems)
+    return problems
 
 
 @pytest.mark.parametrize("in_file", LOCKS, ids=lambda p: p.stem)
 def test_lock_is_hashed_and_says_how_to_remake_it(in_file):
-    lock = in_file.with_suffix(".lock")
-    header = lock.read_text().splitlines()[:3]
-    assert any(f"manifests/{in_file.name}" in line and "--generate-hashes" in line for line in header), header
-    unhashed = [name for name, (_, hashes) in read_lock(lock).items() if hashes == 0]
-    assert not unhashed, f"pins without hashes in {lock.name}: {unhashed}"
+    for lock in locks_of(in_file):
+        header = lock.read_text().splitlines()[:3]
+        assert any(f"manifests/{in_file.name}" in line and "--generate-hashes" in line
+                   and f"-o manifests/{lock.name}" in line for line in header), header
+        unhashed = [name for name, (_, hashes) in read_lock(lock).items() if hashes == 0]
+        assert not unhashed, f"pins without hashes in {lock.name}: {unhashed}"
 
 
 def test_pyproject_dependencies_are_in_the_dev_lock():

@@ -1,11 +1,11 @@
 """`appliance bundle build`: the one file that crosses the air gap.
 
 Layout of appliance-bundle-<version>.tar (one top directory of the same name):
-  bundle.json                      what is inside: profiles, platforms, glibc floor, Python, CUDA
+  bundle.json                      what is inside: profiles, platforms, glibc floor, Pythons, CUDA
   SHA256SUMS                       sha256 of every other file (`sha256sum -c` reads it)
   wheelhouse/*.whl                 every locked wheel of every profile, once, plus this project's
-  profiles/<P>/requirements.lock   the profile's lock plus the project's wheel and its hash
-  profiles/<P>/sbom.cdx.json       CycloneDX SBOM
+  profiles/<P>/py<X.Y>/requirements.lock   the lock for CPython X.Y plus the project's wheel and its hash
+  profiles/<P>/py<X.Y>/sbom.cdx.json       CycloneDX SBOM of those wheels
   installer/                       install.sh and its standard-library helpers
 Beside the tar: <tar>.minisig when signed (stock `minisign -V` verifies it), manifest.json.
 """
@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,10 +28,10 @@ import tomllib
 from pathlib import Path
 
 from appliance import __version__
-from appliance.bundle import minisign
-from appliance.bundle.profiles import Profile, load_profiles, read_lock
+from appliance.bundle import minisign, vulnerabilities
+from appliance.bundle.profiles import Profile, load_profiles
 from appliance.bundle.sbom import build_sbom
-from appliance.bundle.wheelhouse import choose_wheels, fetch, index_url
+from appliance.bundle.wheelhouse import Target, Wheel, configured_index, fetch
 from appliance.errors import ApplianceError, ConfigError, EnvironmentProblem
 from appliance.manifest import atomic_write_text, sha256_file, write_manifest
 
@@ -94,7 +95,8 @@ def _tar_add(tar: tarfile.TarFile, arcname: str, path: Path | None = None, data:
 
 
 def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key: Path | None,
-                 cache: Path) -> Path:
+                 cache: Path, vulnerability_source: str | None = None) -> Path:
+    """vulnerability_source: base of the PyPI-style JSON API (default: the one beside the index)."""
     started = time.monotonic()
     manifests = source / "manifests"
     profiles = load_profiles(manifests)
@@ -106,23 +108,32 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
     version = project_version(source)
     if sign_key is not None:
         minisign.read_secret_key(str(sign_key))  # a bad key fails now, not after the downloads
-    index = index_url()
+    index = configured_index()
+    targets = [Target(profile, python) for profile in chosen for python in profile.pythons]
 
-    # 1. Every locked file of every profile, found and hash-checked before anything is written.
+    # 1. Every locked file of every (profile, Python), fetched and hash-checked before anything is written.
     problems: list[str] = []
-    planned = {}
-    for profile in chosen:
-        pins = read_lock(profile)
-        print(f"bundle: {profile.name}: {len(pins)} locked distributions for {profile.platform} "
-              f"(CPython {profile.python}) from {index}", file=sys.stderr, flush=True)
-        planned[profile.name] = choose_wheels(profile, pins, problems, index)
-    unique = {w.filename: w for ws in planned.values() for w in ws}
-    files = fetch(list(unique.values()), cache, problems) if not problems else {}
+    planned: dict[tuple[str, str], list[Wheel]] = {}
+    pins = {t.key: t.pins() for t in targets}  # every lock read (and its header checked) before any download
+    for target in targets:
+        planned[target.key] = fetch(target, pins[target.key], cache, problems)
     if problems:
         for line in sorted(problems):
             print(f"bundle: {line}", file=sys.stderr)
-        raise BundleError(f"{len(problems)} locked wheel(s) missing or mismatched (listed above); "
+        names = sorted({m.group(1) for m in (re.search(r": (\S+?)==", line) for line in problems) if m})
+        raise BundleError(f"{len(problems)} locked wheel(s) missing or mismatched ({', '.join(names)}; listed above); "
                           f"nothing was written to {out_dir}")
+    files = {w.filename: (w.path, w.sha256) for ws in planned.values() for w in ws}
+    vulns = vulnerabilities.fetch(vulnerability_source or vulnerabilities.default_source(index),
+                                  [(w.name, w.version) for ws in planned.values() for w in ws])
+    if vulns.offered:
+        said = (f"{sum(len(a) for a in vulns.advisories.values())} known advisories for the "
+                f"{len(vulns.advisories)} pinned versions it knows")
+        if vulns.no_data:
+            said += f"; nothing on {', '.join(f'{n}=={v}' for n, v in sorted(vulns.no_data))}"
+    else:
+        said = f"none offered ({'; '.join(sorted(set(vulns.no_data.values())))}); the SBOM says so"
+    print(f"bundle: vulnerability data from {vulns.source} taken {vulns.taken}: {said}", file=sys.stderr, flush=True)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     top = f"appliance-bundle-{version}"
@@ -137,29 +148,38 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
                        "sha256": sha256_file(wheel), "bytes": wheel.stat().st_size}
             files[wheel.name] = (wheel, project["sha256"])
 
-        # 3. Generated files: per-profile lock and SBOM, bundle.json, SHA256SUMS.
+        # 3. Generated files: per (profile, Python) lock and SBOM, bundle.json, SHA256SUMS.
         generated: dict[str, bytes] = {}
         bundle_profiles = {}
         for profile in chosen:
-            wheels = [{"file": f"wheelhouse/{w.filename}", "name": w.name, "version": w.version,
-                       "sha256": files[w.filename][1], "bytes": files[w.filename][0].stat().st_size}
-                      for w in planned[profile.name]]
-            lock_text = profile.lock_file.read_text()
-            if profile.project:
-                wheels.append(project)
-                lock_text += (f"# Added by {MADE_BY}: this project's own wheel.\n"
-                              f"appliance=={version} \\\n    --hash=sha256:{project['sha256']}\n")
-            facts = {"platform": profile.platform, "glibc_floor": profile.glibc_floor, "python": profile.python,
-                     "cuda_major": profile.cuda_major}
-            generated[f"profiles/{profile.name}/requirements.lock"] = lock_text.encode()
-            sbom = build_sbom(profile.name, version, MADE_BY, wheels,
-                              {Path(n).name: p for n, (p, _) in files.items()}, facts)
-            generated[f"profiles/{profile.name}/sbom.cdx.json"] = (json.dumps(sbom, indent=2) + "\n").encode()
+            facts = {"platform": profile.platform, "glibc_floor": profile.glibc_floor,
+                     "pythons": list(profile.pythons), "cuda_major": profile.cuda_major}
+            by_python = {}
+            for python in profile.pythons:
+                target = Target(profile, python)
+                wheels = [{"file": f"wheelhouse/{w.filename}", "name": w.name, "version": w.version,
+                           "sha256": w.sha256, "bytes": w.path.stat().st_size} for w in planned[target.key]]
+                lock_text = target.lock_file.read_text()
+                if profile.project:
+                    wheels.append(project)
+                    lock_text += (f"# Added by {MADE_BY}: this project's own wheel.\n"
+                                  f"appliance=={version} \\\n    --hash=sha256:{project['sha256']}\n")
+                where = f"profiles/{profile.name}/py{python}"
+                generated[f"{where}/requirements.lock"] = lock_text.encode()
+                sbom = build_sbom(profile.name, python, profile.arch, version, MADE_BY, wheels,
+                                  {n: p for n, (p, _) in files.items()},
+                                  {"platform": profile.platform, "python": python, "glibc_floor": profile.glibc_floor,
+                                   "cuda_major": profile.cuda_major}, vulns)
+                generated[f"{where}/sbom.cdx.json"] = sbom.encode()
+                by_python[python] = {"python": python, "lock": f"{where}/requirements.lock",
+                                     "sbom": f"{where}/sbom.cdx.json", "wheels": wheels,
+                                     "bytes": sum(w["bytes"] for w in wheels)}
+            # Every file of every Python, once: the installer carries a profile it does not install whole.
+            union = list({w["file"]: w for v in by_python.values() for w in v["wheels"]}.values())
             bundle_profiles[profile.name] = {
                 "description": profile.description, **facts, "install": profile.install,
-                "self_test": profile.self_test, "lock": f"profiles/{profile.name}/requirements.lock",
-                "sbom": f"profiles/{profile.name}/sbom.cdx.json", "wheels": wheels,
-                "bytes": sum(w["bytes"] for w in wheels),
+                "self_test": profile.self_test, "by_python": by_python, "wheels": union,
+                "bytes": sum(w["bytes"] for w in union),
             }
         manifest = {
             "format": "appliance-bundle/1",
@@ -168,7 +188,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "platforms": sorted({p.platform for p in chosen}),
             "glibc_floor": max((p.glibc_floor for p in chosen), key=lambda v: tuple(map(int, v.split(".")))),
-            "python": sorted({p.python for p in chosen}),
+            "python": sorted({v for p in chosen for v in p.pythons}, key=lambda v: tuple(map(int, v.split(".")))),
             "cuda_major": sorted({p.cuda_major for p in chosen if p.cuda_major is not None}),
             "profiles": bundle_profiles,
         }
@@ -207,9 +227,11 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
             signature.unlink(missing_ok=True)  # a stale signature would not match this tar
 
     outputs = [tar_path] + ([signature] if sign_key is not None else [])
-    write_manifest(out_dir, "bundle", inputs=[manifests / "profiles.toml"] + [p.lock_file for p in chosen],
+    write_manifest(out_dir, "bundle", inputs=[manifests / "profiles.toml"] + [t.lock_file for t in targets],
                    params={"profiles": [p.name for p in chosen], "signed": sign_key is not None,
-                           "index": index}, outputs=outputs)
+                           "index": index, "vulnerability_data": {"source": vulns.source, "taken": vulns.taken,
+                                                                  "offered": vulns.offered}},
+                   outputs=outputs)
     size = tar_path.stat().st_size
     print(f"bundle: wrote {tar_path} ({size / 1e6:.1f} MB, {len(sums) + 1} files"
           f"{', signed' if sign_key is not None else ', UNSIGNED'}) in {time.monotonic() - started:.0f} s",

@@ -1,4 +1,4 @@
-"""`appliance bundle build` and `appliance bundle keygen` (argument parsing only)."""
+"""`appliance bundle build`, `audit` and `keygen` (argument parsing only)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,19 @@ def _build(args) -> int:
 
     source = Path(args.source) if args.source else default_source()
     tar = build_bundle(args.profile, Path(args.out), source, Path(args.sign_key) if args.sign_key else None,
-                       Path(args.cache))
+                       Path(args.cache), args.vulnerability_data)
     print(tar)
     return 0
+
+
+def _audit(args) -> int:
+    from appliance.bundle.audit import audit
+
+    result = audit(Path(args.bundle))
+    print(f"{args.bundle}:")
+    for line in result.lines:
+        print(f"  {line}")
+    return 1 if result.findings else 0
 
 
 def _keygen(args) -> int:
@@ -60,10 +70,12 @@ def register(subparsers) -> None:
     verbs = bundle.add_subparsers(dest="bundle_verb", metavar="VERB", required=True)
 
     build = verbs.add_parser("build", help="download the locked wheels and write the bundle tar",
-                             description="Download exactly the locked wheels of each profile (binary only, "
-                             "sha256 checked), add this project's wheel, SHA256SUMS, a CycloneDX SBOM per "
-                             "profile and bundle.json, write appliance-bundle-<version>.tar into --out and "
-                             "sign it (minisign format) with --sign-key.")
+                             description="Download exactly the locked wheels of each profile and Python it "
+                             "serves (binary only, sha256 checked), add this project's wheel, SHA256SUMS, a "
+                             "CycloneDX SBOM per profile and Python, and bundle.json, write "
+                             "appliance-bundle-<version>.tar into --out and sign it (minisign format) with "
+                             "--sign-key. Wheels are fetched with `pip download`, so pip's index, proxy, "
+                             "certificate and netrc settings apply.")
     build.add_argument("--profile", action="append", required=True,
                        help="profile from manifests/profiles.toml (repeat for several)")
     build.add_argument("--out", required=True, help="output directory")
@@ -71,8 +83,18 @@ def register(subparsers) -> None:
     build.add_argument("--source", help="source checkout holding manifests/ and installer/ "
                        "(default: the one this appliance runs from)")
     build.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "appliance", "wheels"),
-                       help="download cache, keyed by sha256 (default: %(default)s)")
+                       help="download directory pip reuses (default: %(default)s)")
+    build.add_argument("--vulnerability-data", metavar="URL",
+                       help="base of the PyPI-style JSON API whose `vulnerabilities` field the SBOM records "
+                       "(default: beside the index, e.g. https://pypi.org/pypi for https://pypi.org/simple)")
     build.set_defaults(func=_build)
+
+    audit = verbs.add_parser("audit", help="print the known vulnerabilities recorded in a bundle (offline)",
+                             description="Print, per profile and Python, the known vulnerabilities of the "
+                             "bundle's pinned packages as recorded in its SBOMs at build time, with where and "
+                             "when that data was taken. Reads only the bundle. Exit 1 when any are listed.")
+    audit.add_argument("bundle", help="appliance-bundle-<version>.tar")
+    audit.set_defaults(func=_audit)
 
     keygen = verbs.add_parser("keygen", help="make an Ed25519 signing key pair (minisign format)",
                               description="Write PREFIX.key (secret, mode 0600) and PREFIX.pub. With --encrypt "

@@ -10,10 +10,11 @@ from appliance.errors import ConfigError
 from appliance.tomlconfig import read_toml
 
 PROFILES_FILE = "profiles.toml"
-_KEYS = {"description", "platform", "glibc_floor", "python", "cuda_major", "project", "install", "self_test"}
-_REQUIRED = {"description", "platform", "glibc_floor", "python", "project", "install"}
+_KEYS = {"description", "platform", "glibc_floor", "pythons", "cuda_major", "project", "install", "self_test"}
+_REQUIRED = {"description", "platform", "glibc_floor", "pythons", "project", "install"}
 _SELF_TEST_KEYS = {"commands", "doctor", "imports"}
 _PLATFORM = re.compile(r"^(x86_64|aarch64)-manylinux_2_(\d+)$")
+_PYTHON = re.compile(r"^3\.\d+$")
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,18 @@ class Profile:
     description: str
     platform: str  # uv's --python-platform, e.g. x86_64-manylinux_2_28
     glibc_floor: str
-    python: str
+    pythons: tuple[str, ...]  # CPython versions served, e.g. ("3.11", "3.12"); one lock each
     cuda_major: int | None
     project: bool
     install: bool
     self_test: dict = field(default_factory=dict)
-    lock_file: Path = Path()
+    manifests: Path = Path()
+
+    def lock_file(self, python: str) -> Path:
+        """NAME.lock for the first Python listed (as before several were served), NAME-pyX.Y.lock for others."""
+        if python == self.pythons[0]:
+            return self.manifests / f"{self.name}.lock"
+        return self.manifests / f"{self.name}-py{python}.lock"
 
     @property
     def arch(self) -> str:
@@ -78,25 +85,33 @@ def load_profiles(manifests: Path) -> dict[str, Profile]:
             raise ConfigError(f"{where}: self_test takes commands, doctor (\"json\" or \"ready\"), imports")
         if table["install"] and not table["project"]:
             raise ConfigError(f"{where}: an installed profile needs project = true (its self-test runs appliance)")
-        lock = manifests / f"{name}.lock"
+        pythons = table["pythons"]
+        if (not isinstance(pythons, list) or not pythons or len(set(pythons)) != len(pythons)
+                or not all(isinstance(v, str) and _PYTHON.match(v) for v in pythons)):
+            raise ConfigError(f"{where}: pythons must be a list of distinct CPython versions like "
+                              f"[\"3.11\", \"3.12\"], got {pythons!r}")
         profiles[name] = Profile(name=name, description=table["description"], platform=table["platform"],
-                                 glibc_floor=table["glibc_floor"], python=str(table["python"]),
+                                 glibc_floor=table["glibc_floor"], pythons=tuple(pythons),
                                  cuda_major=table.get("cuda_major"), project=bool(table["project"]),
-                                 install=bool(table["install"]), self_test=self_test, lock_file=lock)
+                                 install=bool(table["install"]), self_test=self_test, manifests=manifests)
     return profiles
 
 
-def read_lock(profile: Profile) -> list[Pin]:
-    """Every pin of the profile's lock; the lock must have been resolved for its platform."""
-    path = profile.lock_file
+def read_lock(profile: Profile, python: str) -> list[Pin]:
+    """Every pin of the profile's lock for python; the lock must have been resolved for both."""
+    path = profile.lock_file(python)
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: missing: compile it with the command in manifests/README.md") from None
+        raise ConfigError(f"{path}: missing: profile {profile.name} serves CPython {python}; compile the lock "
+                          "with the command in manifests/README.md") from None
     header = "\n".join(text.splitlines()[:3])
     if f"--python-platform {profile.platform}" not in header:
         raise ConfigError(f"{path}: header does not say --python-platform {profile.platform}: "
                           f"the lock was not resolved for profile {profile.name}'s platform")
+    if f"--python-version {python} " not in header + " ":
+        raise ConfigError(f"{path}: header does not say --python-version {python}: "
+                          f"the lock was not resolved for CPython {python}")
     pins = []
     logical = re.sub(r"\\\n", " ", text)
     for number, line in enumerate(logical.splitlines(), 1):

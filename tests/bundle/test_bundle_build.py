@@ -24,8 +24,7 @@ def test_bundle_holds_locked_wheels_sums_sbom_manifest_and_a_minisign_signature(
     tar_path = bundle_kit.bundle(tmp_path_factory)
     top, files = members(tar_path)
     assert top == "appliance-bundle-0.1.0"
-    assert {"bundle.json", "SHA256SUMS", "profiles/test/requirements.lock", "profiles/test/sbom.cdx.json",
-            "installer/install.sh", "installer/install_bundle.py", "installer/verify_bundle.py",
+    assert {"bundle.json", "SHA256SUMS", "installer/install.sh", "installer/install_bundle.py", "installer/verify_bundle.py",
             "installer/minisign.py"} <= set(files)
 
     # SHA256SUMS covers every other file, with the right hashes (what `sha256sum -c` checks).
@@ -33,10 +32,16 @@ def test_bundle_holds_locked_wheels_sums_sbom_manifest_and_a_minisign_signature(
     assert set(sums) == set(files) - {"SHA256SUMS"}
     assert all(hashlib.sha256(files[n]).hexdigest() == h for n, h in sums.items())
 
+    # One lock and SBOM per Python the profile serves, each resolved for that version.
+    for python in ("3.11", "3.12"):
+        assert {f"profiles/test/py{python}/requirements.lock", f"profiles/test/py{python}/sbom.cdx.json"} <= set(files)
+        header = files[f"profiles/test/py{python}/requirements.lock"].decode().splitlines()[1]
+        assert f"--python-version {python} --python-platform x86_64-manylinux_2_28" in header
+
     # Exactly the locked files: each wheel's hash is one the lock allows, and every pin has its wheel.
-    lock = files["profiles/test/requirements.lock"].decode()
+    lock = files["profiles/test/py3.11/requirements.lock"].decode()
     pinned = dict(re.findall(r"(?m)^([a-z0-9-]+)==\S+ \\\n((?:\s+--hash=sha256:[0-9a-f]{64}.*\n?)+)", lock))
-    assert set(pinned) == {"attrs", "packaging", "six", "tomli-w", "uv", "appliance"}
+    assert set(pinned) == {"attrs", "packaging", "python-dateutil", "six", "tomli-w", "tzdata", "uv", "appliance"}
     wheels = {n: d for n, d in files.items() if n.startswith("wheelhouse/")}
     assert len(wheels) == len(pinned)
     for name, data in wheels.items():
@@ -48,13 +53,17 @@ def test_bundle_holds_locked_wheels_sums_sbom_manifest_and_a_minisign_signature(
     manifest = json.loads(files["bundle.json"])
     assert manifest["version"] == "0.1.0" and manifest["made_by"].startswith("appliance bundle build")
     assert manifest["platforms"] == ["x86_64-manylinux_2_28"]
-    assert manifest["glibc_floor"] == "2.28" and manifest["python"] == ["3.11"] and manifest["cuda_major"] == []
+    assert manifest["glibc_floor"] == "2.28" and manifest["python"] == ["3.11", "3.12"] and manifest["cuda_major"] == []
     profile = manifest["profiles"]["test"]
     assert profile["install"] is True and profile["self_test"]["doctor"] == "json"
+    assert profile["pythons"] == ["3.11", "3.12"] and set(profile["by_python"]) == {"3.11", "3.12"}
     assert {w["file"] for w in profile["wheels"]} == set(wheels)
+    for python, variant in profile["by_python"].items():
+        assert variant["lock"] == f"profiles/test/py{python}/requirements.lock"
+        assert {w["file"] for w in variant["wheels"]} == set(wheels)  # the test profile's wheels are all py3
 
-    sbom = json.loads(files["profiles/test/sbom.cdx.json"])
-    assert sbom["bomFormat"] == "CycloneDX" and sbom["specVersion"] == "1.5"
+    sbom = json.loads(files["profiles/test/py3.11/sbom.cdx.json"])
+    assert sbom["bomFormat"] == "CycloneDX" and sbom["specVersion"] == "1.6"
     components = {c["name"]: c for c in sbom["components"]}
     assert set(components) == set(pinned)
     six = components["six"]
@@ -85,11 +94,13 @@ def test_build_lists_every_missing_or_mismatched_wheel_and_writes_nothing(tmp_pa
     out = tmp_path / "out"
     proc = bundle_kit.build(out, "--profile", "test", source=src, cache=tmp_path_factory.getbasetemp() / "bundles" / "cache")
     assert proc.returncode == 2
-    assert re.search(r"mismatch: test: six-1\.17\.0-py2\.py3-none-any\.whl: index sha256 [0-9a-f]{64} is not one the lock allows", proc.stderr)
-    assert ("missing: test: tomli-w==0.0.1: no wheel for CPython 3.11 x86_64-manylinux_2_28; "
-            "the index has no wheel of it") in proc.stderr
+    assert re.search(r"mismatch: test \(CPython 3\.11\): six==1\.17\.0: six-1\.17\.0-py2\.py3-none-any\.whl from the "
+                     r"index has sha256 [0-9a-f]{64}, not one the lock allows \(test\.lock\)", proc.stderr), proc.stderr
+    assert ("missing: test (CPython 3.11): tomli-w==0.0.1: no wheel for CPython 3.11 x86_64-manylinux_2_28; "
+            "the index has none of that version") in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"appliance bundle build: error: 2 locked wheel(s) missing or mismatched (listed above); nothing was written to {out}")
+        f"appliance bundle build: error: 2 locked wheel(s) missing or mismatched (six, tomli-w; listed above); "
+        f"nothing was written to {out}")
     assert not out.exists() or not list(out.iterdir())
 
 
@@ -126,8 +137,9 @@ def test_every_profile_is_declared_with_its_platform_lock(name):
     from conftest import ROOT
 
     profile = load_profiles(ROOT / "manifests")[name]
-    pins = {p.name: p.version for p in read_lock(profile)}
-    assert all(len(p.hashes) >= 1 for p in read_lock(profile))
+    pins = {p.name: p.version for p in read_lock(profile, profile.pythons[0])}
+    for python in profile.pythons:
+        assert all(len(p.hashes) >= 1 for p in read_lock(profile, python))
     if name.startswith("trainer"):
         assert pins["torch"] == "2.14.1" and pins["torchvision"] == "0.29.1" and "apache-tvm" in pins
         # Exactly one distribution provides the `onnxruntime` module.
@@ -137,3 +149,38 @@ def test_every_profile_is_declared_with_its_platform_lock(name):
         assert profile.cuda_major == 13 and pins["nvidia-cuda-runtime"].startswith("13.")
     if name == "edge-aarch64":
         assert profile.arch == "aarch64" and not profile.install
+
+
+def test_a_pin_with_no_wheel_for_one_of_the_pythons_is_named_before_anything_is_written(tmp_path, tmp_path_factory):
+    src = bundle_kit.source_copy(tmp_path, "0.1.0")
+    lock = src / "manifests" / "test-py3.12.lock"
+    # numpy 1.24.4 has wheels for CPython 3.8 to 3.11 only: the 3.12 lock cannot be served.
+    lock.write_text(lock.read_text() + "numpy==1.24.4 \\\n    --hash=sha256:" + "1" * 64 + "\n")
+    out = tmp_path / "out"
+    cache = tmp_path_factory.getbasetemp() / "bundles" / "cache"
+    proc = bundle_kit.build(out, "--profile", "test", source=src, cache=cache)
+    assert proc.returncode == 2
+    assert ("bundle: missing: test (CPython 3.12): numpy==1.24.4: no wheel for CPython 3.12 x86_64-manylinux_2_28"
+            in proc.stderr), proc.stderr
+    assert "(CPython 3.11): numpy" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"appliance bundle build: error: 1 locked wheel(s) missing or mismatched (numpy; listed above); "
+        f"nothing was written to {out}")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("pythons, problem", [
+    ('["3.11", "3.11"]', "pythons must be a list of distinct CPython versions"),
+    ('"3.11"', "pythons must be a list of distinct CPython versions"),
+    ('["3.13"]', "test.lock: header does not say --python-version 3.13"),
+])
+def test_a_profiles_pythons_are_checked(tmp_path, pythons, problem):
+    from appliance.bundle.profiles import load_profiles, read_lock
+    from appliance.errors import ConfigError
+
+    src = bundle_kit.source_copy(tmp_path, "0.1.0")
+    toml = src / "manifests" / "profiles.toml"
+    toml.write_text(toml.read_text().replace('pythons = ["3.11", "3.12"]', f"pythons = {pythons}"))
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        profile = load_profiles(src / "manifests")["test"]
+        read_lock(profile, profile.pythons[0])
