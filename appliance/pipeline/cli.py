@@ -30,7 +30,7 @@ def register(subparsers) -> None:
         "pipeline", help="run every stage from one config: check, train, export, quantize, compile, package, verify",
         description="Run the stages in order, each into OUT/<stage>/ with a manifest.json. A rerun skips "
         "stages whose inputs and parameters are unchanged and resumes an interrupted training run.")
-    p.add_argument("config", help="PIPELINE.toml (see README: 'Pipeline config, key by key')")
+    p.add_argument("config", help="PIPELINE.toml (its keys: docs/pipeline.md)")
     p.add_argument("--from", dest="from_stage", metavar="STAGE", choices=STAGES,
                    help=f"rerun from this stage even if unchanged ({', '.join(STAGES)})")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
