@@ -217,6 +217,9 @@ def retarget(platform: str | None = None, python: str | None = None):
             profile["python"] = python
             if "pythons" in profile:
                 profile["pythons"] = [python]
+            if "by_python" in profile:  # one lock, now claiming to be for that CPython
+                first = next(iter(profile["by_python"].values()))
+                profile["by_python"] = {python: {**first, "python": python}}
         return json.dumps(manifest, indent=2)
     return edit
 
@@ -227,9 +230,12 @@ def test_bundle_for_another_platform_names_what_it_holds_and_what_this_host_is(s
     proc = bundle_kit.install(tar, site["prefix"], pubkey=site["pub"])
     machine, (libc, version) = platform.machine(), platform.libc_ver()
     python = "%d.%d" % sys.version_info[:2]
+    with tarfile.open(site["tar"]) as t:
+        member = next(m for m in t.getmembers() if m.name.endswith("/bundle.json"))
+        served = "/".join(json.load(t.extractfile(member))["profiles"]["test"]["pythons"])
     assert_refused(site, proc, f"refused: {tar}: no installable profile for this host ({machine}, CPython {python} "
                    f"({bundle_kit.BASE_PYTHON}), {libc} {version}); the bundle holds "
-                   f"test (aarch64-manylinux_2_28, CPython {python})")
+                   f"test (aarch64-manylinux_2_28, CPython {served})")
 
 
 def test_bundle_for_another_python_names_what_it_holds(site, tmp_path):
