@@ -397,6 +397,9 @@ def check_onnxruntime(ctx) -> dict:
     model = _exported_model(ctx)
     import onnx
 
+    if hasattr(ort, "preload_dlls"):  # as appliance compile --target cuda-ort does
+        ort.preload_dlls()
+
     x = load_samples([write_data(ctx.work, ctx.args.image_size) / "val.tfrecord"],
                      metadata(onnx.load(str(model)))["preprocessing"]).x
     cpu = ort_session(model)

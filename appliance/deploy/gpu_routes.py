@@ -100,6 +100,11 @@ def run(args) -> int:
 def cuda_ort_session(path):
     import onnxruntime as ort
 
+    if hasattr(ort, "preload_dlls"):  # onnxruntime >= 1.21: CUDA/cuDNN from the nvidia-* wheels torch uses
+        try:
+            ort.preload_dlls()
+        except Exception:  # the session below says whether the CUDA provider started
+            pass
     options = ort.SessionOptions()
     options.log_severity_level = 3
     try:
