@@ -75,3 +75,12 @@ def test_the_budget_kills_a_check_that_overruns_and_the_next_is_skipped(tmp_path
     assert checks["train"]["status"] == "timeout" and checks["train"]["seconds"] < 40
     assert checks["resume"]["status"] == "skip" and "budget" in checks["resume"]["summary"]
     assert "FAILED: train" in proc.stdout.strip().splitlines()[-1]
+
+
+def test_the_shell_wrapper_writes_into_the_lease_out_folder(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(["sh", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "gpu_check: skipped: no CUDA GPU here" in proc.stdout
+    assert json.loads((tmp_path / "gpu-check" / "gpu_check.json").read_text())["skipped"] is True

@@ -153,21 +153,33 @@ class TensorRTEngine:
         return np.concatenate(outs)
 
 
+def weakly_typed() -> bool:
+    """TensorRT still chooses precisions itself (BuilderFlag.FP16); newer releases build strongly typed
+    networks only, where the ONNX model's own types (FP16 weights, Q/DQ nodes) decide."""
+    import tensorrt as trt
+
+    return hasattr(trt.BuilderFlag, "FP16")
+
+
 def build_trt_engine(onnx_path: Path, input_name: str, chw: list, int8: bool) -> bytes:
     import tensorrt as trt
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)  # explicit batch: the only mode since TensorRT 10
+    weak = weakly_typed()
+    # explicit batch is the only mode since TensorRT 10 (flags 0)
+    flags = 0 if weak else 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
     if not parser.parse(onnx_path.read_bytes()):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise DataError(f"{onnx_path}: TensorRT cannot parse it ({errors.splitlines()[0] if errors else 'no detail'})")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
-    config.set_flag(trt.BuilderFlag.FP16)
-    if int8:
-        config.set_flag(trt.BuilderFlag.INT8)  # Q/DQ nodes in the model say where; FP16 elsewhere
+    if weak:
+        config.set_flag(trt.BuilderFlag.FP16)
+        if int8 and hasattr(trt.BuilderFlag, "INT8"):
+            config.set_flag(trt.BuilderFlag.INT8)  # Q/DQ nodes in the model say where; FP16 elsewhere
     profile = builder.create_optimization_profile()
     profile.set_shape(input_name, (1, *chw), (OPT_BATCH, *chw), (OPT_BATCH, *chw))
     config.add_optimization_profile(profile)
@@ -293,7 +305,13 @@ def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, toleranc
         seconds = time.perf_counter() - start
         builds.append(("fp16", artifact, seconds, lambda t: run_ort(session, t, batch=OPT_BATCH)))
     else:
-        plans = [("fp16", model_path, False)]
+        from appliance.deploy.quantize import quantize_fp16
+
+        fp16_source = model_path
+        if not weakly_typed():  # strongly typed: the FP16 engine is built from an FP16 model
+            fp16_source = out_dir / "model.fp16.onnx"
+            quantize_fp16(model, fp16_source)
+        plans = [("fp16", fp16_source, False)]
         if calib_files:
             calib = load_samples(calib_files, preprocessing, limit=256)
             check_input_shape(calib, [1, *chw], inp.name, model_path)
