@@ -138,7 +138,59 @@ def _tool(name: str, version_flag: str = "--version") -> dict:
     return {"present": True, "path": path, "version": first}
 
 
-def _gpu_driver() -> str | None:
+# The NVIDIA driver reports itself here as soon as its kernel module is loaded, whether or not
+# CUDA works (a too-old driver is exactly the case where it does not).
+NVIDIA_VERSION_FILE = "/proc/driver/nvidia/version"
+NVIDIA_VERSION_FILE_ENV = "APPLIANCE_NVIDIA_VERSION_FILE"  # tests point it at a fake file
+
+# Minimum Linux x86_64 driver per CUDA toolkit, from NVIDIA's CUDA Toolkit release notes
+# (Table 3, "CUDA Toolkit and Corresponding Driver Versions"). A wheel built for CUDA X.Y runs
+# on any driver of the same major's floor (MINOR_COMPAT_FLOOR, "minor version compatibility"),
+# but PTX JIT and some newer APIs need the toolkit's own driver.
+CUDA_TOOLKIT_DRIVER = {
+    "11.0": "450.36.06", "11.8": "520.61.05",
+    "12.0": "525.60.13", "12.1": "530.30.02", "12.2": "535.54.03", "12.3": "545.23.06",
+    "12.4": "550.54.14", "12.5": "555.42.02", "12.6": "560.28.03", "12.8": "570.26", "12.9": "575.51.03",
+    "13.0": "580.65.06",
+}
+MINOR_COMPAT_FLOOR = {"11": "450.80.02", "12": "525.60.13", "13": "580.65.06"}
+
+
+def parse_nvidia_version(text: str) -> str | None:
+    """The driver version in /proc/driver/nvidia/version's first line, e.g. '535.129.03'.
+
+    'NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  Thu Oct 19 ...' (proprietary) or
+    'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.14  Release Build ...' (open).
+    """
+    import re
+
+    for line in text.splitlines():
+        if line.startswith("NVRM version:"):
+            m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)*)\b", line)
+            return m.group(1) if m else None
+    return None
+
+
+def _nvml_driver() -> str | None:
+    """nvmlSystemGetDriverVersion through ctypes, when libnvidia-ml is installed (no CUDA needed)."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    try:
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        buf = ctypes.create_string_buffer(96)
+        ok = nvml.nvmlSystemGetDriverVersion(buf, ctypes.c_uint(len(buf))) == 0
+        nvml.nvmlShutdown()
+        return buf.value.decode() if ok else None
+    except (AttributeError, OSError):
+        return None
+
+
+def _smi_driver() -> str | None:
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
@@ -150,6 +202,67 @@ def _gpu_driver() -> str | None:
         return out.splitlines()[0] if out else None
     except (OSError, subprocess.TimeoutExpired):
         return None
+
+
+def nvidia_driver() -> dict:
+    """{"version", "source"} of the loaded NVIDIA driver; version None when there is none."""
+    override = os.environ.get(NVIDIA_VERSION_FILE_ENV)
+    path = override or NVIDIA_VERSION_FILE
+    try:
+        with open(path) as f:
+            version = parse_nvidia_version(f.read())
+        if version or override:
+            return {"version": version, "source": path}
+    except OSError:
+        if override:
+            return {"version": None, "source": path}
+    for source, probe in (("nvml", _nvml_driver), ("nvidia-smi", _smi_driver)):
+        version = probe()
+        if version:
+            return {"version": version, "source": source}
+    return {"version": None, "source": None}
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(".") if x.isdigit())
+
+
+def required_driver(cuda_build: str) -> tuple[str, str | None]:
+    """(floor of the CUDA major, the toolkit's own driver or None) for torch.version.cuda."""
+    major = cuda_build.split(".")[0]
+    floor = MINOR_COMPAT_FLOOR.get(major)
+    if floor is None:  # a CUDA newer than this table: the newest entry is the best lower bound we know
+        floor = max(MINOR_COMPAT_FLOOR.values(), key=_version_tuple)
+    known = [v for v in CUDA_TOOLKIT_DRIVER if v.split(".")[0] == major
+             and _version_tuple(v) <= _version_tuple(cuda_build)]
+    toolkit = CUDA_TOOLKIT_DRIVER[max(known, key=_version_tuple)] if known else None
+    return floor, toolkit
+
+
+def driver_check(driver: str | None, torch_version: str, cuda_build: str | None, cuda_available: bool,
+                 gpu_profile: bool) -> tuple[list[str], list[str]]:
+    """(problems, warnings) about the NVIDIA driver against the CUDA build of the installed torch.
+
+    gpu_profile: this install is meant to train on the GPU (onnxruntime-gpu installed, the
+    trainer-cuda profile); a trainer-cpu install on a GPU box only gets warnings.
+    """
+    if not driver or not cuda_build:
+        return [], []
+    floor, toolkit = required_driver(cuda_build)
+    major = cuda_build.split(".")[0]
+    torch_version = torch_version.split("+")[0]  # "2.14.1+cu130": the CUDA part is named below
+    if _version_tuple(driver) < _version_tuple(floor):
+        line = (f"NVIDIA driver {driver} < {floor} required by torch {torch_version} (CUDA {cuda_build}, cu{major}): "
+                "update the driver or use the trainer-cpu profile")
+        return ([line], []) if gpu_profile else ([], [line + " (training uses the CPU)"])
+    if not cuda_available:
+        line = (f"NVIDIA driver {driver} is new enough for torch {torch_version} (CUDA {cuda_build}) but torch "
+                "cannot use the GPU: check /dev/nvidia* permissions, CUDA_VISIBLE_DEVICES, and `nvidia-smi`")
+        return ([line], []) if gpu_profile else ([], [line])
+    if toolkit and _version_tuple(driver) < _version_tuple(toolkit):
+        return [], [f"NVIDIA driver {driver} < {toolkit} of CUDA {cuda_build}: runs by minor version "
+                    "compatibility, but kernels JIT-compiled from PTX may fail; update the driver"]
+    return [], []
 
 
 def network_state() -> dict:
@@ -209,7 +322,6 @@ def collect() -> Report:
         device = None
     elif torch_facts["cuda_available"]:
         device = "cuda"
-        torch_facts["driver"] = _gpu_driver()
         if not torch_facts["nccl_available"]:
             report.problems.append("CUDA is present but NCCL is not: multi-GPU training needs a torch build with NCCL")
     else:
@@ -217,9 +329,25 @@ def collect() -> Report:
         if not torch_facts.get("gloo_available"):
             report.problems.append("torch.distributed has no gloo backend: install the locked torch build")
     report.facts["training_device"] = device
+    driver = nvidia_driver()
+    report.facts["nvidia_driver"] = driver
+    if "error" not in torch_facts:
+        torch_facts["driver"] = driver["version"]
+        gpu_profile = "CUDAExecutionProvider" in report.facts["onnxruntime"].get("providers", [])
+        problems, warnings = driver_check(driver["version"], torch_facts["version"], torch_facts.get("cuda_build"),
+                                          torch_facts["cuda_available"], gpu_profile)
+        report.problems += problems
+        report.warnings += warnings
+        if driver["version"] and torch_facts.get("cuda_build"):
+            floor, toolkit = required_driver(torch_facts["cuda_build"])
+            driver.update({"cuda_build": torch_facts["cuda_build"], "required_minimum": floor,
+                           "toolkit_driver": toolkit})
     report.facts["gpu_summary"] = (
         f"{len(torch_facts['gpus'])} GPU(s): " + ", ".join(g["name"] for g in torch_facts["gpus"])
-        if device == "cuda" else "no GPU: training selects the CPU (gloo backend, bf16 autocast)"
+        if device == "cuda" else
+        f"NVIDIA driver {driver['version']} present but CUDA unusable: training selects the CPU (gloo backend, bf16 autocast)"
+        if driver["version"] and device == "cpu" else
+        "no GPU: training selects the CPU (gloo backend, bf16 autocast)"
     )
     if sys.version_info < (3, 10):
         report.problems.append(f"Python {platform.python_version()} is too old: 3.10 or newer is required")
@@ -260,7 +388,7 @@ def format_table(report: Report) -> str:
         ("Disk", f"{f['disk']['free_gib']} GiB free of {f['disk']['total_gib']} GiB in {f['disk']['path']}"),
         ("torch", component(t, f"{t.get('version')} (CUDA build {t.get('cuda_build') or 'none'}); "
                                f"NCCL {'yes' if t.get('nccl_available') else 'no'}, gloo {'yes' if t.get('gloo_available') else 'no'}")),
-        ("GPUs", f["gpu_summary"] + (f"; driver {t.get('driver')}" if t.get("driver") else "")),
+        ("GPUs", f["gpu_summary"] + (f"; driver {t.get('driver')}" if f["training_device"] == "cuda" and t.get("driver") else "")),
         ("Training device", f["training_device"] or "none"),
         ("onnxruntime", component(o, f"{o.get('version')}; providers: {', '.join(o.get('providers', []))}")),
         ("TVM", component(v, f"{v.get('version')}; LLVM {v.get('llvm')}")),

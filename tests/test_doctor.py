@@ -1,11 +1,13 @@
 """`appliance doctor` with real probes on this box."""
 
 import json
+import os
 import platform
 
 import onnxruntime
 import torch
 
+from appliance import doctor
 from conftest import run_appliance
 
 
@@ -53,3 +55,84 @@ def test_doctor_table_names_each_component():
     for label in ("Python", "glibc", "CPU", "Memory", "Disk", "torch", "GPUs", "onnxruntime", "TVM",
                   "aarch64 g++", "qemu-aarch64", "Network"):
         assert any(line.startswith(label) for line in proc.stdout.splitlines()), label
+
+
+# /proc/driver/nvidia/version as the two kinds of kernel module write it (copied from real boxes).
+PROPRIETARY_470 = (
+    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.82.01  Wed Oct 27 21:21:55 UTC 2021\n"
+    "GCC version:  gcc version 9.3.0 (Ubuntu 9.3.0-17ubuntu1~20.04)\n")
+OPEN_580 = (
+    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.82.07  Release Build  "
+    "(dvs-builder@U22-I3-AF03-09-1)  Wed Aug 27 18:33:37 UTC 2025\n"
+    "GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n")
+AARCH64_540 = "NVRM version: NVIDIA UNIX aarch64 Kernel Module  540.4.0  Fri Sep 13 11:41:00 PDT 2024\n"
+
+
+def _fake_driver(tmp_path, text):
+    path = tmp_path / "nvidia-version"
+    path.write_text(text)
+    return {**os.environ, "APPLIANCE_NVIDIA_VERSION_FILE": str(path)}
+
+
+def test_driver_version_is_read_from_both_kernel_module_formats():
+    assert doctor.parse_nvidia_version(PROPRIETARY_470) == "470.82.01"
+    assert doctor.parse_nvidia_version(OPEN_580) == "580.82.07"
+    assert doctor.parse_nvidia_version(AARCH64_540) == "540.4.0"
+    assert doctor.parse_nvidia_version("GCC version:  gcc version 12\n") is None
+
+
+def test_required_driver_follows_the_cuda_build_of_torch():
+    assert doctor.required_driver("12.4") == ("525.60.13", "550.54.14")
+    assert doctor.required_driver("12.7") == ("525.60.13", "560.28.03")  # no 12.7 toolkit: 12.6's
+    assert doctor.required_driver("13.0") == ("580.65.06", "580.65.06")
+    assert doctor.required_driver("11.8") == ("450.80.02", "520.61.05")
+
+
+def test_old_driver_on_a_gpu_install_is_a_problem_naming_the_fix(tmp_path):
+    # The file format above, read by the same function doctor uses; the gpu_profile decision is
+    # what an onnxruntime-gpu install (trainer-cuda) makes.
+    with open(_fake_driver(tmp_path, PROPRIETARY_470)["APPLIANCE_NVIDIA_VERSION_FILE"]) as f:
+        driver = doctor.parse_nvidia_version(f.read())
+    problems, warnings = doctor.driver_check(driver, "2.14.1", "12.4", cuda_available=False, gpu_profile=True)
+    assert problems == ["NVIDIA driver 470.82.01 < 525.60.13 required by torch 2.14.1 (CUDA 12.4, cu12): "
+                        "update the driver or use the trainer-cpu profile"] and warnings == []
+    problems, warnings = doctor.driver_check(driver, "2.14.1", "12.4", cuda_available=False, gpu_profile=False)
+    assert problems == [] and "update the driver or use the trainer-cpu profile" in warnings[0]
+    # new enough, but CUDA still unusable: a different cause, a different fix
+    problems, _ = doctor.driver_check("580.82.07", "2.14.1", "13.0", cuda_available=False, gpu_profile=True)
+    assert "cannot use the GPU" in problems[0]
+    # minor version compatibility: runs, with a warning
+    problems, warnings = doctor.driver_check("550.54.14", "2.14.1", "12.8", cuda_available=True, gpu_profile=True)
+    assert problems == [] and "570.26" in warnings[0]
+    assert doctor.driver_check("580.82.07", "2.14.1", "13.0", cuda_available=True, gpu_profile=True) == ([], [])
+
+
+def test_doctor_reads_the_driver_even_when_cuda_fails(tmp_path):
+    # This box has no NVIDIA GPU, so CUDA fails here exactly as it does under a too-old driver.
+    proc = run_appliance("doctor", "--json", env=_fake_driver(tmp_path, PROPRIETARY_470))
+    report = json.loads(proc.stdout)
+    assert report["nvidia_driver"]["version"] == "470.82.01"
+    assert report["nvidia_driver"]["source"].endswith("nvidia-version")
+    assert report["training_device"] == "cpu"
+    assert "NVIDIA driver 470.82.01 present but CUDA unusable" in report["gpu_summary"]
+    cuda = torch.version.cuda
+    if cuda:  # the locked torch (PyPI's Linux build) is a CUDA build
+        floor, _ = doctor.required_driver(cuda)
+        expected = (f"NVIDIA driver 470.82.01 < {floor} required by torch {torch.__version__.split('+')[0]} "
+                    f"(CUDA {cuda}, cu{cuda.split('.')[0]}): update the driver or use the trainer-cpu profile")
+        gpu_profile = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+        assert any(line.startswith(expected) for line in report["problems" if gpu_profile else "warnings"]), report
+        assert report["nvidia_driver"]["required_minimum"] == floor
+    assert proc.returncode == (1 if report["problems"] else 0)
+
+    table = run_appliance("doctor", env=_fake_driver(tmp_path, PROPRIETARY_470))
+    assert "470.82.01" in table.stdout
+
+
+def test_doctor_without_an_nvidia_driver_says_no_gpu(tmp_path):
+    proc = run_appliance("doctor", "--json", env=_fake_driver(tmp_path, ""))  # no NVRM line: no driver
+    report = json.loads(proc.stdout)
+    assert report["nvidia_driver"]["version"] is None
+    if not torch.cuda.is_available():
+        assert report["gpu_summary"].startswith("no GPU")
+    assert not any("NVIDIA driver" in line for line in report["problems"] + report["warnings"])

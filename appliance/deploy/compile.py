@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+from appliance.deploy import gpu_routes
 from appliance.errors import DataError, EnvironmentProblem
 
 CROSS_COMPILER = "aarch64-linux-gnu-g++"
@@ -27,7 +28,7 @@ def register(subparsers) -> None:
         description="Compile MODEL.onnx with TVM Relax into DIR/model.so for the target. ARM targets "
         f"need {CROSS_COMPILER}; the x86_64 build is compared with onnxruntime.")
     p.add_argument("model", metavar="MODEL.onnx")
-    p.add_argument("--target", required=True, choices=sorted(TARGETS))
+    p.add_argument("--target", required=True, choices=[*sorted(TARGETS), *gpu_routes.GPU_TARGETS])
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
@@ -42,10 +43,13 @@ def register(subparsers) -> None:
     p.add_argument("--tuning-db", metavar="DIR",
                    help="tuning database to apply; made by --tune (into DIR when it does not exist yet), "
                    "reused without tuning when it does")
+    gpu_routes.add_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.target in gpu_routes.GPU_TARGETS:
+        return gpu_routes.run(args)
     if not args.allow_failed_gate:
         refuse_failed_gate(args.model)
     info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,

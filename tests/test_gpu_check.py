@@ -1,0 +1,86 @@
+"""benchmarks/gpu_check.py on a box without a GPU (CI): its skip mode, its arguments, its JSON,
+the budget that stops a hanging check, and the CPU reference training numbers."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def run_check(tmp_path, *args, hide_gpu=True, timeout=600):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if hide_gpu:  # CI may one day have a GPU: the skip mode is what is under test here
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=tmp_path)
+    report = tmp_path / "out" / "gpu_check.json"
+    return proc, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def test_without_a_gpu_it_says_why_it_skipped_and_exits_zero(tmp_path):
+    proc, report = run_check(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("gpu_check: skipped: no CUDA GPU here")
+    assert len(proc.stdout.strip().splitlines()) == 1
+    assert report["skipped"] is True and report["mode"] == "gpu" and report["checks"] == {}
+    assert report["gpu"]["available"] is False and "no CUDA GPU" in report["reason"]
+    assert report["params"]["archs"] == ["small_cnn", "resnet18"]
+    assert report["params"]["precisions"] == ["fp32", "bf16", "fp16"] and report["params"]["image_size"] == 224
+
+
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
+    cases = [(["--checks", "train,warp"], "unknown warp"),
+             (["--archs", "resnet9000"], "unknown resnet9000"),
+             (["--cpu-reference", "--precisions", "fp16"], "fp16 needs CUDA"),
+             (["--cpu-reference", "--checks", "tensorrt"], "only the train"),
+             (["--steps", "10", "--warmup", "10"], "--warmup must be smaller"),
+             (["--budget-s", "0"], "--budget-s must be positive")]
+    for args, message in cases:
+        proc, report = run_check(tmp_path, *args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert message in proc.stderr, (args, proc.stderr)
+        assert report is None, args
+
+
+def test_cpu_reference_measures_training_through_appliance_train(tmp_path):
+    proc, report = run_check(tmp_path, "--cpu-reference", "--precisions", "fp32", "--steps", "8", "--warmup", "3",
+                             "--batch", "8", "--image-size", "32")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("gpu_check: cpu-reference on CPU; checks train")
+    assert lines[1].startswith("gpu_check: train") and " ok " in lines[1] and "small_cnn: fp32" in lines[1]
+    train = report["checks"]["train"]
+    assert report["mode"] == "cpu-reference" and report["skipped"] is False
+    assert train["status"] == "ok" and train["device"] == "cpu" and train["image_size"] == 32
+    (run,) = train["runs"]
+    assert run["arch"] == "small_cnn" and run["precision"] == "fp32"
+    assert run["steps_per_s"] > 0 and run["images_per_s"] == run["steps_per_s"] * 8
+    assert run["peak_memory_mb"] > 0 and 0 <= run["data_wait_pct"] <= 100
+    assert report["elapsed_s"] >= train["seconds"] > 0
+    assert (tmp_path / "out" / "logs" / "train.log").read_text().count("$ ") == 1  # one `appliance train` run
+
+
+def test_the_budget_kills_a_check_that_overruns_and_the_next_is_skipped(tmp_path):
+    # 1000 steps cannot finish in the budget: the train check (and its torchrun tree) is killed,
+    # recorded as a timeout, and the resume check after it is skipped, not started.
+    proc, report = run_check(tmp_path, "--cpu-reference", "--checks", "train,resume", "--precisions", "fp32",
+                             "--steps", "1000", "--batch", "8", "--image-size", "32", "--budget-s", "30")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    checks = report["checks"]
+    assert list(checks) == ["train", "resume"]
+    assert checks["train"]["status"] == "timeout" and checks["train"]["seconds"] < 40
+    assert checks["resume"]["status"] == "skip" and "budget" in checks["resume"]["summary"]
+    assert "FAILED: train" in proc.stdout.strip().splitlines()[-1]
+
+
+def test_the_shell_wrapper_writes_into_the_lease_out_folder(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(["sh", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "gpu_check: skipped: no CUDA GPU here" in proc.stdout
+    assert json.loads((tmp_path / "gpu-check" / "gpu_check.json").read_text())["skipped"] is True
