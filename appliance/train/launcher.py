@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from appliance import values
 from appliance import __version__
 from appliance.errors import ConfigError
 
@@ -117,8 +118,15 @@ def run(args) -> int:
     if args.dry_run:
         print(printable)
         return 0
-    print(f"appliance train: {printable}", file=sys.stderr, flush=True)
-    returncode, stopped_by = _run_torchrun(cmd, {**os.environ, **env})
+    from appliance.dirlock import directory_lock
+    from appliance.train import worker_error
+
+    # One run per run directory, for the run's life: two would kill each other mid-save and mix
+    # their checkpoints. The kernel drops the lock when this process dies.
+    with directory_lock(cfg.run_dir, "run directory"):
+        worker_error.clear(cfg.run_dir)
+        print(f"appliance train: {printable}", file=sys.stderr, flush=True)
+        returncode, stopped_by = _run_torchrun(cmd, {**os.environ, **env})
     if stopped_by:
         print(f"appliance train: stopped by {stopped_by}; the workers saved a checkpoint in "
               f"{cfg.run_dir / 'checkpoints'}: run the same command to resume", file=sys.stderr)
@@ -179,15 +187,15 @@ def register(subparsers) -> None:
     p.add_argument("config", nargs="+", metavar="[slurm] CONFIG.toml", help="the training config")
     p.add_argument("--nproc-per-node", default="auto", help="processes on this node: N or auto "
                    "(one per GPU; one CPU process without a GPU)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of machines (default 1: standalone)")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's rank; rank 0 hosts the rendezvous")
+    p.add_argument("--nnodes", type=values.positive_int, default=1, help="number of machines (default 1: standalone)")
+    p.add_argument("--node-rank", type=values.non_negative_int, default=0, help="this machine's rank; rank 0 hosts the rendezvous")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of node rank 0 (c10d rendezvous)")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=values.non_negative_int, default=0,
                    help="restart all workers this many times after a failure; each restart resumes "
                    "from the newest good checkpoint")
     p.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint directory")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
-    p.add_argument("--nodes", type=int, default=1, help="slurm: number of nodes")
-    p.add_argument("--gpus-per-node", type=int, default=0, help="slurm: GPUs per node (0: CPU)")
+    p.add_argument("--nodes", type=values.positive_int, default=1, help="slurm: number of nodes")
+    p.add_argument("--gpus-per-node", type=values.non_negative_int, default=0, help="slurm: GPUs per node (0: CPU)")
     p.add_argument("--out", default="", help="slurm: script path (default RUN_DIR/train.sbatch)")
     p.set_defaults(func=run)
