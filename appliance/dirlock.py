@@ -1,8 +1,8 @@
 """One run per directory: an exclusive flock on DIR/.lock, released by the kernel when we die.
 
 The holder writes its PID, start time and command into the lock file, so the refusal can say
-who holds it. A stale file left by a dead process is no lock: flock only holds while the file
-is open, so a killed run never needs cleaning up after.
+who holds it, and removes the file when it is done. A file left by a killed process is no lock:
+flock only holds while the file is open, so a killed run never needs cleaning up after.
 """
 
 from __future__ import annotations
@@ -34,23 +34,42 @@ def directory_lock(directory: str | Path, what: str = "directory"):
     lock_path = directory / LOCK_NAME
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as err:
-        raise ApplianceError(f"{err.filename or directory}: cannot use it as the {what}: "
-                             f"{err.strerror or err}") from None
+        raise ApplianceError(f"{err.filename or directory}: cannot create the {what}: {err.strerror or err}") from None
+    fd = _acquire(lock_path, directory, what)
     try:
+        started = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)  # what a killed holder left
+        os.pwrite(fd, f"pid {os.getpid()}\nstarted {started}\ncommand {' '.join(sys.argv)}\n".encode(), 0)
+        yield lock_path
+    finally:
+        # Removed while still held, so the directory keeps no trace of us; a process that opened
+        # the old file meanwhile sees it is gone (_acquire) and tries again.
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        os.close(fd)
+
+
+def _acquire(lock_path: Path, directory: Path, what: str) -> int:
+    while True:
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise ApplianceError(f"{directory}: cannot use it as the {what}: {err.strerror or err}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
+            os.close(fd)
             raise DirectoryInUse(f"{directory}: the {what} is in use by another run ({holder}); "
                                  "wait for it to finish or use another directory") from None
-        started = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}\nstarted {started}\ncommand {' '.join(sys.argv)}\n".encode(), 0)
-        yield lock_path
-    finally:
-        os.close(fd)  # releases the lock; the file stays (removing it would race a new holder)
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # the holder removed it as we opened it: lock the new one
 
 
 def _read_holder(fd: int) -> str:
