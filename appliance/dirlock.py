@@ -12,6 +12,7 @@ import datetime as _dt
 import fcntl
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.errors import ApplianceError
@@ -23,6 +24,12 @@ class DirectoryInUse(ApplianceError):
     """Another process holds the directory's lock."""
 
     exit_code = 75  # EX_TEMPFAIL: try again when the other run has finished
+
+
+@dataclass(frozen=True)
+class HeldLock:
+    path: Path
+    fd: int  # pass to a child (Popen pass_fds) that must keep the lock if we are killed first
 
 
 @contextlib.contextmanager
@@ -41,7 +48,7 @@ def directory_lock(directory: str | Path, what: str = "directory"):
         started = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
         os.ftruncate(fd, 0)  # what a killed holder left
         os.pwrite(fd, f"pid {os.getpid()}\nstarted {started}\ncommand {' '.join(sys.argv)}\n".encode(), 0)
-        yield lock_path
+        yield HeldLock(lock_path, fd)
     finally:
         # Removed while still held, so the directory keeps no trace of us; a process that opened
         # the old file meanwhile sees it is gone (_acquire) and tries again.

@@ -73,5 +73,5 @@ def test_lock_refuses_a_second_holder_naming_its_pid_and_is_freed_when_it_dies(t
         holder.kill()  # SIGKILL: no cleanup runs, the kernel drops the lock
         holder.wait()
     with directory_lock(tmp_path / "d") as lock:
-        assert lock.read_text().startswith(f"pid {os.getpid()}\nstarted ")  # the killed holder's lines replaced
+        assert lock.path.read_text().startswith(f"pid {os.getpid()}\nstarted ")  # the killed holder's lines replaced
     assert list((tmp_path / "d").iterdir()) == []  # a finished holder leaves no trace

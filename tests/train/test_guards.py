@@ -103,3 +103,18 @@ def test_malformed_test_fault_is_one_line(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restart after the fault runs clean
     faults.load()
     assert not faults.armed("nan-loss", 3, 0)
+
+
+def test_disk_pre_check_in_a_worker_is_one_line_on_its_own_line(workdir):
+    # Asks for 100 TB to stay free: the first save (step 5) refuses before writing anything.
+    config = make_config(workdir, name="no-room", train={"epochs": 1, "max_steps": 6},
+                         checkpoint={"min_free_gb": 100_000.0})
+    run_dir = workdir / "runs" / "no-room"
+    status, _, err = _finish(_start(config))
+    line = worker_error.read(run_dir)
+    assert status != 0 and line is not None, err[-3000:]
+    assert line.startswith(f"{run_dir / 'checkpoints'}: not enough free disk for a checkpoint: ")
+    assert " free, need 97.7 TiB (checkpoint + [checkpoint] min_free_gb); nothing was written." in line
+    # The progress bar was closed first: the worker's line starts a line of its own.
+    assert f"appliance train: error: {line}" in err.splitlines(), err[-3000:]
+    assert "appliance/train/" not in err and not list((run_dir / "checkpoints").iterdir())
