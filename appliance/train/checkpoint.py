@@ -394,7 +394,11 @@ class CheckpointManager:
         chosen = _broadcast_int(chosen)
         if chosen < 0:
             return None
-        return self._read(self.directory / f"step-{chosen:08d}", verify=False)
+        path = self.directory / f"step-{chosen:08d}"
+        try:
+            return self._read(path, verify=False)
+        except CheckpointDamaged as err:  # this rank's own files (rank 0 verified them on its node)
+            raise EnvironmentProblem(f"{path}: {err} on rank {self.rank}; it verified on rank 0") from None
 
     def load(self, path: str | Path) -> Checkpoint:
         """A given checkpoint directory, verified; CheckpointDamaged if it is not good."""
