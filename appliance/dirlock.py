@@ -33,12 +33,14 @@ class HeldLock:
 
 
 @contextlib.contextmanager
-def directory_lock(directory: str | Path, what: str = "directory"):
-    """Hold the lock of `directory` (created if missing) for the with-block; DirectoryInUse if held."""
+def directory_lock(directory: str | Path, what: str = "directory", name: str = LOCK_NAME):
+    """Hold the lock of `directory` (created if missing) for the with-block; DirectoryInUse if held.
+
+    `name` tells apart holders that may share a directory (the nodes of one run on a shared filesystem)."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise ApplianceError(f"{directory}: the {what} exists and is not a directory")
-    lock_path = directory / LOCK_NAME
+    lock_path = directory / name
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -123,7 +123,9 @@ def run(args) -> int:
 
     # One run per run directory, for the run's life: two would kill each other mid-save and mix
     # their checkpoints. The kernel drops the lock when this process dies.
-    with directory_lock(cfg.run_dir, "run directory"):
+    # The nodes of one run may share the directory (a shared filesystem): one lock per node rank.
+    lock_name = ".lock" if args.nnodes == 1 else f".lock-node{args.node_rank}"
+    with directory_lock(cfg.run_dir, "run directory", lock_name):
         worker_error.clear(cfg.run_dir)
         print(f"appliance train: {printable}", file=sys.stderr, flush=True)
         returncode, stopped_by = _run_torchrun(cmd, {**os.environ, **env})
