@@ -31,6 +31,8 @@ def _parse_error(capsys, *argv) -> str:
     (["data", "check", "f", "--out", "o", "--max-pixels", "-1"], "argument --max-pixels: must be at least 1, got -1"),
     (["data", "check", "f", "--out", "o", "--jobs", "two"], "argument --jobs: must be an integer, got 'two'"),
     (["train", "t.toml", "--max-restarts", "-3"], "argument --max-restarts: must be at least 0, got -3"),
+    (["data", "preview", "f", "--hue", "nan"], "argument --hue: must be a finite number, got nan"),
+    (["data", "convert", "d", "--out", "o", "--shards", "0"], "argument --shards: must be at least 1, got 0"),
     (["export", "run", "--out", "o", "--max-rel-error", "inf"],
      "argument --max-rel-error: must be a finite number, got inf"),
 ])
