@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import resource
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from appliance.errors import ApplianceError, ConfigError
+from appliance.errors import ApplianceError, ConfigError, EnvironmentProblem
 from appliance.train import data, faults, worker_error
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report, load_config
@@ -328,7 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         run_dir = cfg.run_dir
-        return train(cfg, args.resume)
+        try:
+            return train(cfg, args.resume)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not err.filename:
+                raise
+            # A full disk outside a checkpoint save (metrics, TensorBoard, the final model).
+            raise EnvironmentProblem(f"{err.filename}: {err.strerror}; checkpoints in {run_dir / 'checkpoints'} "
+                                     "are intact: free space, then resume with the same command") from None
     except ApplianceError as err:
         # Raised in a DataLoader worker, the message carries the worker's traceback: keep its last line.
         line = str(err).strip().splitlines()[-1]
