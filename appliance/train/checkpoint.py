@@ -152,7 +152,7 @@ class CheckpointManager:
             for stale in self.directory.glob(".tmp-step-*"):
                 shutil.rmtree(stale, ignore_errors=True)
             for path in sorted(self.directory.glob("step-*")):
-                if _STEP_DIR.match(path.name) and path.is_dir() and not (path / COMMIT_MARKER).exists():
+                if _STEP_DIR.match(path.name) and path.is_dir() and not (path / COMMIT_MARKER).is_file():
                     aside = self._move_aside(path, "uncommitted")
                     self.log(f"warning: checkpoint {path} has no {COMMIT_MARKER} marker (its write was "
                              f"interrupted, or the marker was deleted): not loaded; moved to {aside.name}")
@@ -267,7 +267,9 @@ class CheckpointManager:
             os.fsync(f.fileno())
         _fsync_path(tmp)
         if final.exists():  # moved aside at start-up; only a concurrent writer could put it back
-            self._move_aside(final, "uncommitted")
+            aside = self._move_aside(final, "uncommitted")
+            self.log(f"warning: checkpoint {final} appeared without a {COMMIT_MARKER} marker while saving it; "
+                     f"moved to {aside.name}")
         os.rename(tmp, final)
         _write_json(final / COMMIT_MARKER, {"step": step, "files": len(files) + 1})
         _fsync_path(final)
