@@ -1,6 +1,7 @@
 """TOML config files validated into frozen dataclasses, with one-line errors naming file, section and key.
 
-Shared by the training config, the pipeline config and the bundle profiles.
+Shared by the training config, the pipeline config and the bundle profiles. A field may carry
+its allowed range: `lr: Annotated[float, Range(gt=0)] = 1e-3`; every float must be finite.
 """
 
 from __future__ import annotations
@@ -11,25 +12,40 @@ import typing
 from pathlib import Path
 
 from appliance.errors import ConfigError
+from appliance.values import ANY, Range
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict:
     try:
-        return tomllib.loads(Path(path).read_text())
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such {what}") from None
     except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not a {what} (give the .toml file)") from None
+        raise ConfigError(f"{path}: is a directory, not a {what}") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the {what}: {err.strerror or err}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a TOML text file (byte {err.start} is not UTF-8)") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
 
 
 def _type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
 def _coerce(value, tp, where: str):
-    """Check value against a field type; return it in the dataclass's form (lists become tuples)."""
+    """Check value against a field type and range; return it in the dataclass's form (lists become tuples)."""
+    allowed = ANY
+    if typing.get_origin(tp) is typing.Annotated:
+        tp, *extras = typing.get_args(tp)
+        allowed = next((e for e in extras if isinstance(e, Range)), ANY)
     if typing.get_origin(tp) is dict:
         key_tp, value_tp = typing.get_args(tp)
         if not isinstance(value, dict):
@@ -47,12 +63,17 @@ def _coerce(value, tp, where: str):
           isinstance(value, tp))
     if not ok:
         raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r}")
-    return float(value) if tp is float else value
+    if tp in (int, float):
+        value = float(value) if tp is float else value
+        problem = allowed.problem(value)
+        if problem:
+            raise ConfigError(f"{where} {problem}")
+    return value
 
 
 def parse_section(cls, raw: dict, source: str, name: str):
     """A TOML table -> the frozen dataclass cls; unknown, mistyped or missing keys are named."""
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     known = [f.name for f in dataclasses.fields(cls)]
     values = {}
     for key, value in raw.items():

@@ -254,7 +254,7 @@ def _resume_pair(ctx, arch: str, deterministic: bool, tag: str) -> dict:
                            deterministic=deterministic, workers=ctx.workers, every=every)
         # --resume auto (the default): the elastic restart after the SIGKILL resumes from the last checkpoint.
         proc = run_logged(appliance_cmd("train", str(cfg), "--nproc-per-node", "1", "--max-restarts", "1"),
-                          ctx.log("resume"), ctx.left(), env={**ctx.env, "APPLIANCE_TRAIN_FAULT": fault})
+                          ctx.log("resume"), ctx.left(), env={**ctx.env, "APPLIANCE_TEST_FAULT": fault})
         if proc.returncode != 0:
             return {"arch": arch, "deterministic": deterministic, "error": f"{name}: {last_line(proc)}"}
         procs[name] = proc
@@ -606,7 +606,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
 
     from appliance.train.config import PRECISIONS
-    from appliance.train.models import ARCHITECTURES
+    from appliance.models import ARCHITECTURES
 
     cpu = args.cpu_reference
     defaults = {"archs": ["small_cnn"] if cpu else ["small_cnn", "resnet18"],

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from appliance import values
 from appliance.errors import DataError
 from appliance.inputs import require_file
 
@@ -36,7 +37,7 @@ def register(subparsers) -> None:
 
     p = sub.add_parser("cat", help="print records as JSON lines, for people inspecting data")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="stop after N records")
+    p.add_argument("--limit", type=values.non_negative_int, default=None, metavar="N", help="stop after N records")
     p.add_argument("--strict", action="store_true", help="stop with an error at the first damaged byte")
     p.set_defaults(func=cat_file)
 
@@ -46,9 +47,9 @@ def register(subparsers) -> None:
                        "TFRecord files to rewrite as plain, indexed files.")
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="IMAGE_DIR, or FILE... with --decompress")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--shards", type=int, default=1, help="number of output files (default 1)")
+    p.add_argument("--shards", type=values.positive_int, default=1, help="number of output files (default 1)")
     p.add_argument("--prefix", default="data", help="shard file name prefix (default data)")
-    p.add_argument("--seed", type=int, default=0, help="shuffle seed for dealing images to shards")
+    p.add_argument("--seed", type=values.non_negative_int, default=0, help="shuffle seed for dealing images to shards")
     p.add_argument("--decompress", action="store_true", help="SOURCE files are GZIP/ZLIB TFRecords")
     p.set_defaults(func=convert)
 

@@ -11,6 +11,7 @@ import io
 import os
 from pathlib import Path
 
+from appliance import values
 from appliance.errors import ConfigError, DataError
 
 
@@ -19,15 +20,15 @@ def register_data_verb(data_subparsers) -> None:
                                    description=__doc__.splitlines()[0])
     p.add_argument("file", metavar="FILE", help="TFRecord file")
     p.add_argument("--out", required=True, help="PNG to write")
-    p.add_argument("--count", type=int, default=8, help="records (rows)")
-    p.add_argument("--variants", type=int, default=4, help="augmented versions per record (epochs)")
-    p.add_argument("--size", type=int, default=128, help="output image size in pixels")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--epoch", type=int, default=0, help="first epoch shown")
-    p.add_argument("--degrees", type=float, default=15.0, help="rotation range, +/- degrees")
-    p.add_argument("--hue", type=float, default=0.1, help="hue shift, +/- fraction of the colour circle (0.1 = 36 deg)")
-    p.add_argument("--saturation", type=float, default=0.1, help="saturation factor 1 +/- this")
-    p.add_argument("--value", type=float, default=0.1, help="value (brightness) factor 1 +/- this")
+    p.add_argument("--count", type=values.positive_int, default=8, help="records (rows)")
+    p.add_argument("--variants", type=values.positive_int, default=4, help="augmented versions per record (epochs)")
+    p.add_argument("--size", type=values.positive_int, default=128, help="output image size in pixels")
+    p.add_argument("--seed", type=values.non_negative_int, default=0)
+    p.add_argument("--epoch", type=values.non_negative_int, default=0, help="first epoch shown")
+    p.add_argument("--degrees", type=values.non_negative_float, default=15.0, help="rotation range, +/- degrees")
+    p.add_argument("--hue", type=values.non_negative_float, default=0.1, help="hue shift, +/- fraction of the colour circle (0.1 = 36 deg)")
+    p.add_argument("--saturation", type=values.non_negative_float, default=0.1, help="saturation factor 1 +/- this")
+    p.add_argument("--value", type=values.non_negative_float, default=0.1, help="value (brightness) factor 1 +/- this")
     p.add_argument("--image-key", default="image/encoded")
     p.set_defaults(func=preview_command)
 

@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+from appliance import values
 from appliance.deploy import gpu_routes
 from appliance.errors import DataError, EnvironmentProblem
 
@@ -29,10 +30,10 @@ def register(subparsers) -> None:
         f"need {CROSS_COMPILER}; the x86_64 build is compared with onnxruntime.")
     p.add_argument("model", metavar="MODEL.onnx")
     p.add_argument("--target", required=True, choices=[*sorted(TARGETS), *gpu_routes.GPU_TARGETS])
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
-    p.add_argument("--tolerance", type=float,
+    p.add_argument("--tolerance", type=values.non_negative_float,
                    help="x86_64 check: max |tvm - onnxruntime| allowed, times max(1, max |logit|) "
                    "(default 1e-4; 1e-2 for FP16 models)")
     p.add_argument("--allow-failed-gate", action="store_true",

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from appliance import values
 from appliance.errors import DataError, EnvironmentProblem
 
 if TYPE_CHECKING:
@@ -31,9 +32,9 @@ def register(subparsers) -> None:
     p.add_argument("package", metavar="edge-package.tar")
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="validation TFRecord files or a .npz of tensors (default: 16 seeded random images)")
-    p.add_argument("--num-samples", type=int, default=32)
-    p.add_argument("--min-agreement", type=float, default=1.0, help="required top-1 agreement (default 1.0)")
-    p.add_argument("--max-logit-diff", type=float,
+    p.add_argument("--num-samples", type=values.positive_int, default=32)
+    p.add_argument("--min-agreement", type=values.fraction_float, default=1.0, help="required top-1 agreement (default 1.0)")
+    p.add_argument("--max-logit-diff", type=values.non_negative_float,
                    help="allowed max |edge - host| logit, times max(1, max |host logit|) "
                    "(default 1e-4; 1e-2 for FP16 models)")
     p.add_argument("--sysroot", default=DEFAULT_SYSROOT, help="aarch64 libc for qemu -L")
@@ -41,7 +42,7 @@ def register(subparsers) -> None:
                    help="also run python/run.py inside an arm64 Python sysroot under qemu (about 15 s more)")
     p.add_argument("--sysroot-debs", metavar="DIR",
                    help="arm64 .debs from `appliance edge sysroot` (default: wheelhouse/edge-sysroot-arm64)")
-    p.add_argument("--out", metavar="DIR", help="also write verify.json and manifest.json here")
+    p.add_argument("--out", metavar="DIR", type=values.output_dir, help="also write verify.json and manifest.json here")
     p.set_defaults(func=run)
     from appliance.deploy.edge_sysroot import register_sysroot
 

@@ -6,6 +6,7 @@ import json
 import warnings
 from pathlib import Path
 
+from appliance import values
 from appliance.errors import DataError
 
 DEFAULT_MAX_REL_ERROR = 1e-5
@@ -18,15 +19,15 @@ def register(subparsers) -> None:
         "DIR/model.onnx, with preprocessing and class names in its metadata, and check it "
         "against PyTorch on samples (parity.json).")
     p.add_argument("model", metavar="RUN_DIR|CHECKPOINT")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--opset", type=int, default=17)
+    p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
+    p.add_argument("--opset", type=values.positive_int, default=17)
     p.add_argument("--batch", default="dynamic", metavar="dynamic|N",
                    help="batch axis: dynamic (default) or a fixed size")
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="validation TFRecord files (or a .npz of tensors) for the parity check; "
                    "default: 16 seeded random images")
-    p.add_argument("--num-samples", type=int, default=64)
-    p.add_argument("--max-rel-error", type=float, default=DEFAULT_MAX_REL_ERROR,
+    p.add_argument("--num-samples", type=values.positive_int, default=64)
+    p.add_argument("--max-rel-error", type=values.non_negative_float, default=DEFAULT_MAX_REL_ERROR,
                    help="fail when max|torch-onnx| / max|torch| exceeds this (default 1e-5)")
     p.set_defaults(func=run)
 

@@ -12,6 +12,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from appliance import values
 from appliance.errors import DataError
 
 METHODS = ("minmax", "entropy", "percentile")
@@ -27,16 +28,16 @@ def register(subparsers) -> None:
     p.add_argument("--calib", required=True, nargs="+", metavar="DATA",
                    help="calibration TFRecord files (image/encoded, image/class/label) or a .npz of tensors")
     p.add_argument("--val", nargs="+", metavar="DATA", help="labelled validation data (default: --calib)")
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
     p.add_argument("--mode", choices=["int8", "fp16"], default="int8")
     p.add_argument("--method", choices=METHODS, default="minmax", help="INT8 calibration method")
     p.add_argument("--per-channel", action="store_true", help="INT8: per-channel weight scales")
     p.add_argument("--scheme", choices=SCHEMES, default="s8s8",
                    help="INT8 types: s8s8 (default, accurate on any CPU) or u8s8 with 7-bit weights "
                    "(reduce_range: onnxruntime's faster x86 kernels without their AVX2 saturation)")
-    p.add_argument("--calib-samples", type=int, default=128)
-    p.add_argument("--val-samples", type=int, default=1000)
-    p.add_argument("--max-drop", type=float, default=1.0, help="allowed top-1 drop in points (default 1.0)")
+    p.add_argument("--calib-samples", type=values.positive_int, default=128)
+    p.add_argument("--val-samples", type=values.positive_int, default=1000)
+    p.add_argument("--max-drop", type=values.non_negative_float, default=1.0, help="allowed top-1 drop in points (default 1.0)")
     p.set_defaults(func=run)
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 from appliance.errors import ConfigError
 from appliance.tomlconfig import parse_section, read_toml
+from appliance.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, Range
 
 TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment", "distributed")
 
@@ -21,7 +23,7 @@ TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "che
 class PipelineSection:
     out: str = "pipeline-out"  # each stage writes OUT/<stage>/; relative to the config file
     nproc_per_node: str = "auto"
-    max_restarts: int = 3  # elastic restarts of training after a crash
+    max_restarts: Annotated[int, COUNT] = 3  # elastic restarts of training after a crash
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,8 @@ class CheckSection:
 
 @dataclass(frozen=True)
 class ExportSection:
-    opset: int = 17
-    max_rel_error: float = 1e-5
+    opset: Annotated[int, AT_LEAST_ONE] = 17
+    max_rel_error: Annotated[float, NON_NEGATIVE] = 1e-5
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,8 @@ class QuantizeSection:
     mode: str = "int8"  # "int8" | "fp16" | "none"
     method: str = "minmax"
     per_channel: bool = True
-    calib_samples: int = 256
-    max_drop: float = 1.0  # top-1 points
+    calib_samples: Annotated[int, AT_LEAST_ONE] = 256
+    max_drop: Annotated[float, Range(ge=0, le=100)] = 1.0  # top-1 points
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,8 @@ class PackageSection:
 
 @dataclass(frozen=True)
 class VerifySection:
-    samples: int = 0  # 0: every validation sample
-    min_agreement: float = 0.995
+    samples: Annotated[int, COUNT] = 0  # 0: every validation sample
+    min_agreement: Annotated[float, FRACTION] = 0.995
 
 
 @dataclass(frozen=True)
@@ -111,14 +113,18 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
         raise ConfigError(f"{path}: [data] train = [...] is required (the TFRecord files to train on)")
     if not training["data"].get("val"):
         raise ConfigError(f"{path}: [data] val = [...] is required: every later stage is measured on it")
+    from data_tools.check.gate import parse_fail_on
+
+    parse_fail_on(sections["check"].fail_on, where=f"{source}: [check] fail_on")
     train_cfg = validate_training(training, source)
     return PipelineConfig(source=source, training=training, train_files=tuple(map(Path, train_cfg.data.train)),
                           val_files=tuple(map(Path, train_cfg.data.val)), **sections)
 
 
 def validate_training(training: dict, source: Path):
-    """The training sections checked as `appliance train` will check them, now, so that a typo
-    fails before the data check spends an hour. The run's name and directory are the pipeline's."""
+    """The training sections checked as `appliance train` will check them (every key and number,
+    the data files resolved), now, so that a typo fails before the data check spends an hour.
+    The run's name and directory are the pipeline's."""
     from appliance.train.config import config_from_dict
 
     sections = {name: dict(table) if isinstance(table, dict) else table for name, table in training.items()}

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-WORKER_ERROR_ENV = "APPLIANCE_WORKER_ERROR_FILE"  # the launcher's; a failing worker writes its line there
+from appliance.train.worker_error import LAUNCHER_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +35,7 @@ class _NoFailureTables(logging.Filter):
     .worker-error file exists); a worker killed by a signal still shows as `exitcode: -9`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        said = os.environ.get(WORKER_ERROR_ENV, "")
+        said = os.environ.get(LAUNCHER_ENV, "")
         return not (said and os.path.exists(said) and record.levelno >= logging.WARNING
                     and any(m in record.getMessage() for m in ("failed (exitcode", "Sending process")))
 

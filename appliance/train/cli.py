@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from appliance import values
+
 SLURM_VERB = "train-slurm"  # `appliance train slurm ...` is parsed by this parser (see appliance.cli)
 
 
@@ -58,8 +60,8 @@ def register(subparsers) -> None:
         "(see `appliance train slurm --help`).")
     p.add_argument("config", metavar="CONFIG.toml", help="the training config")
     _add_nproc_and_restarts(p)
-    p.add_argument("--nnodes", type=int, default=1, help="number of machines (default 1: standalone)")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's rank; rank 0 hosts the rendezvous")
+    p.add_argument("--nnodes", type=values.positive_int, default=1, help="number of machines (default 1: standalone)")
+    p.add_argument("--node-rank", type=values.non_negative_int, default=0, help="this machine's rank; rank 0 hosts the rendezvous")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of node rank 0 (c10d rendezvous)")
     p.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint directory")
     p.add_argument("--iface", default="", metavar="NAME",
@@ -68,9 +70,9 @@ def register(subparsers) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
     p.add_argument("--preflight", action="store_true",
                    help="check this node and agree with the others (endpoint, config, versions, disk) and exit")
-    p.add_argument("--preflight-timeout", type=float, default=60.0, metavar="S",
+    p.add_argument("--preflight-timeout", type=values.positive_float, default=60.0, metavar="S",
                    help="how long --preflight waits for the endpoint and the other nodes (default 60)")
-    p.add_argument("--expect-gpus", type=int, default=None, metavar="N", help="--preflight: GPUs each node must have")
+    p.add_argument("--expect-gpus", type=values.non_negative_int, default=None, metavar="N", help="--preflight: GPUs each node must have")
     p.add_argument("--quiet", action="store_true", help="no progress output (results and errors still print)")
     p.set_defaults(func=run)
 
@@ -78,8 +80,8 @@ def register(subparsers) -> None:
         SLURM_VERB, prog="appliance train slurm", help=argparse.SUPPRESS,
         description="Write an sbatch script that runs `appliance train`'s torchrun command on N nodes under srun.")
     s.add_argument("config", metavar="CONFIG.toml", help="the training config")
-    s.add_argument("--nodes", type=int, required=True, help="number of nodes")
-    s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU)")
+    s.add_argument("--nodes", type=values.positive_int, required=True, help="number of nodes")
+    s.add_argument("--gpus-per-node", type=values.non_negative_int, default=0, help="GPUs per node (0: CPU)")
     s.add_argument("--out", default="", help="script path (default RUN_DIR/train.sbatch)")
     _add_nproc_and_restarts(s)
     s.set_defaults(func=write_slurm, verb_label="train slurm")
@@ -88,6 +90,6 @@ def register(subparsers) -> None:
 def _add_nproc_and_restarts(p) -> None:
     p.add_argument("--nproc-per-node", default="auto", help="processes per node: N or auto "
                    "(one per GPU; one CPU process without a GPU)")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=values.non_negative_int, default=0,
                    help="restart all workers this many times after a failure; each restart resumes "
                    "from the newest good checkpoint")

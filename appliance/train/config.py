@@ -13,10 +13,12 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 from appliance.errors import ConfigError
 from appliance.tomlconfig import parse_section, read_toml
 from appliance.models import ARCHITECTURES
+from appliance.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, Range
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -26,9 +28,9 @@ OPTIMIZERS = ("sgd", "adamw")
 class RunSection:
     name: str
     out_dir: str = "runs"
-    seed: int = 0
+    seed: Annotated[int, COUNT] = 0
     deterministic: bool = True
-    log_every: int = 10
+    log_every: Annotated[int, AT_LEAST_ONE] = 10
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,14 @@ class DataSection:
     train: tuple[str, ...]
     val: tuple[str, ...] = ()
     classes: tuple[str, ...] = ()
-    num_classes: int = 0  # taken from `classes` when 0
+    num_classes: Annotated[int, COUNT] = 0  # taken from `classes` when 0
     image_key: str = "image/encoded"
     label_key: str = "image/class/label"
-    image_size: int = 224
+    image_size: Annotated[int, AT_LEAST_ONE] = 224
     channels: int = 3
     mean: tuple[float, ...] = (0.485, 0.456, 0.406)
-    std: tuple[float, ...] = (0.229, 0.224, 0.225)
-    num_workers: int = 2
+    std: tuple[Annotated[float, POSITIVE], ...] = (0.229, 0.224, 0.225)
+    num_workers: Annotated[int, COUNT] = 2
     check_report: str = ""  # a data-check report.json whose gate must have passed
 
 
@@ -57,37 +59,37 @@ class ModelSection:
 @dataclass(frozen=True)
 class OptimizerSection:
     name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.9  # sgd only
-    betas: tuple[float, ...] = (0.9, 0.999)  # adamw only
+    lr: Annotated[float, POSITIVE] = 1e-3
+    weight_decay: Annotated[float, NON_NEGATIVE] = 0.0
+    momentum: Annotated[float, Range(ge=0, lt=1)] = 0.9  # sgd only
+    betas: tuple[Annotated[float, Range(ge=0, lt=1)], ...] = (0.9, 0.999)  # adamw only
     zero_redundancy: bool = False
 
 
 @dataclass(frozen=True)
 class ScheduleSection:
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: Annotated[int, COUNT] = 0
+    min_lr_ratio: Annotated[float, FRACTION] = 0.0  # the cosine ends at lr * min_lr_ratio
 
 
 @dataclass(frozen=True)
 class TrainSection:
-    epochs: int = 1
-    max_steps: int = 0  # 0: epochs decide
-    batch_size: int = 32  # per process
-    grad_accum: int = 1
+    epochs: Annotated[int, COUNT] = 1
+    max_steps: Annotated[int, COUNT] = 0  # 0: epochs decide
+    batch_size: Annotated[int, AT_LEAST_ONE] = 32  # per process
+    grad_accum: Annotated[int, AT_LEAST_ONE] = 1
     precision: str = "auto"
-    grad_clip: float = 0.0  # 0 disables clipping
+    grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # 0 disables clipping
 
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    every_steps: int = 500
-    keep_last: int = 3
-    keep_best: int = 1
+    every_steps: Annotated[int, AT_LEAST_ONE] = 500
+    keep_last: Annotated[int, AT_LEAST_ONE] = 3
+    keep_best: Annotated[int, COUNT] = 1
     monitor: str = "val_loss"
     mode: str = "min"
-    min_free_gb: float = 1.0
+    min_free_gb: Annotated[float, NON_NEGATIVE] = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,12 +97,12 @@ class AugmentSection:
     """Seeded training augmentation (data_tools.augment.TrainTransform); evaluation never augments."""
 
     enabled: bool = False
-    degrees: float = 15.0  # rotation, uniform in +/- degrees
-    hue: float = 0.1  # fraction of the colour circle: 0.1 = +/- 36 degrees
-    saturation: float = 0.1  # HSV S multiplied by a factor in [1 - s, 1 + s]
-    value: float = 0.1  # HSV V multiplied by a factor in [1 - v, 1 + v]
-    crop_scale: tuple[float, ...] = (0.08, 1.0)  # RandomResizedCrop area fraction
-    flip_probability: float = 0.5  # horizontal flip
+    degrees: Annotated[float, Range(ge=0, le=180)] = 15.0  # rotation, uniform in +/- degrees
+    hue: Annotated[float, Range(ge=0, le=0.5)] = 0.1  # fraction of the colour circle: 0.1 = +/- 36 degrees
+    saturation: Annotated[float, Range(ge=0, lt=1)] = 0.1  # HSV S multiplied by a factor in [1 - s, 1 + s]
+    value: Annotated[float, Range(ge=0, lt=1)] = 0.1  # HSV V multiplied by a factor in [1 - v, 1 + v]
+    crop_scale: tuple[Annotated[float, Range(gt=0, le=1)], ...] = (0.08, 1.0)  # RandomResizedCrop area fraction
+    flip_probability: Annotated[float, FRACTION] = 0.5  # horizontal flip
     debug: bool = False  # log every sample's applied parameters
 
 
@@ -173,24 +175,11 @@ def _check_values(cfg: Config, source: str) -> None:
             bad(f"[data] {key}", f"needs {cfg.data.channels} values (one per channel)")
     if len(cfg.optimizer.betas) != 2:
         bad("[optimizer] betas", "needs exactly two values")
-    for where, value in (("[train] batch_size", cfg.train.batch_size), ("[train] grad_accum", cfg.train.grad_accum),
-                         ("[data] image_size", cfg.data.image_size), ("[run] log_every", cfg.run.log_every),
-                         ("[checkpoint] every_steps", cfg.checkpoint.every_steps),
-                         ("[checkpoint] keep_last", cfg.checkpoint.keep_last)):
-        if value < 1:
-            bad(where, f"must be at least 1, got {value}")
+    # Single numbers were range-checked while parsing (the Annotated ranges above); here what
+    # depends on several keys.
     if cfg.train.epochs < 1 and cfg.train.max_steps < 1:
         bad("[train]", "needs epochs >= 1 or max_steps >= 1")
-    if cfg.optimizer.lr <= 0:
-        bad("[optimizer] lr", f"must be positive, got {cfg.optimizer.lr}")
     aug = cfg.augment
-    if not 0 <= aug.hue <= 0.5:
-        bad("[augment] hue", f"is a fraction of the colour circle in [0, 0.5], got {aug.hue}")
-    for key in ("saturation", "value"):
-        if not 0 <= getattr(aug, key) < 1:
-            bad(f"[augment] {key}", f"is the +/- fraction of a multiplicative factor, in [0, 1), got {getattr(aug, key)}")
-    if aug.degrees < 0 or not 0 <= aug.flip_probability <= 1:
-        bad("[augment]", "needs degrees >= 0 and flip_probability in [0, 1]")
     if len(aug.crop_scale) != 2 or not 0 < aug.crop_scale[0] <= aug.crop_scale[1] <= 1:
         bad("[augment] crop_scale", f"needs two area fractions 0 < min <= max <= 1, got {list(aug.crop_scale)}")
 
@@ -207,6 +196,19 @@ def _resolve(patterns: tuple[str, ...], base: Path, source: str, key: str) -> tu
     return tuple(files)
 
 
+def parse_sections(raw: dict, source: str) -> dict:
+    """The training sections of a TOML table, each parsed and range-checked (files not resolved)."""
+    for name, value in raw.items():
+        if name not in _SECTION_TYPES:
+            raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(_SECTION_TYPES)})")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {name} must be a [section], got {value!r}")
+    for name in ("run", "data"):
+        if name not in raw:
+            raise ConfigError(f"{source}: missing section [{name}]")
+    return {name: parse_section(cls, raw.get(name, {}), source, name) for name, cls in _SECTION_TYPES.items()}
+
+
 def load_config(path: str | Path) -> Config:
     """Read and validate a training config; all errors are ConfigError naming the file and key."""
     return config_from_dict(read_toml(path, "config file"), path)
@@ -217,15 +219,7 @@ def config_from_dict(raw: dict, path: str | Path) -> Config:
     training sections); relative paths are resolved against path's directory."""
     path = Path(path)
     source = str(path)
-    for name, value in raw.items():
-        if name not in _SECTION_TYPES:
-            raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(_SECTION_TYPES)})")
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {name} must be a [section], got {value!r}")
-    for name in ("run", "data"):
-        if name not in raw:
-            raise ConfigError(f"{source}: missing section [{name}]")
-    sections = {name: parse_section(cls, raw.get(name, {}), source, name) for name, cls in _SECTION_TYPES.items()}
+    sections = parse_sections(raw, source)
     base = path.resolve().parent
     data = sections["data"]
     sections["data"] = dataclasses.replace(

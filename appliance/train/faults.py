@@ -1,9 +1,12 @@
-"""Fault injection for the resume tests: a real SIGKILL at a named point of a real run.
+"""Test hook: fault injection for the resume and guard tests, never set in production.
 
-APPLIANCE_TRAIN_FAULT="POINT:STEP:RANK" kills rank RANK with SIGKILL when it reaches POINT at
-optimizer step STEP, on the first attempt only (torchrun's restart count 0), so the elastic
-restart that follows runs clean. Points: "step" (after the optimizer step) and
-"checkpoint-write" (own files written, checkpoint not yet committed). Unset: does nothing.
+APPLIANCE_TEST_FAULT="POINT:STEP:RANK" acts on rank RANK when it reaches POINT at optimizer step
+STEP, on the first attempt only (torchrun's restart count 0), so the elastic restart that
+follows runs clean. Points:
+  step              SIGKILL after the optimizer step
+  checkpoint-write  SIGKILL with this rank's files written, the checkpoint not yet committed
+  nan-loss          this rank's loss of that step becomes NaN (the non-finite loss guard)
+Unset or empty: does nothing. A malformed value is a ConfigError at start-up (`load()`).
 """
 
 from __future__ import annotations
@@ -11,12 +14,32 @@ from __future__ import annotations
 import os
 import signal
 
-_SPEC = os.environ.get("APPLIANCE_TRAIN_FAULT", "")
+from appliance.errors import ConfigError
+
+ENV = "APPLIANCE_TEST_FAULT"
+POINTS = ("step", "checkpoint-write", "nan-loss")
+
+_fault: tuple[str, int, int] | None = None
+
+
+def load() -> None:
+    """Parse the environment once, at start-up; a malformed value is one line naming it."""
+    global _fault
+    spec = os.environ.get(ENV, "")
+    _fault = None
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] not in POINTS or not all(p.isdigit() for p in parts[1:]):
+        raise ConfigError(f"{ENV}={spec!r} is not POINT:STEP:RANK with POINT one of {', '.join(POINTS)} "
+                          "(a test hook: unset it)")
+    _fault = (parts[0], int(parts[1]), int(parts[2]))
+
+
+def armed(point: str, step: int, rank: int) -> bool:
+    return _fault == (point, step, rank)
 
 
 def maybe_die(point: str, step: int, rank: int) -> None:
-    if not _SPEC or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    want_point, want_step, want_rank = _SPEC.split(":")
-    if point == want_point and step == int(want_step) and rank == int(want_rank):
+    if armed(point, step, rank):
         os.kill(os.getpid(), signal.SIGKILL)

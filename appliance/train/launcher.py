@@ -23,6 +23,7 @@ from appliance import __version__
 from appliance.errors import ApplianceError, ConfigError, DataError
 from appliance.manifest import atomic_write_text
 from appliance.progress import quiet
+from appliance.train import worker_error
 from appliance.train.preflight import interface_address, network_env
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -88,9 +89,9 @@ def launch_env(cmd: list[str], nproc: int, network: dict[str, str] | None = None
     return env
 
 
-def _run_torchrun(cmd: list[str], env: dict) -> tuple[int, str]:
+def _run_torchrun(cmd: list[str], env: dict, pass_fds=()) -> tuple[int, str]:
     """Run torchrun to its end, even when we are signalled: (exit status, signal name or "")."""
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, pass_fds=pass_fds)
     received = []
 
     def on_signal(signum, frame):
@@ -160,8 +161,6 @@ class TrainResult:
 
 METRICS_NAME = "metrics.jsonl"
 MODEL_DIR_NAME = "model"
-WORKER_ERROR_NAME = ".worker-error"  # a worker's one-line error, for the launcher to print
-WORKER_ERROR_ENV = "APPLIANCE_WORKER_ERROR_FILE"  # tells the workers where (appliance.train.loop reads it)
 
 
 def preflight(cfg) -> None:
@@ -201,31 +200,31 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     if dry_run:
         return printable
     preflight(cfg)
-    if not quiet():
-        print(f"appliance train: {printable}", file=sys.stderr, flush=True)
-    error_file = cfg.run_dir / WORKER_ERROR_NAME
-    error_file.unlink(missing_ok=True)
-    error_file.parent.mkdir(parents=True, exist_ok=True)
-    returncode, stopped_by = _run_torchrun(cmd, {**os.environ, **env, WORKER_ERROR_ENV: str(error_file)})
+    from appliance.dirlock import directory_lock
+
+    # One run per run directory, for the run's life: two would kill each other mid-save and mix
+    # their checkpoints. The kernel drops the lock when the last holder dies; torchrun holds it
+    # too (pass_fds), so a `kill -9` of this process leaves the directory locked while training goes on.
+    # The nodes of one run may share the directory (a shared filesystem): one lock per node rank.
+    lock_name = ".lock" if spec.nnodes == 1 else f".lock-node{spec.node_rank}"
+    with directory_lock(cfg.run_dir, "run directory", lock_name) as lock:
+        worker_error.clear(cfg.run_dir)
+        if not quiet():
+            print(f"appliance train: {printable}", file=sys.stderr, flush=True)
+        error_file = cfg.run_dir / worker_error.FILE_NAME
+        returncode, stopped_by = _run_torchrun(cmd, {**os.environ, **env, worker_error.LAUNCHER_ENV: str(error_file)},
+                                               pass_fds=(lock.fd,))
     if stopped_by:
         raise Interrupted(f"stopped by {stopped_by}; the workers saved a checkpoint in "
                           f"{cfg.run_dir / 'checkpoints'}: run the same command to resume",
                           exit_code=128 + getattr(signal, stopped_by))
     if returncode != 0:
-        line = _worker_error(error_file)
+        line = worker_error.read(cfg.run_dir)
         if line:
             raise ApplianceError(line)
         raise ApplianceError(f"training failed (torchrun exit status {returncode}); the log above names the "
                              f"failing rank. Checkpoints: {cfg.run_dir / 'checkpoints'}")
     return TrainResult.from_run_dir(cfg.run_dir)
-
-
-def _worker_error(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return lines[0] if lines else ""
 
 
 class Interrupted(ApplianceError):

@@ -3,13 +3,16 @@
 Read `train()` top to bottom: set up, resume, then per optimizer step: micro-batches with
 gradient accumulation, clipping, the (scaled) optimizer step, the schedule, logging, and
 checkpoints; evaluation after each epoch. SIGTERM/SIGINT end the run at the next step boundary
-with a checkpoint, so `--resume auto` continues exactly there.
+with a checkpoint, so `--resume auto` continues exactly there. A non-finite loss on any rank stops
+every rank at that step without saving, so the newest checkpoint stays the resume point.
+An ApplianceError in a worker is one line, left in RUN_DIR/.worker-error for the launcher.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import resource
@@ -23,14 +26,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from appliance.errors import ApplianceError, ConfigError
-from appliance.train import data, faults
+from appliance.errors import ApplianceError, ConfigError, EnvironmentProblem
+from appliance.train import data, faults, worker_error
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report, load_config
 from appliance.train.determinism import rng_state, set_determinism, set_rng_state
 from appliance.models import ModelCard, save_trained_model
 from appliance.train.ddp import build_training_model, pick_precision
 from appliance.train.optimizer import build_optimizer, build_scheduler
+
+
+class TrainingDiverged(ApplianceError):
+    """The loss became NaN or infinite."""
 
 
 class StopFlag:
@@ -46,10 +53,12 @@ class StopFlag:
         # it changes nothing; torchrun's SIGKILL after its grace period is the hard stop.
         self.local = True
 
-    def agreed(self, device) -> bool:
-        flag = torch.tensor([int(self.local)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agreed(self, device, loss: torch.Tensor, rank: int) -> tuple[bool, int]:
+        """(stop, a rank whose loss of this step is not finite, or -1): one collective for both."""
+        flags = torch.stack([torch.tensor(int(self.local), device=device),
+                             torch.where(torch.isfinite(loss), 0, rank + 1).to(device)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), int(flags[1].item()) - 1
 
 
 def _log_line(run_dir: Path, record: dict) -> None:
@@ -107,6 +116,9 @@ def train(cfg: Config, resume: str = "auto") -> int:
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if rank == 0:
+        worker_error.clear(cfg.run_dir)  # an earlier attempt's line; every rank is past start-up now
+    faults.load()
     set_determinism(cfg.run.seed, rank, cfg.run.deterministic)
     check_data_report(cfg)
     run_dir = cfg.run_dir
@@ -152,7 +164,8 @@ def train(cfg: Config, resume: str = "auto") -> int:
     ckpt = None
     if resume == "auto":
         ckpt = checkpoints.load_latest()
-        if ckpt is None and list(checkpoints.directory.glob("damaged-step-*")):
+        set_aside = [*checkpoints.directory.glob("damaged-step-*"), *checkpoints.directory.glob("uncommitted-step-*")]
+        if ckpt is None and set_aside:
             raise ConfigError(f"{checkpoints.directory}: no checkpoint verifies (see the warnings above); "
                               "refusing to start over on top of them: use a new [run] name")
     elif resume == "none":
@@ -197,6 +210,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
 
         writer = SummaryWriter(str(run_dir / "tb"))
         bar = Progress(total=total_steps, initial=step, desc="train", unit="step", every=30)
+        _progress.append(bar)  # closed before an error line, which then starts a line of its own
     stop = StopFlag()
     criterion = nn.CrossEntropyLoss()
     model.train()
@@ -211,6 +225,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
         batches = iter(train_loader)
         window_start, data_wait, window_steps, loss_sum = time.perf_counter(), 0.0, 0, torch.zeros((), device=device)
         while batches_done + cfg.train.grad_accum <= len(train_loader) and step < total_steps:
+            step_loss = torch.zeros((), device=device)
             for micro in range(cfg.train.grad_accum):
                 t0 = time.perf_counter()
                 images, labels = next(batches)
@@ -222,8 +237,11 @@ def train(cfg: Config, resume: str = "auto") -> int:
                 with contextlib.nullcontext() if last else model.no_sync():
                     with autocast():
                         loss = criterion(model(images), labels) / cfg.train.grad_accum
+                    if faults.armed("nan-loss", step + 1, rank):
+                        loss = loss * float("nan")
                     scaler.scale(loss).backward()
-                loss_sum += loss.detach()
+                step_loss += loss.detach()
+            loss_sum += step_loss
             batches_done += cfg.train.grad_accum
             if cfg.train.grad_clip > 0:
                 scaler.unscale_(optimizer)
@@ -253,7 +271,9 @@ def train(cfg: Config, resume: str = "auto") -> int:
                 loss_sum.zero_()
             if rank == 0:
                 bar.update(1)
-            stopped = stop.agreed(device)
+            stopped, diverged_on = stop.agreed(device, step_loss, rank)
+            if diverged_on >= 0:
+                raise _diverged(cfg, checkpoints, step, diverged_on)
             if stopped or step % cfg.checkpoint.every_steps == 0:
                 save({})
             if stopped:
@@ -288,44 +308,65 @@ def train(cfg: Config, resume: str = "auto") -> int:
     return 0
 
 
+def _diverged(cfg: Config, checkpoints: CheckpointManager, step: int, on_rank: int) -> TrainingDiverged:
+    from appliance.train.checkpoint import _broadcast_int
+
+    found = checkpoints.committed() if checkpoints.rank == 0 else []
+    newest = _broadcast_int(found[-1][0] if found else -1)
+    kept = (f"the newest checkpoint step-{newest:08d} is the resume point" if newest >= 0
+            else "no checkpoint was written yet")
+    return TrainingDiverged(
+        f"{cfg.source}: the training loss is not finite (NaN or inf) at step {step} (rank {on_rank}); every "
+        f"process stopped without saving, {kept}; lower [optimizer] lr or set [train] grad_clip")
+
+
+_progress: list = []  # rank 0's progress bar, once it exists
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="appliance.train.loop", description="one training process (under torchrun)")
     parser.add_argument("config")
     parser.add_argument("--resume", default="auto")
     args = parser.parse_args(argv)
     die_with_launcher()
+    rank = os.environ.get("RANK", "0")
+    run_dir = None
     try:
-        return train(load_config(args.config), args.resume)
+        cfg = load_config(args.config)
+        run_dir = cfg.run_dir
+        try:
+            return train(cfg, args.resume)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not err.filename:
+                raise
+            # A full disk outside a checkpoint save (metrics, TensorBoard, the final model).
+            raise EnvironmentProblem(f"{err.filename}: {err.strerror}; checkpoints in {run_dir / 'checkpoints'} "
+                                     "are intact: free space, then resume with the same command") from None
     except ApplianceError as err:
         # Raised in a DataLoader worker, the message carries the worker's traceback: keep its last line.
         line = str(err).strip().splitlines()[-1]
         line = line.split(": ", 1)[1] if line.startswith("appliance.errors.") else line
-        report_worker_error(line)
-        _exit_now(2)
+        _close_progress()
+        if run_dir is not None:
+            worker_error.record(run_dir, line)
+        if not os.environ.get(worker_error.LAUNCHER_ENV):  # under `appliance train` the launcher prints it
+            print(f"appliance train: error: {line}", file=sys.stderr, flush=True)
+        _exit_now(worker_error.EXIT_STATUS)
     except BaseException:
-        traceback.print_exc()
+        _close_progress()
+        peer = worker_error.read(run_dir) if run_dir is not None else None
+        if peer is not None:  # a collective failed because another rank stopped with its error line
+            if not os.environ.get(worker_error.LAUNCHER_ENV):
+                print(f"appliance train: rank {rank} stopped: another process failed ({peer})", file=sys.stderr,
+                      flush=True)
+        else:
+            traceback.print_exc()
         _exit_now(1)
 
 
-WORKER_ERROR_ENV = "APPLIANCE_WORKER_ERROR_FILE"  # set by the launcher: where a worker's one line goes
-
-
-def report_worker_error(line: str) -> None:
-    """Under `appliance train`, the first failing rank writes its line for the launcher to print
-    (once, without torchrun's stack); run by hand under torchrun, every rank prints it."""
-    path = os.environ.get(WORKER_ERROR_ENV)
-    if path:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return  # another rank said it first
-        except OSError:
-            pass
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(line + "\n")
-            return
-    print(f"appliance train: error: {line}", file=sys.stderr, flush=True)
+def _close_progress() -> None:
+    for bar in _progress:
+        bar.close()
 
 
 def die_with_launcher() -> None:

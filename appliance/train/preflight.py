@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 from appliance import __version__
 from appliance.errors import ConfigError
+from appliance.values import human_bytes
 
 SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
 
@@ -101,14 +102,6 @@ def gather_facts(cfg, node_rank: int) -> NodeFacts:
                      appliance=__version__, torch=torch.__version__, cuda=torch.version.cuda or "none",
                      gpus=gpus, free_disk_bytes=shutil.disk_usage(directory).free,
                      need_disk_bytes=checkpoint_bytes_needed(cfg))
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def local_problems(facts: NodeFacts, cfg, expected_gpus: int | None) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from appliance import values
 from appliance.errors import ConfigError
 
 
@@ -15,7 +16,7 @@ def register_data_verb(data_subparsers) -> None:
                     "Writes report.json, report.html, schema.json, quarantine/ and clean/ into --out. "
                     "Exit status: 0 passed, 2 an input file could not be read, 3 the --fail-on gate failed.")
     p.add_argument("files", nargs="*", metavar="FILE", help="TFRecord files (plain, GZIP or ZLIB)")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, type=values.output_dir, help="output directory")
     p.add_argument("--train", nargs="+", default=[], metavar="FILE", help="files of the training split")
     p.add_argument("--val", nargs="+", default=[], metavar="FILE",
                    help="files of the validation split (checked for leakage against --train)")
@@ -26,9 +27,9 @@ def register_data_verb(data_subparsers) -> None:
                         "leakage, outliers, unreadable_files")
     p.add_argument("--image-key", default="image/encoded", help="feature holding the encoded image (default image/encoded)")
     p.add_argument("--label-key", default="image/class/label", help="feature holding the class (default image/class/label)")
-    p.add_argument("--max-pixels", type=int, default=None, help="larger images are quarantined (default 64M)")
-    p.add_argument("--near-distance", type=int, default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
-    p.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per file, up to the cores)")
+    p.add_argument("--max-pixels", type=values.positive_int, default=None, help="larger images are quarantined (default 64M)")
+    p.add_argument("--near-distance", type=values.non_negative_int, default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
+    p.add_argument("--jobs", type=values.positive_int, default=None, help="worker processes (default: one per file, up to the cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=check_command)
 

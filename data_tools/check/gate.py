@@ -27,19 +27,23 @@ _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le
 _CONDITION = re.compile(r"^\s*([a-z_]+)\s*(>=|<=|==|>|<)\s*([0-9.eE+-]+|inf)\s*$")
 
 
-def parse_fail_on(text: str | None) -> list[tuple[str, str, float]]:
-    """'corrupt>0,imbalance>10' -> [(metric, op, threshold)]; an unknown metric is a ConfigError."""
+def parse_fail_on(text: str | None, where: str = "--fail-on") -> list[tuple[str, str, float]]:
+    """'corrupt>0,imbalance>10' -> [(metric, op, threshold)]; a mistake is a ConfigError naming `where`."""
     if not text:
         return []
     conditions = []
     for part in text.split(","):
         match = _CONDITION.match(part)
-        if not match:
-            raise ConfigError(f"--fail-on: {part.strip()!r} is not METRIC>NUMBER (e.g. corrupt>0)")
-        metric, op, number = match.groups()
+        try:
+            number = float(match.group(3)) if match else math.nan
+        except ValueError:  # "1.2.3" matches the character class
+            number = math.nan
+        if not match or math.isnan(number):
+            raise ConfigError(f"{where}: {part.strip()!r} is not METRIC>NUMBER (e.g. corrupt>0)")
+        metric, op, _ = match.groups()
         if metric not in METRICS:
-            raise ConfigError(f"--fail-on: unknown metric {metric!r}; known: {', '.join(METRICS)}")
-        conditions.append((metric, op, float(number)))
+            raise ConfigError(f"{where}: unknown metric {metric!r}; known: {', '.join(METRICS)}")
+        conditions.append((metric, op, number))
     return conditions
 
 

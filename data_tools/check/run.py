@@ -48,8 +48,17 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
     conditions = gate_rules.parse_fail_on(fail_on)
     if not 0 <= near_distance <= 7:
         raise ConfigError(f"--near-distance must be 0..7 bits (got {near_distance})")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from appliance.dirlock import directory_lock
+
+    # One check per --out directory: two would remove each other's .check-partial mid-run.
+    with directory_lock(out_dir, "--out directory"):
+        return _run_locked(inputs, Path(out_dir), schema_path=schema_path, fail_on=fail_on, conditions=conditions,
+                           image_key=image_key, label_key=label_key, max_pixels=max_pixels,
+                           near_distance=near_distance, jobs=jobs, progress=progress, command=command)
+
+
+def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_key, label_key, max_pixels,
+                near_distance, jobs, progress, command) -> tuple[dict, int]:
     stage = out / ".check-partial"
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "clean").mkdir(parents=True)

@@ -104,9 +104,11 @@ def load_schema(path: str | Path) -> dict:
     """Read a schema file; a malformed one is a ConfigError naming the file and what is wrong."""
     path = Path(path)
     try:
-        schema = json.loads(path.read_text())
+        schema = json.loads(path.read_bytes().decode("utf-8"))
     except OSError as err:
         raise ConfigError(f"{path}: cannot read schema: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a schema file (byte {err.start} is not UTF-8 text)") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: line {err.lineno}: schema is not valid JSON: {err.msg}") from None
     if not isinstance(schema, dict) or not isinstance(schema.get("features"), dict):
@@ -117,6 +119,9 @@ def load_schema(path: str | Path) -> dict:
     schema.setdefault("image_key", "image/encoded" if "image/encoded" in schema["features"] else None)
     schema.setdefault("label_key", "image/class/label" if "image/class/label" in schema["features"] else None)
     label = schema["features"].get(schema["label_key"] or "")
+    if schema.get("num_classes") is not None and (not isinstance(schema["num_classes"], int)
+                                                  or isinstance(schema["num_classes"], bool) or schema["num_classes"] < 0):
+        raise ConfigError(f"{path}: num_classes must be a non-negative integer, got {schema['num_classes']!r}")
     if schema.get("num_classes") and label is not None and "max" not in label:
         label.update(min=0, max=int(schema["num_classes"]) - 1)
     schema.setdefault("num_classes", None)

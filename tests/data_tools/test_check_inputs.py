@@ -103,3 +103,19 @@ def test_rerun_replaces_previous_output(tmp_path):
     assert sorted(p.name for p in (out / "clean").iterdir()) == [
         "small.tfrecord", "small.tfrecord.index", "small.tfrecord.index.json"]
     assert not any(p.name.startswith(".") for p in out.iterdir())
+
+
+def test_binary_schema_file_is_one_line(tmp_path):
+    import pytest
+
+    from appliance.errors import ConfigError
+    from data_tools.check.schema import load_schema
+
+    schema = tmp_path / "schema.json"
+    schema.write_bytes(bytes(range(128, 256)))
+    with pytest.raises(ConfigError) as err:
+        load_schema(schema)
+    assert str(err.value) == f"{schema}: not a schema file (byte 0 is not UTF-8 text)"
+    schema.write_text('{"features": {"image/encoded": {"dtype": "bytes"}}, "num_classes": "ten"}')
+    with pytest.raises(ConfigError, match="num_classes must be a non-negative integer, got 'ten'"):
+        load_schema(schema)

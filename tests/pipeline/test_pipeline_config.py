@@ -65,3 +65,23 @@ def test_fingerprint_follows_params_and_input_hashes():
     assert base == fingerprint({"lr": 0.1}, ["a", "b"])
     assert base != fingerprint({"lr": 0.2}, ["a", "b"])
     assert base != fingerprint({"lr": 0.1}, ["a", "c"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("[verify]\nmin_agreement = nan\n", "[verify] min_agreement must be a finite number, got nan"),
+    ("[verify]\nmin_agreement = 1.5\n", "[verify] min_agreement must be at most 1, got 1.5"),
+    ("[quantize]\nmax_drop = nan\n", "[quantize] max_drop must be a finite number, got nan"),
+    ("[quantize]\ncalib_samples = -4\n", "[quantize] calib_samples must be at least 1, got -4"),
+    ("[export]\nmax_rel_error = -1e-5\n", "[export] max_rel_error must be at least 0, got -1e-05"),
+    ("[pipeline]\nmax_restarts = -3\n", "[pipeline] max_restarts must be at least 0, got -3"),
+    ("[optimizer]\nlr = inf\n", "[optimizer] lr must be a finite number, got inf"),
+    ("[train]\nepochs = -1\n", "[train] epochs must be at least 0, got -1"),
+    ("[check]\nfail_on = 'corupt>0'\n", "[check] fail_on: unknown metric 'corupt'"),
+    ("[check]\nfail_on = 'corrupt>1.2.3'\n", "[check] fail_on: 'corrupt>1.2.3' is not METRIC>NUMBER"),
+])
+def test_numbers_and_gates_are_checked_at_load_naming_the_config_key(tmp_path, extra, message):
+    path = write(tmp_path, BASE + extra)
+    with pytest.raises(ConfigError) as err:
+        load_pipeline_config(path)
+    assert str(err.value).startswith(f"{path.resolve()}: {message}"), str(err.value)
+    assert "--fail-on" not in str(err.value)

@@ -114,3 +114,52 @@ def test_required_data_check_report(cfg_dir):
     (cfg_dir / "check" / "report.json").unlink()
     with pytest.raises(ConfigError, match="check_report: .* does not exist"):
         check_data_report(cfg)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("[optimizer]\nlr = inf", "[optimizer] lr must be a finite number, got inf"),
+    ("[optimizer]\nlr = nan", "[optimizer] lr must be a finite number, got nan"),
+    ("[optimizer]\nlr = 0", "[optimizer] lr must be greater than 0, got 0.0"),
+    ("[optimizer]\nlr = -1e-3", "[optimizer] lr must be greater than 0, got -0.001"),
+    ("[optimizer]\nweight_decay = -0.1", "[optimizer] weight_decay must be at least 0, got -0.1"),
+    ("[optimizer]\nbetas = [0.9, nan]", "[optimizer] betas[1] must be a finite number, got nan"),
+    ("[optimizer]\nmomentum = 1.5", "[optimizer] momentum must be less than 1, got 1.5"),
+    ("[schedule]\nmin_lr_ratio = 2.0", "[schedule] min_lr_ratio must be at most 1, got 2.0"),
+    ("[schedule]\nwarmup_steps = -5", "[schedule] warmup_steps must be at least 0, got -5"),
+    ("[train]\ngrad_clip = -inf", "[train] grad_clip must be a finite number, got -inf"),
+    ("[train]\nepochs = -1", "[train] epochs must be at least 0, got -1"),
+    ("[train]\nmax_steps = -10", "[train] max_steps must be at least 0, got -10"),
+    ("[train]\nbatch_size = 0", "[train] batch_size must be at least 1, got 0"),
+    ("[data]\nnum_workers = -2", "[data] num_workers must be at least 0, got -2"),
+    ("[data]\nstd = [0.0]\nchannels = 1\nmean = [0.5]", "[data] std[0] must be greater than 0, got 0.0"),
+    ("[data]\nmean = [nan, 0.5, 0.5]", "[data] mean[0] must be a finite number, got nan"),
+    ("[checkpoint]\nkeep_best = -1", "[checkpoint] keep_best must be at least 0, got -1"),
+    ("[checkpoint]\nmin_free_gb = nan", "[checkpoint] min_free_gb must be a finite number, got nan"),
+    ("[augment]\nflip_probability = 1.5", "[augment] flip_probability must be at most 1, got 1.5"),
+    ("[augment]\nhue = nan", "[augment] hue must be a finite number, got nan"),
+    ("[run]\nseed = -1", "[run] seed must be at least 0, got -1"),
+])
+def test_numbers_outside_their_range_are_refused_at_load_naming_the_key(cfg_dir, extra, message):
+    # A TOML table may be written once: keys for MINIMAL's [run] and [data] go into them.
+    header, keys = extra.split("\n", 1)
+    text = MINIMAL.replace(f"{header}\n", f"{header}\n{keys}\n") if header in MINIMAL else MINIMAL + extra
+    path = _write(cfg_dir, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def test_binary_or_non_utf8_or_directory_config_is_one_line(cfg_dir):
+    path = cfg_dir / "train.toml"
+    path.write_bytes(b"[run]\nname = \"r\xe9\"\n")  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: not a TOML text file (byte 15 is not UTF-8)"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match="not a TOML text file"):
+        load_config(path)
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg_dir)
+    assert str(err.value) == f"{cfg_dir}: is a directory, not a config file"
+    proc = run_appliance("train", str(path), "--dry-run")
+    assert proc.returncode == 2 and proc.stderr == f"appliance train: error: {path}: not a TOML text file (byte 128 is not UTF-8)\n"

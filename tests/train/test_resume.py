@@ -21,7 +21,7 @@ TOTAL_STEPS = 24
 
 def _train(config, *args, fault="", offline=True, timeout=240):
     # One thread per process on any box, so every run here sums in the same order.
-    env = {**os.environ, "APPLIANCE_TRAIN_FAULT": fault, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "APPLIANCE_TEST_FAULT": fault, "OMP_NUM_THREADS": "1"}
     cmd = appliance_cmd("train", str(config), "--nproc-per-node", "2", *args)
     if offline:
         cmd = offline_cmd(cmd, loopback=True)

@@ -1,0 +1,97 @@
+"""Numeric ranges shared by config files and command-line flags, and sizes in human units.
+
+`Range` annotates a dataclass field (`lr: Annotated[float, Range(gt=0)]`); the TOML reader
+checks it with the key's name. The `*_flag` functions are argparse `type=`s that check the
+same things for flags. Every float must be finite: TOML and float() both accept inf and nan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed interval of a number; None bounds are open. Checked after the finite check."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def problem(self, value) -> str | None:
+        """Why value is not allowed (to follow the key's name), or None."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        if self.gt is not None and not value > self.gt:
+            return f"must be greater than {_num(self.gt)}, got {value}"
+        if self.ge is not None and not value >= self.ge:
+            return f"must be at least {_num(self.ge)}, got {value}"
+        if self.lt is not None and not value < self.lt:
+            return f"must be less than {_num(self.lt)}, got {value}"
+        if self.le is not None and not value <= self.le:
+            return f"must be at most {_num(self.le)}, got {value}"
+        return None
+
+
+ANY = Range()
+POSITIVE = Range(gt=0)
+NON_NEGATIVE = Range(ge=0)
+FRACTION = Range(ge=0, le=1)
+COUNT = NON_NEGATIVE  # an int that may be 0
+AT_LEAST_ONE = Range(ge=1)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# --- argparse types: `p.add_argument("--max-drop", type=non_negative_float)` -------------------
+
+def _flag(parse, allowed: Range, what: str):
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        problem = allowed.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    convert.__name__ = what  # argparse names the type in some messages
+    return convert
+
+
+finite_float = _flag(float, ANY, "a number")
+positive_float = _flag(float, POSITIVE, "a number")
+non_negative_float = _flag(float, NON_NEGATIVE, "a number")
+fraction_float = _flag(float, FRACTION, "a number in [0, 1]")
+non_negative_int = _flag(int, COUNT, "an integer")
+positive_int = _flag(int, AT_LEAST_ONE, "an integer")
+
+
+def output_dir(text: str) -> str:
+    """--out DIR: refused at parse time when it is an existing file or a directory we cannot write."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    probe = path if path.exists() else next((p for p in path.absolute().parents if p.exists()), None)
+    if probe is not None and probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
+    return text
+
+
+# --- sizes -----------------------------------------------------------------------------------------
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'; three significant figures in the largest unit that keeps it >= 1."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
