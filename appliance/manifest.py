@@ -58,7 +58,9 @@ def write_manifest(out_dir: str | os.PathLike, stage: str, inputs, params: dict,
     """Write out_dir/manifest.json. outputs defaults to every file under out_dir (manifest excluded)."""
     out_dir = Path(out_dir)
     if outputs is None:
-        outputs = sorted(p for p in out_dir.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+        # A directory lock (.lock, .lock-node<R>) belongs to the run writing here, not to its outputs.
+        outputs = sorted(p for p in out_dir.rglob("*") if p.is_file() and p.name != MANIFEST_NAME
+                         and not p.name.startswith(".lock"))
     manifest = {
         "stage": stage,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
