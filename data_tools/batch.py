@@ -27,9 +27,9 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from data_tools.example import _Fallback, _keys, _packed_int64, decode_example
+from data_tools.example import NotCanonical, FEATURE_NAMES, packed_int64, decode_example
 from data_tools.spans import joined
-from data_tools.tfrecord import DamagedRange, _records
+from data_tools.tfrecord import DamagedRange, read_record_spans
 
 _U8 = np.uint8
 _I64 = np.int64
@@ -64,7 +64,8 @@ def read_examples(
     if batch < 1:
         raise ValueError(f"batch must be >= 1, not {batch}")
     wanted = None if keys is None else tuple(dict.fromkeys(keys))
-    for blob, starts, ends, _ in _records(path, strict, compression, on_damage, with_offsets=False, batch=batch):
+    for blob, starts, ends, _ in read_record_spans(path, batch=batch, strict=strict, compression=compression,
+                                                   on_damage=on_damage):
         yield _decode_spans_or_each(blob, starts, ends, wanted)
 
 
@@ -82,7 +83,7 @@ def _decode_spans_or_each(blob, starts, ends, keys):
     if count:
         try:
             columns = _decode_spans(blob, starts, ends, wanted)
-        except (_Irregular, _Fallback, IndexError):
+        except (_Irregular, NotCanonical, IndexError):
             pass  # out-of-range positions come from lengths that do not fit: not canonical
     if columns is None:
         columns = _decode_each([blob[a:b] for a, b in zip(starts.tolist(), ends.tolist())], wanted)
@@ -200,7 +201,7 @@ def _decode_spans(blob, starts, ends, keys):
         if p >= first_end:
             break
         h, kb, tag, size, varints = _entry_layout(blob, p, first_end)
-        key = _keys.get(kb)
+        key = FEATURE_NAMES.get(kb)
         if key is None:
             try:
                 key = kb.decode()
@@ -292,7 +293,7 @@ def _column(blob, buf, tag, k, end, size, sizes):
                 raise _Irregular  # not whole float32s: decode_example's protobuf path decides
             return [np.frombuffer(blob, "<f4", (b - a) >> 2, a).astype(np.float32)
                     for a, b in zip(k.tolist(), end.tolist())]
-        return _stack_if_even([_packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])
+        return _stack_if_even([packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])
     raw = buf[k[:, None] + (_ARANGE[:size] if size <= 64 else np.arange(size))]
     if tag == 0x12:  # float32, packed little endian
         return raw.view("<f4").astype(np.float32, copy=False)
@@ -310,7 +311,7 @@ def _column(blob, buf, tag, k, end, size, sizes):
         if not (ends_at - np.concatenate(([-1], ends_at[:-1])) <= 10).all():
             raise _Irregular  # a varint over 10 bytes is not an int64
         return values.view(_I64)
-    return _stack_if_even([_packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])
+    return _stack_if_even([packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])
 
 
 def _stack_if_even(values):
