@@ -46,41 +46,60 @@ def detect_compression(path: str | os.PathLike) -> str | None:
     """None, "GZIP" or "ZLIB", from the first bytes.
 
     A valid plain record header at the start wins. Otherwise the format's magic bytes decide,
-    even when the stream is damaged right after them, unless the stream fails at once and the
-    first bytes hold a whole verified plain record: that is a damaged plain file.
+    even when the stream is damaged right after them, unless the stream fails at once and a
+    whole verified plain record lies in the first 64 KB before any gzip member that decodes
+    (a damaged plain file; stored deflate blocks hold plain records too). A GZIP file whose
+    first magic bytes are damaged (one of three) is still GZIP when a later member decodes.
     """
     with open(path, "rb") as f:
         head = f.read(1 << 16)
-        if len(head) >= HEADER_BYTES and masked_crc(head[:8]) == U32.unpack_from(head, 8)[0]:
+        if _header_at(head, 0):
             return None
         kind = compression_from_magic(head)
-        if kind is None:
+        if kind is None and sum(a == b for a, b in zip(head[:3], _GZIP_MAGIC)) < 2:
             return None
-        z = zlib.decompressobj(_WBITS[kind])
-        out, failed = b"", False
-        try:
-            out = z.decompress(head, 1 << 16)
-        except zlib.error:
-            failed = True
-        if len(out) >= HEADER_BYTES and masked_crc(out[:8]) == U32.unpack_from(out, 8)[0]:
-            return kind  # decompresses to a record header: a 32-bit check says so
-        if failed and _holds_plain_record(f, head):
+        if kind is not None:
+            z = zlib.decompressobj(_WBITS[kind])
+            try:
+                z.decompress(head[:INPUT_STEP])
+                return kind
+            except zlib.error:
+                out, _ = _salvage(zlib.decompressobj(_WBITS[kind]), head[:INPUT_STEP])
+            if _header_at(out, 0):
+                return kind  # decodes to a record header before the damage: a 32-bit check says so
+        plain_at = _first_plain_record(f, head)
+        member_at = _first_member(head) if kind != "ZLIB" else None
+        if plain_at is not None and (member_at is None or plain_at < member_at):
             return None
-        return kind
+        return kind or ("GZIP" if member_at is not None else None)
 
 
-def _holds_plain_record(f, head: bytes) -> bool:
-    """Whether a whole record with both CRCs valid starts somewhere in head (checks the first 64)."""
+def _header_at(data: bytes, i: int) -> bool:
+    return len(data) >= i + HEADER_BYTES and masked_crc(data[i:i + 8]) == U32.unpack_from(data, i + 8)[0]
+
+
+def _first_member(head: bytes) -> int | None:
+    """Offset (>= 1) of the first gzip member header in head whose first step decodes."""
+    i = head.find(_GZIP_MAGIC, 1)
+    while i > 0:
+        if compression_from_magic(head[i:i + 4]) == "GZIP" and _decodes(head[i:i + INPUT_STEP]):
+            return i
+        i = head.find(_GZIP_MAGIC, i + 1)
+    return None
+
+
+def _first_plain_record(f, head: bytes) -> int | None:
+    """Offset of the first whole record with both CRCs valid that starts in head (of the first 64)."""
     size = os.fstat(f.fileno()).st_size
     for i in header_candidates(head, room=size)[:64].tolist():
         length = HEADER.unpack_from(head, i)[0]
-        if i + FRAME_BYTES + length > size or length > 1 << 26:
+        if length > 1 << 26:
             continue
         f.seek(i + HEADER_BYTES)
         body = f.read(length + 4)
         if masked_crc(body[:length]) == U32.unpack_from(body, length)[0]:
-            return True
-    return False
+            return i
+    return None
 
 
 @dataclass(frozen=True)
@@ -111,6 +130,7 @@ class DecompressedSource:
         self._wbits = _WBITS[compression]
         self._resume = resume
         self._z = zlib.decompressobj(self._wbits)
+        self._member_start = 0  # compressed offset where the current gzip member (or zlib stream) starts
         self._in = 0  # compressed offset of the next input byte
         self._tail = b""  # input the decompressor handed back (output limit reached); starts at _in
         self._out = 0  # decompressed offset of the next output byte
@@ -159,10 +179,11 @@ class DecompressedSource:
 
     def mark(self):
         """The whole state, window included, for `restore` (to read ahead and come back)."""
-        return (self.buf, self.base, self.eof, self._z.copy(), self._in, self._tail, self._out, len(self.gaps))
+        return (self.buf, self.base, self.eof, self._z.copy(), self._member_start, self._in, self._tail, self._out,
+                len(self.gaps))
 
     def restore(self, mark) -> None:
-        self.buf, self.base, self.eof, z, self._in, self._tail, self._out, gaps = mark
+        self.buf, self.base, self.eof, z, self._member_start, self._in, self._tail, self._out, gaps = mark
         self._z = z.copy()
         del self.gaps[gaps:]  # they are found again, the same, on the way forward
 
@@ -212,7 +233,9 @@ class DecompressedSource:
         except zlib.error as err:
             out, good = _salvage(saved, data)
             self._out += len(out)
-            self._after_damage(self._in + good, f"compressed stream is corrupt ({err})")
+            # the next member may start before where the error showed: corrupt data can decode
+            # as garbage past its member's end, so the search starts right after this member's start
+            self._after_damage(self._in + good, self._member_start + 1, f"compressed stream is corrupt ({err})")
             return out
         self._out += len(out)
         if self._z.eof:
@@ -227,16 +250,16 @@ class DecompressedSource:
     def _gap(self, at, start, end, reason):
         self.gaps.append(StreamGap(at, start, end, reason))
 
-    def _after_damage(self, bad: int, reason: str) -> None:
+    def _after_damage(self, bad: int, search_from: int, reason: str) -> None:
         reason = f"{reason} at compressed byte {bad}"
-        nxt = self._next_member(bad + 1) if self._resume else None
+        nxt = self._next_member(search_from) if self._resume else None
         if nxt is None:
             lost = self._size - bad
             self._gap(self._out, bad, self._size, reason + (
                 f"; nothing in the {lost} compressed bytes after it could be decoded" if self._resume and lost else ""))
             self.eof = True
             return
-        self._gap(self._out, bad, nxt, f"{reason}; resumed at the next gzip member (compressed byte {nxt})")
+        self._gap(self._out, bad, max(bad, nxt), f"{reason}; resumed at the next gzip member (compressed byte {nxt})")
         self._start_member(nxt)
 
     def _after_member(self) -> None:
@@ -247,11 +270,12 @@ class DecompressedSource:
         elif self._wbits == 31 and compression_from_magic(head) == "GZIP":
             self._start_member(self._in)  # concatenated members form one stream (`cat a.gz b.gz`)
         elif not self._only_zeros_from(self._in):
-            self._after_damage(self._in, "unexpected bytes after the end of the compressed stream")
+            self._after_damage(self._in, self._in, "unexpected bytes after the end of the compressed stream")
         else:
             self.eof = True
 
     def _start_member(self, at: int) -> None:
+        self._member_start = at
         self._z = zlib.decompressobj(self._wbits)
         self._in, self._tail = at, b""
 
