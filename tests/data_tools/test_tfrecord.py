@@ -387,3 +387,31 @@ def test_long_length_claim_in_a_gzip_bomb_is_checked_in_bounded_memory(tmp_path,
     assert got == ([b"first"] if strict else [b"first", b"last"])
     if not strict:
         assert [(d.start, d.end) for d in damage] == [(21, 21 + 12 + (96 << 20))]
+
+
+def test_data_check_scan_lists_compressed_damage_with_both_offsets(tmp_path):
+    import gzip
+
+    from data_tools.check.scan import ScanTask, scan_file
+    from data_tools.example import encode_example
+
+    records = [encode_example({"id": i, "name": f"r{i}"}) for i in range(200)]
+    a = gzip.compress(b"".join(frame(r) for r in records[:100]))
+    b = gzip.compress(b"".join(frame(r) for r in records[100:]))
+    raw = bytearray(a + b)
+    raw[len(a) - 8:len(a)] = bytes(8)  # the first member's trailer
+    (tmp_path / "d.gz").write_bytes(raw)
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "quarantine").mkdir()
+    schema = {"features": {}, "label_key": None, "image_key": None}
+    result = scan_file(ScanTask(0, str(tmp_path / "d.gz"), None, "d", str(tmp_path), schema, 10**6))
+    assert result.compression == "GZIP" and result.error is None
+    assert len(result.clean_records) == 200
+    assert [(d["start"], d["end"], d["compressed_end"]) for d in result.damaged] == [
+        (sum(len(r) + 16 for r in records[:100]),) * 2 + (len(a),)]
+    assert len(a) - 8 <= result.damaged[0]["compressed_start"] < len(a)
+    # nothing recoverable: one line naming the compression, not "not a TFRecord file"
+    (tmp_path / "e.gz").write_bytes(a[:10] + bytes(range(256)) * 4)
+    result = scan_file(ScanTask(0, str(tmp_path / "e.gz"), None, "e", str(tmp_path), schema, 10**6))
+    assert result.error.startswith("GZIP file: no record could be recovered (")
+    assert "compressed stream is corrupt" in result.error
