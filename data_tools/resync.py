@@ -52,11 +52,12 @@ def header_candidates(buf, offset: int = 0, count: int | None = None, room: int 
         return np.zeros(0, np.int64)
     lengths = np.ndarray((n,), "<u8", raw, 0, (1,))  # the little-endian u64 at every offset
     stored = np.ndarray((n,), "<u4", raw, 8, (1,))
-    fits = lengths <= np.uint64(max_length)
-    if room is not None:
-        left = room - FRAME_BYTES - np.arange(n, dtype=np.int64)  # data bytes that could follow
-        fits &= (left >= 0) & (lengths <= np.clip(left, 0, None).astype(np.uint64))
-    at = np.flatnonzero(fits)
+    bound = max_length if room is None else min(max_length, room - FRAME_BYTES)
+    if bound < 0:
+        return np.zeros(0, np.int64)
+    at = np.flatnonzero(lengths <= np.uint64(bound))  # one pass; the exact room test on the few left
+    if room is not None and len(at):
+        at = at[lengths[at].astype(np.int64) <= room - FRAME_BYTES - at]
     if not len(at):
         return at
     zero = lengths[at] == 0
