@@ -297,7 +297,7 @@ def _check_record(src, pos):
     base = src.base
     end = base + len(src.buf)
     if pos + HEADER_BYTES > end:
-        return f"truncated header: {end - pos} of {HEADER_BYTES} bytes left at the end of the {_data(src)}", None, None
+        return f"truncated header: {end - pos} of {HEADER_BYTES} bytes left at end of file", None, None
     length, stored_crc = HEADER.unpack_from(src.buf, pos - base)
     if length_crc(length) != stored_crc:
         return "length CRC mismatch", None, None
@@ -308,7 +308,7 @@ def _check_record(src, pos):
     if length > LONG_RECORD:
         crc, stored, have = src.crc_ahead(pos + HEADER_BYTES, length)  # bounded memory whatever the claim
         if crc is None:
-            return _truncated(src, pos, length, have), None, None
+            return _truncated(pos, length, have), None, None
         if mask(crc) != stored:
             return "data CRC mismatch", None, None
     if stop > end and not src.eof:
@@ -316,7 +316,7 @@ def _check_record(src, pos):
         base = src.base
         end = base + len(src.buf)
     if stop > end:
-        return _truncated(src, pos, length, end), None, None
+        return _truncated(pos, length, end), None, None
     start = pos + HEADER_BYTES - base
     data = src.buf[start:start + length]
     if length <= LONG_RECORD and masked_crc(data) != U32.unpack_from(src.buf, start + length)[0]:
@@ -324,13 +324,11 @@ def _check_record(src, pos):
     return None, data, stop
 
 
-def _truncated(src, pos, length, end):
+def _truncated(pos, length, end):
+    # the same words for a plain file and the decompressed stream of a GZIP/ZLIB one (where the
+    # stream itself broke off, its own reason is added to the report)
     left = max(0, end - pos - FRAME_BYTES)
-    return f"truncated record: header says {length} bytes of data, only {left} left in the {_data(src)}"
-
-
-def _data(src):
-    return "decompressed stream" if isinstance(src, DecompressedSource) else "file"
+    return f"truncated record: header says {length} bytes of data, only {left} left in the file"
 
 
 def _report(src, path, start, end, record_number, reason, on_damage):
