@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from google_crc32c import extend as crc32c_extend
 
-from data_tools.framing import FRAME_BYTES, HEADER, HEADER_BYTES, U32, masked_crc
+from data_tools.framing import FOOTER_BYTES, FRAME_BYTES, HEADER, HEADER_BYTES, U32, masked_crc
 from data_tools.resync import header_candidates
 
 CHUNK = 1 << 22  # decompressed bytes produced per step at most (a compression bomb cannot flood memory)
@@ -187,32 +187,52 @@ class DecompressedSource:
         self._z = z.copy()
         del self.gaps[gaps:]  # they are found again, the same, on the way forward
 
-    def crc_ahead(self, start: int, length: int) -> tuple[int | None, int | None, int]:
-        """(crc32c of decompressed bytes [start, start+length), the u32 after them, the furthest
-        decompressed offset seen), in bounded memory; the CRCs are None when the stream ends first.
+    def crc_ahead(self, start: int, length: int, scan_from: int):
+        """Check a long record in bounded memory: (crc32c of decompressed bytes [start, start+length),
+        the u32 after them, the furthest decompressed offset seen, resume).
 
-        The window is restored afterwards, so a failed check costs a second decompression of
-        those bytes, never memory the size of a claimed length.
+        The CRCs are None when the stream ends first. The window is restored afterwards. On the
+        way the bytes from scan_from on are searched for record headers (data_tools.resync), and
+        resume is a mark (for `restore`) whose window starts at the first one found, or at the
+        end of the stream: if the record fails, the reader resynchronises from there instead of
+        decompressing everything again (a 2 GiB claim over 1 GiB of zeros costs one pass).
         """
         saved = self.mark()
+        crc, p, data_end, stored = 0, start, start + length, None
+        crc_done, resume, scan = False, None, scan_from
         try:
-            crc, p, stop = 0, start, start + length
-            while p < stop:
-                self.fill(min(p + CHUNK, stop))
+            while not (crc_done and resume is not None):
+                self.fill(scan + CHUNK if crc_done else min(p + CHUNK, data_end + FOOTER_BYTES))
                 have = self.base + len(self.buf)
-                if have <= p:
-                    return None, None, have
-                take = min(have, stop)
-                crc = crc32c_extend(crc, self.buf[p - self.base:take - self.base])
-                p = take
-                self.drop_before(p, at_once=True)
-            self.fill(stop + 4)
-            have = self.base + len(self.buf)
-            if have < stop + 4:
-                return None, None, have
-            return crc, U32.unpack_from(self.buf, stop - self.base)[0], have
+                if resume is None:
+                    found = header_candidates(self.buf, scan - self.base, have - scan,
+                                              have - scan if self.eof else None)
+                    if len(found):
+                        resume = self._mark_at(scan + int(found[0]))
+                    elif self.eof:
+                        resume = self._mark_at(have)
+                    else:
+                        scan = max(scan, have - HEADER_BYTES + 1)
+                if not crc_done:
+                    take = min(have, data_end)
+                    if take > p:
+                        crc = crc32c_extend(crc, self.buf[p - self.base:take - self.base])
+                        p = take
+                    if p == data_end and have >= data_end + FOOTER_BYTES:
+                        stored = U32.unpack_from(self.buf, p - self.base)[0]
+                        crc_done = True
+                    elif self.eof:
+                        crc, crc_done = None, True  # the stream ends inside the record
+                self.drop_before(min(p, scan), at_once=True)
+            return crc, stored, have, resume
         finally:
             self.restore(saved)
+
+    def _mark_at(self, pos: int):
+        """A mark like `mark()` whose window starts at pos (inside the current window)."""
+        mark = list(self.mark())
+        mark[0], mark[1] = self.buf[pos - self.base:], pos
+        return tuple(mark)
 
     # ----------------------------------------------------------------- decompression steps
 

@@ -1,9 +1,10 @@
 """Finding the next record header after damage, vectorised: numpy tests every byte offset at once.
 
 A candidate header is an offset whose u64 length fits in what is left and whose masked CRC32C of
-those 8 bytes matches the u32 after them. Zero-filled regions cost nothing per offset: a window
-of zeros is skipped with one `any()`, and a zero length is compared with the one CRC a zero
-length has (never 0), so a 16 MB hole reads at memory speed instead of one Python CRC per byte.
+those 8 bytes matches the u32 after them. Zero-filled regions cost nothing per offset: a zero
+length has one CRC and it is not 0, so twelve zero bytes are never a header; a window of zeros is
+skipped with one count, and in a mostly-zero window only the offsets near a nonzero byte are
+looked at, so a 16 MB hole reads at memory speed instead of one Python CRC per byte.
 Other lengths get their CRC32C computed for all candidate offsets together (a table lookup per
 byte, as the CRC32C definition reads), so no pattern of bytes makes the scan pay Python per offset.
 """
@@ -48,14 +49,23 @@ def header_candidates(buf, offset: int = 0, count: int | None = None, room: int 
     if n <= 0:
         return np.zeros(0, np.int64)
     raw = np.frombuffer(buf, np.uint8, size, offset)
-    if not raw.any():
+    nonzero = np.count_nonzero(raw)
+    bound = max_length if room is None else min(max_length, room - FRAME_BYTES)
+    if not nonzero or bound < 0:
         return np.zeros(0, np.int64)
     lengths = np.ndarray((n,), "<u8", raw, 0, (1,))  # the little-endian u64 at every offset
     stored = np.ndarray((n,), "<u4", raw, 8, (1,))
-    bound = max_length if room is None else min(max_length, room - FRAME_BYTES)
-    if bound < 0:
-        return np.zeros(0, np.int64)
-    at = np.flatnonzero(lengths <= np.uint64(bound))  # one pass; the exact room test on the few left
+    if nonzero * HEADER_BYTES < n:
+        # mostly zeros: twelve zero bytes are never a header (a zero length's CRC is not 0), so
+        # only the offsets within a header's reach of a nonzero byte are candidates
+        nz = np.flatnonzero(raw) + (HEADER_BYTES - 1)
+        near = np.zeros(size + HEADER_BYTES, bool)  # near[i + 11]: a nonzero byte in raw[i:i + 12]
+        for k in range(HEADER_BYTES):
+            near[nz - k] = True
+        at = np.flatnonzero(near[HEADER_BYTES - 1:HEADER_BYTES - 1 + n])
+        at = at[lengths[at] <= np.uint64(bound)]
+    else:
+        at = np.flatnonzero(lengths <= np.uint64(bound))  # one pass; the exact room test on the few left
     if room is not None and len(at):
         at = at[lengths[at].astype(np.int64) <= room - FRAME_BYTES - at]
     if not len(at):
@@ -76,7 +86,7 @@ def find_next_header(src, start: int) -> int | None:
     in large vectorised steps; a streamed source keeps at most one window beyond start.
     """
     step = 1 << 12
-    pos = start
+    pos = max(start, src.base)  # a window that starts later was already searched up to its start
     while True:
         src.fill(pos + step + HEADER_BYTES)
         src.drop_before(pos)

@@ -116,18 +116,16 @@ class _PlainSource:
     def take_gaps(self, upto: int) -> list:
         return []
 
-    def crc_ahead(self, start: int, length: int) -> tuple[int | None, int | None, int]:
-        """(crc32c of bytes [start, start+length), the u32 after them, file size), copying 1 MB at a time.
-
-        The CRCs are None when the file ends first.
-        """
+    def crc_ahead(self, start: int, length: int, scan_from: int):
+        """(crc32c of bytes [start, start+length), the u32 after them, file size, None), copying
+        1 MB at a time; the CRCs are None when the file ends first (see DecompressedSource)."""
         end = len(self.buf)
         if start + length + FOOTER_BYTES > end:
-            return None, None, end
+            return None, None, end, None
         crc = 0
         for at in range(start, start + length, 1 << 20):
             crc = crc32c_extend(crc, self.buf[at:min(at + (1 << 20), start + length)])
-        return crc, U32.unpack_from(self.buf, start + length)[0], end
+        return crc, U32.unpack_from(self.buf, start + length)[0], end, None
 
     def close(self):
         if isinstance(self.buf, mmap.mmap):
@@ -306,11 +304,13 @@ def _check_record(src, pos):
         # a GZIP/ZLIB stream: filling that far could hold gigabytes
         return f"absurd record length {length} (over 2 GiB, protobuf's limit)", None, None
     if length > LONG_RECORD:
-        crc, stored, have = src.crc_ahead(pos + HEADER_BYTES, length)  # bounded memory whatever the claim
-        if crc is None:
-            return _truncated(pos, length, have), None, None
-        if mask(crc) != stored:
-            return "data CRC mismatch", None, None
+        # bounded memory whatever the claim; on failure resync from the first header after pos
+        # that the check met on its way (a compressed stream is then not decompressed twice)
+        crc, stored, have, resume = src.crc_ahead(pos + HEADER_BYTES, length, pos + 1)
+        if crc is None or mask(crc) != stored:
+            if resume is not None:
+                src.restore(resume)
+            return ("data CRC mismatch" if crc is not None else _truncated(pos, length, have)), None, None
     if stop > end and not src.eof:
         src.fill(stop)
         base = src.base

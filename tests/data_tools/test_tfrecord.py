@@ -415,3 +415,25 @@ def test_data_check_scan_lists_compressed_damage_with_both_offsets(tmp_path):
     result = scan_file(ScanTask(0, str(tmp_path / "e.gz"), None, "e", str(tmp_path), schema, 10**6))
     assert result.error.startswith("GZIP file: no record could be recovered (")
     assert "compressed stream is corrupt" in result.error
+
+
+@pytest.mark.parametrize("fill", ["zeros", "random"])
+def test_vectorised_header_search_finds_exactly_the_offsets_a_byte_by_byte_check_finds(fill):
+    import numpy as np
+
+    from data_tools.resync import header_candidates
+
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        data = bytearray(bytes(6000) if fill == "zeros" else rng.bytes(6000))
+        for _ in range(int(rng.integers(0, 6))):  # whole frames, zero-length ones too
+            f = frame(rng.bytes(int(rng.integers(0, 40))))
+            p = int(rng.integers(0, len(data) - len(f)))
+            data[p:p + len(f)] = f
+        for _ in range(int(rng.integers(0, 12))):  # stray bytes (sparse in the zero case)
+            data[int(rng.integers(0, len(data)))] = int(rng.integers(1, 256))
+        data = bytes(data)
+        want = [i for i in range(len(data) - 11)
+                if masked_crc(data[i:i + 8]) == struct.unpack_from("<I", data, i + 8)[0]
+                and struct.unpack_from("<Q", data, i)[0] <= len(data) - 16 - i]
+        assert header_candidates(data, room=len(data)).tolist() == want
