@@ -8,9 +8,10 @@ the input goes in small steps and a failing step is replayed on a copy of the de
 bisecting for the longest prefix that still decodes: every byte decodable before the damage is
 kept. After damage a GZIP file resumes at the next gzip member that decodes (members are
 independent streams); what lies between is a `StreamGap`, with its compressed and decompressed
-offsets. A deflate stream cannot be resumed mid-member: its blocks refer back to the 32 KB
-before them, and block boundaries are not byte aligned, so the rest of a damaged member (and of
-a damaged ZLIB file) is reported as unrecoverable.
+offsets. A deflate stream is not resumed mid-member: a block boundary can be found, but bytes
+that repeat in every record (lengths, feature keys) are copied from the lost 32 KB window again
+and again, so no record verifies after such a restart (docs/tfrecord.md); the rest of a damaged
+member (and of a damaged ZLIB file) is reported as unrecoverable.
 """
 
 from __future__ import annotations
