@@ -1,13 +1,16 @@
 """TFRecord framing: verified reading (lossless past damage, or strict) and atomic writing.
 
 A record on disk is `u64 length | u32 masked crc32c(length) | data | u32 masked crc32c(data)`,
-little endian; GZIP and ZLIB files compress the whole framed stream. For compressed files every
-offset this module reports is a position in the *decompressed* stream.
+little endian (constants and the CRC mask: data_tools.framing); GZIP and ZLIB files compress the
+whole framed stream (data_tools.compression). For compressed files every offset this module
+reports is a position in the *decompressed* stream; damage to the compressed stream itself also
+carries its compressed offsets.
 
 The reader never returns a record whose two CRCs did not validate. In the default lossless
 mode a damaged byte range is reported to `on_damage` and skipped: the reader scans forward to
-the next offset where a length and its CRC validate and carries on, so every intact record
-after the damage still comes out. `strict=True` raises TFRecordError at the first problem.
+the next offset where a length and its CRC validate (data_tools.resync, vectorised) and carries
+on, so every intact record after the damage still comes out. `strict=True` raises TFRecordError
+at the first problem. Memory stays bounded whatever a damaged length claims (LONG_RECORD).
 """
 
 from __future__ import annotations
