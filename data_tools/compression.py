@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from google_crc32c import extend as crc32c_extend
 
-from data_tools.framing import FOOTER_BYTES, FRAME_BYTES, HEADER, HEADER_BYTES, U32, masked_crc
+from data_tools.framing import FOOTER_BYTES, HEADER, HEADER_BYTES, U32, masked_crc
 from data_tools.resync import header_candidates
 
 CHUNK = 1 << 22  # decompressed bytes produced per step at most (a compression bomb cannot flood memory)
@@ -33,7 +33,7 @@ _WBITS = {"GZIP": 31, "ZLIB": 15}
 
 
 def compression_from_magic(head: bytes) -> str | None:
-    """"GZIP" or "ZLIB" when head starts with that format's header bytes, else None."""
+    """The compression ("GZIP" or "ZLIB") whose header bytes head starts with, else None."""
     if head[:3] == _GZIP_MAGIC and len(head) > 3 and not head[3] & 0xE0:  # FLG's reserved bits are 0
         return "GZIP"
     # zlib: deflate with a window of at most 32 KB, no preset dictionary, and the header check
