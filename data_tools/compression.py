@@ -27,6 +27,7 @@ from data_tools.resync import header_candidates
 
 CHUNK = 1 << 22  # decompressed bytes produced per step at most (a compression bomb cannot flood memory)
 INPUT_STEP = 1 << 14  # compressed bytes fed per step: a salvage replays at most this much (~16 MB out)
+SEARCH_BACK = 1 << 20  # how far before a detected error the next gzip member is looked for
 FILL_AHEAD = 1 << 21  # decompressed bytes a fill adds at least (so the window is not re-joined per step)
 _GZIP_MAGIC = b"\x1f\x8b\x08"
 _WBITS = {"GZIP": 31, "ZLIB": 15}
@@ -254,9 +255,12 @@ class DecompressedSource:
         except zlib.error as err:
             out, good = _salvage(saved, data)
             self._out += len(out)
-            # the next member may start before where the error showed: corrupt data can decode
-            # as garbage past its member's end, so the search starts right after this member's start
-            self._after_damage(self._in + good, self._member_start + 1, f"compressed stream is corrupt ({err})")
+            # the next member may start before where the error showed (corrupt data can decode as
+            # garbage past its member's end), so the search starts up to 1 MB before it (not at the
+            # member's start: that would re-read a whole large file after damage near its end)
+            bad = self._in + good
+            self._after_damage(bad, max(self._member_start + 1, bad - SEARCH_BACK),
+                               f"compressed stream is corrupt ({err})")
             return out
         self._out += len(out)
         if self._z.eof:
