@@ -34,9 +34,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data_tools.batch import _decode_spans, read_examples  # noqa: E402
+from data_tools.batch import decode_spans, read_examples  # noqa: E402
 from data_tools.example import decode_example, encode_example  # noqa: E402
-from data_tools.tfrecord import _crc32c, _records, read_records, write_records  # noqa: E402
+from data_tools.framing import crc32c  # noqa: E402
+from data_tools.tfrecord import read_record_spans, read_records, write_records  # noqa: E402
 
 TARGETS = {"tensorflow": 1.0, "tfrecord package": 2.0}  # ours / peer, from issue 4
 
@@ -145,8 +146,8 @@ def where_time_goes(path: Path, repeats: int) -> dict:
 
     def crcs():
         for h, r in zip(headers, records):
-            _crc32c(h)
-            _crc32c(r)
+            crc32c(h)
+            crc32c(r)
 
     crc = cpu_best_of(crcs, repeats)
     parse = cpu_best_of(lambda: [decode_example(r) for r in records], repeats)
@@ -155,7 +156,7 @@ def where_time_goes(path: Path, repeats: int) -> dict:
     best = None
     for _ in range(repeats):
         framing = decoding = 0.0
-        spans = _records(path, False, "auto", None, False, 256)
+        spans = read_record_spans(path, batch=256)
         while True:
             c = time.process_time()
             span = next(spans, None)
@@ -163,7 +164,7 @@ def where_time_goes(path: Path, repeats: int) -> dict:
             if span is None:
                 break
             c = time.process_time()
-            _decode_spans(span[0], span[1], span[2], None)
+            decode_spans(span[0], span[1], span[2], None)
             decoding += time.process_time() - c
         if best is None or framing + decoding < sum(best):
             best = (framing, decoding)

@@ -27,9 +27,9 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from data_tools.example import _Fallback, _keys, _packed_int64, decode_example
+from data_tools.example import NotCanonical, FEATURE_NAMES, packed_int64, decode_example
 from data_tools.spans import joined
-from data_tools.tfrecord import DamagedRange, _records
+from data_tools.tfrecord import DamagedRange, read_record_spans
 
 _U8 = np.uint8
 _I64 = np.int64
@@ -43,7 +43,7 @@ class ExampleBatch(dict):
         self.count = count
 
 
-class _Irregular(Exception):
+class Irregular(Exception):
     """The batch does not share one canonical layout: decode it record by record."""
 
 
@@ -64,7 +64,8 @@ def read_examples(
     if batch < 1:
         raise ValueError(f"batch must be >= 1, not {batch}")
     wanted = None if keys is None else tuple(dict.fromkeys(keys))
-    for blob, starts, ends, _ in _records(path, strict, compression, on_damage, with_offsets=False, batch=batch):
+    for blob, starts, ends, _ in read_record_spans(path, batch=batch, strict=strict, compression=compression,
+                                                   on_damage=on_damage):
         yield _decode_spans_or_each(blob, starts, ends, wanted)
 
 
@@ -81,8 +82,8 @@ def _decode_spans_or_each(blob, starts, ends, keys):
     columns = None
     if count:
         try:
-            columns = _decode_spans(blob, starts, ends, wanted)
-        except (_Irregular, _Fallback, IndexError):
+            columns = decode_spans(blob, starts, ends, wanted)
+        except (Irregular, NotCanonical, IndexError):
             pass  # out-of-range positions come from lengths that do not fit: not canonical
     if columns is None:
         columns = _decode_each([blob[a:b] for a, b in zip(starts.tolist(), ends.tolist())], wanted)
@@ -107,16 +108,16 @@ def _decode_each(records, keys):
 
 
 def _scalar_varint(blob, i, limit):
-    """One varint of up to 3 bytes at blob[i] -> (value, width); _Irregular past limit or longer."""
+    """One varint of up to 3 bytes at blob[i] -> (value, width); Irregular past limit or longer."""
     value = 0
     for width in (1, 2, 3):
         if i + width > limit:
-            raise _Irregular
+            raise Irregular
         b = blob[i + width - 1]
         value |= (b & 0x7F) << (7 * (width - 1))
         if b < 0x80:
             return value, width
-    raise _Irregular  # lengths of 2 MiB or more: decode_example handles them
+    raise Irregular  # lengths of 2 MiB or more: decode_example handles them
 
 
 def _entry_layout(blob, pos, limit):
@@ -126,7 +127,7 @@ def _entry_layout(blob, pos, limit):
     Returns (header length, key bytes, tag, payload size S, [(column, width)] of L1 L2 L3 S).
     """
     if pos >= limit or blob[pos] != 0x0A:
-        raise _Irregular
+        raise Irregular
     varints = []
     i = pos + 1
     l1, w = _scalar_varint(blob, i, limit)
@@ -134,32 +135,32 @@ def _entry_layout(blob, pos, limit):
     i += w
     entry_end = i + l1
     if entry_end > limit or i + 2 > entry_end or blob[i] != 0x0A or blob[i + 1] >= 0x80:
-        raise _Irregular
+        raise Irregular
     kl = blob[i + 1]
     key = blob[i + 2:i + 2 + kl]
     i += 2 + kl
     if i >= entry_end or blob[i] != 0x12:
-        raise _Irregular
+        raise Irregular
     l2, w = _scalar_varint(blob, i + 1, entry_end)
     varints.append((i + 1 - pos, w))
     i += 1 + w
     if i + l2 != entry_end or i >= entry_end:
-        raise _Irregular  # a Feature with no list set, or trailing fields
+        raise Irregular  # a Feature with no list set, or trailing fields
     tag = blob[i]
     if tag not in (0x0A, 0x12, 0x1A):
-        raise _Irregular
+        raise Irregular
     l3, w = _scalar_varint(blob, i + 1, entry_end)
     varints.append((i + 1 - pos, w))
     i += 1 + w
     if i + l3 != entry_end or i >= entry_end or blob[i] != 0x0A:
-        raise _Irregular  # an empty list, unpacked numbers or an unknown field
+        raise Irregular  # an empty list, unpacked numbers or an unknown field
     size, w = _scalar_varint(blob, i + 1, entry_end)
     varints.append((i + 1 - pos, w))
     i += 1 + w
     if i + size != entry_end:
-        raise _Irregular  # several byte strings or several packed runs
+        raise Irregular  # several byte strings or several packed runs
     if tag == 0x12 and size & 3:
-        raise _Irregular
+        raise Irregular
     return i - pos, key, tag, size, varints
 
 
@@ -167,8 +168,8 @@ _ARANGE = np.arange(64)
 _ONE_TO_3 = np.arange(1, 4)
 
 
-def _decode_spans(blob, starts, ends, keys):
-    """Fast path: every record blob[starts[r]:ends[r]] has row 0's layout; raises _Irregular otherwise.
+def decode_spans(blob, starts, ends, keys):
+    """Fast path: every record blob[starts[r]:ends[r]] has row 0's layout; raises Irregular otherwise.
 
     Row 0 is parsed in Python into a template per feature entry; every other row is checked
     against it in a few numpy operations per entry: headers identical byte for byte (fixed-size
@@ -180,19 +181,19 @@ def _decode_spans(blob, starts, ends, keys):
     buf = np.frombuffer(blob, _U8)
     first_end = int(ends[0])
     if not (ends > starts).all():
-        raise _Irregular  # an empty record decodes to {}
+        raise Irregular  # an empty record decodes to {}
     # Example.features: 0a LEN, the LEN (1-3 bytes, widths may differ) running to the record's end
     if not (buf[starts] == 0x0A).all():
-        raise _Irregular
+        raise Irregular
     head = buf[starts[:, None] + _ONE_TO_3].astype(_I64)
     c0 = head[:, 0] >= 0x80
     c01 = c0 & (head[:, 1] >= 0x80)
     if (c01 & (head[:, 2] >= 0x80)).any():
-        raise _Irregular
+        raise Irregular
     length = (head[:, 0] & 0x7F) | np.where(c0, (head[:, 1] & 0x7F) << 7, 0) | np.where(c01, head[:, 2] << 14, 0)
     o = starts + 2 + c0 + c01
     if not (o + length == ends).all():
-        raise _Irregular
+        raise Irregular
     out = {}
     seen = set()
     while True:
@@ -200,14 +201,14 @@ def _decode_spans(blob, starts, ends, keys):
         if p >= first_end:
             break
         h, kb, tag, size, varints = _entry_layout(blob, p, first_end)
-        key = _keys.get(kb)
+        key = FEATURE_NAMES.get(kb)
         if key is None:
             try:
                 key = kb.decode()
             except UnicodeDecodeError:
-                raise _Irregular from None
+                raise Irregular from None
         if key in seen:
-            raise _Irregular  # a repeated key: the last one wins, leave that to decode_example
+            raise Irregular  # a repeated key: the last one wins, leave that to decode_example
         seen.add(key)
         cols = _ARANGE[:h] if h <= 64 else np.arange(h)
         window = buf[o[:, None] + cols]
@@ -222,7 +223,7 @@ def _decode_spans(blob, starts, ends, keys):
             continue
         out[key] = _column(blob, buf, tag, k, o, size, sizes)
     if not (o == ends).all():
-        raise _Irregular  # some record holds more or fewer features than row 0
+        raise Irregular  # some record holds more or fewer features than row 0
     return out
 
 
@@ -242,17 +243,17 @@ def _variable_entry(blob, buf, o, ends, window, h, kb, tag, varints):
         r = int(rows[0])
         h2, kb2, tag2, _, varints2 = _entry_layout(blob, int(o[r]), int(ends[r]))
         if kb2 != kb or tag2 != tag:
-            raise _Irregular
+            raise Irregular
         at = o[rows]
         ok2, sizes2 = _fit(buf[at[:, None] + np.arange(h2)], varints2, h2)
         if not ok2[0]:
-            raise _Irregular
+            raise Irregular
         done = rows[ok2]
         k[done] = at[ok2] + h2
         sizes[done] = sizes2[ok2]
         todo[done] = False
     if todo.any():
-        raise _Irregular
+        raise Irregular
     return k, sizes
 
 
@@ -289,10 +290,10 @@ def _column(blob, buf, tag, k, end, size, sizes):
     if sizes is not None:  # numbers whose counts vary: one array per record
         if tag == 0x12:
             if (sizes & 3).any():
-                raise _Irregular  # not whole float32s: decode_example's protobuf path decides
+                raise Irregular  # not whole float32s: decode_example's protobuf path decides
             return [np.frombuffer(blob, "<f4", (b - a) >> 2, a).astype(np.float32)
                     for a, b in zip(k.tolist(), end.tolist())]
-        return _stack_if_even([_packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])
+        return _stack_if_even([packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])
     raw = buf[k[:, None] + (_ARANGE[:size] if size <= 64 else np.arange(size))]
     if tag == 0x12:  # float32, packed little endian
         return raw.view("<f4").astype(np.float32, copy=False)
@@ -308,9 +309,9 @@ def _column(blob, buf, tag, k, end, size, sizes):
                 values[:, col] |= (raw[:, i].astype(np.uint64) & np.uint64(0x7F)) << np.uint64(7 * (i - begin))
             begin = last + 1
         if not (ends_at - np.concatenate(([-1], ends_at[:-1])) <= 10).all():
-            raise _Irregular  # a varint over 10 bytes is not an int64
+            raise Irregular  # a varint over 10 bytes is not an int64
         return values.view(_I64)
-    return _stack_if_even([_packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])
+    return _stack_if_even([packed_int64(blob, a, b) for a, b in zip(k.tolist(), end.tolist())])
 
 
 def _stack_if_even(values):

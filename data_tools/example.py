@@ -189,7 +189,7 @@ def decode_example(data: bytes, keys: Iterable[str] | None = None) -> dict[str, 
         data = bytes(data)
     try:
         return _decode_example_fast(data, keys)
-    except (_Fallback, IndexError, UnicodeDecodeError, OverflowError):
+    except (NotCanonical, IndexError, UnicodeDecodeError, OverflowError):
         pass
     feature_map = _parse(Example, data).features.feature
     if keys is None:
@@ -216,8 +216,9 @@ _frombuffer = np.frombuffer
 _array = np.array
 
 
-class _Fallback(Exception):
-    """The fast decoder met a layout it does not handle; the protobuf parser decides."""
+class NotCanonical(Exception):
+    """A fast decoder (here, or data_tools.batch) met a layout it does not handle; protobuf decides."""
+
 
 def _varint(data, i):
     result = 0
@@ -230,9 +231,10 @@ def _varint(data, i):
             return result, i
         shift += 7
         if shift > 63:
-            raise _Fallback
+            raise NotCanonical
 
-_keys: dict[bytes, str] = {}  # interned feature names: datasets repeat the same few
+# interned feature names (key bytes -> str), shared with data_tools.batch: datasets repeat a few
+FEATURE_NAMES: dict[bytes, str] = {}
 
 # The entry headers of the last record decoded, by position: (header bytes, key, list tag,
 # payload length). A record of the same dataset usually repeats them byte for byte for every
@@ -245,7 +247,7 @@ _MAX_LAYOUT = 64
 
 
 def _decode_example_fast(data, keys):
-    """Example bytes in the canonical layout TensorFlow writes -> dict; raises _Fallback otherwise.
+    """Example bytes in the canonical layout TensorFlow writes -> dict; raises NotCanonical otherwise.
 
     Pure Python over the wire format beats building protobuf objects and reading them back.
     Anything unusual (unknown fields, repeated or unpacked fields) goes to the full parser.
@@ -256,7 +258,7 @@ def _decode_example_fast(data, keys):
     if n == 0:
         return {}
     if data[0] != 0x0A:
-        raise _Fallback
+        raise NotCanonical
     ln = data[1]
     if ln < 0x80:
         i = 2
@@ -266,7 +268,7 @@ def _decode_example_fast(data, keys):
     else:
         ln, i = _varint(data, 1)
     if i + ln != n:
-        raise _Fallback
+        raise NotCanonical
     out = {}
     layout = _layout
     entry = 0
@@ -278,7 +280,7 @@ def _decode_example_fast(data, keys):
                 i = k + size
                 entry += 1
                 if i > n:
-                    raise _Fallback
+                    raise NotCanonical
                 if keys is not None and key not in keys:
                     continue
                 if tag == 0x0A:
@@ -288,12 +290,12 @@ def _decode_example_fast(data, keys):
                 elif size == 1 and data[k] < 0x80:
                     out[key] = _array((data[k],), _i64)
                 else:
-                    out[key] = _packed_int64(data, k, i)
+                    out[key] = packed_int64(data, k, i)
                 continue
         start = i
         # map entry: 0x0a LEN { 0x0a LEN key, 0x12 LEN Feature }
         if data[i] != 0x0A:
-            raise _Fallback
+            raise NotCanonical
         ln = data[i + 1]
         if ln < 0x80:
             i += 2
@@ -304,21 +306,21 @@ def _decode_example_fast(data, keys):
             ln, i = _varint(data, i + 1)
         end = i + ln
         if data[i] != 0x0A:
-            raise _Fallback
+            raise NotCanonical
         kl = data[i + 1]
         if kl < 0x80:
             i += 2
         else:
             kl, i = _varint(data, i + 1)
         kb = data[i:i + kl]
-        key = _keys.get(kb)
+        key = FEATURE_NAMES.get(kb)
         if key is None:
             key = kb.decode()
-            if len(_keys) < 4096:
-                _keys[kb] = key
+            if len(FEATURE_NAMES) < 4096:
+                FEATURE_NAMES[kb] = key
         i += kl
         if data[i] != 0x12:
-            raise _Fallback
+            raise NotCanonical
         vl = data[i + 1]
         if vl < 0x80:
             i += 2
@@ -328,7 +330,7 @@ def _decode_example_fast(data, keys):
         else:
             vl, i = _varint(data, i + 1)
         if i + vl != end:
-            raise _Fallback
+            raise NotCanonical
         if i == end:  # a Feature with no list set
             if keys is None or key in keys:
                 out[key] = []
@@ -345,11 +347,11 @@ def _decode_example_fast(data, keys):
         else:
             ln, j = _varint(data, i + 1)
         if j + ln != end or tag not in (0x0A, 0x12, 0x1A):
-            raise _Fallback
+            raise NotCanonical
         single = False  # exactly one payload (byte string or packed run) filling the list
         if j < end:
             if data[j] != 0x0A:
-                raise _Fallback  # unpacked numbers or an unknown field
+                raise NotCanonical  # unpacked numbers or an unknown field
             size = data[j + 1]
             if size < 0x80:
                 k = j + 2
@@ -360,9 +362,9 @@ def _decode_example_fast(data, keys):
                 size, k = _varint(data, j + 1)
             single = k + size == end
             if not single and tag != 0x0A:
-                raise _Fallback  # numbers in several packed runs
+                raise NotCanonical  # numbers in several packed runs
             if single and tag == 0x12 and size & 3:
-                raise _Fallback
+                raise NotCanonical
         if single and entry < _MAX_LAYOUT:
             # remember this header for the next record (replace, never mutate: see _layout)
             item = (data[start:k], key, tag, size)
@@ -381,7 +383,7 @@ def _decode_example_fast(data, keys):
             value = []
             while j < end:
                 if data[j] != 0x0A:
-                    raise _Fallback
+                    raise NotCanonical
                 ln = data[j + 1]
                 if ln < 0x80:
                     j += 2
@@ -393,20 +395,22 @@ def _decode_example_fast(data, keys):
                 value.append(data[j:j + ln])
                 j += ln
             if j != end:
-                raise _Fallback
+                raise NotCanonical
         elif not single:  # an empty number list
             value = np.zeros(0, np.float32 if tag == 0x12 else _i64)
         elif tag == 0x12:  # float_list: 0x0a LEN packed little-endian float32
             value = _frombuffer(data, _f32, size >> 2, k).copy()
         else:  # int64_list: 0x0a LEN packed varints (two's complement)
-            value = _packed_int64(data, k, end)
+            value = packed_int64(data, k, end)
         out[key] = value
     if i != n:
-        raise _Fallback
+        raise NotCanonical
     return out
 
 
-def _packed_int64(data: bytes, k: int, end: int) -> np.ndarray:
+def packed_int64(data: bytes, k: int, end: int) -> np.ndarray:
+    """The int64 values of the packed varints data[k:end] (two's complement, as TensorFlow writes
+    negatives); NotCanonical when the varints do not end exactly at end."""
     if end - k == 1 and data[k] < 0x80:
         return _array((data[k],), _i64)
     vals = []
@@ -418,5 +422,5 @@ def _packed_int64(data: bytes, k: int, end: int) -> np.ndarray:
             v, k = _varint(data, k)
         vals.append(v - 0x10000000000000000 if v >> 63 else v)
     if k != end:
-        raise _Fallback
+        raise NotCanonical
     return _array(vals, _i64)

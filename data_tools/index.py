@@ -16,22 +16,15 @@ import hashlib
 import json
 import mmap
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
 
 from appliance.errors import DataError
 from appliance.manifest import atomic_write_text
-from data_tools.tfrecord import (
-    FOOTER_BYTES,
-    FRAME_BYTES,
-    HEADER_BYTES,
-    TFRecordError,
-    detect_compression,
-    iter_records_with_offsets,
-    masked_crc,
-)
+from data_tools.compression import detect_compression
+from data_tools.framing import FOOTER_BYTES, FRAME_BYTES, HEADER, HEADER_BYTES, U32, masked_crc
+from data_tools.tfrecord import TFRecordError, iter_records_with_offsets
 
 INDEX_SUFFIX = ".index"
 
@@ -171,11 +164,11 @@ class RecordFile:
         if frame_end > len(self._map) or size < FRAME_BYTES:
             raise TFRecordError(self.path, offset, number, "index points past the end of the file (stale index?)")
         head = self._map[offset:offset + HEADER_BYTES]
-        length, length_crc = struct.unpack("<QI", head)
+        length, length_crc = HEADER.unpack(head)
         data = self._map[offset + HEADER_BYTES:frame_end - FOOTER_BYTES]
         if length != len(data) or masked_crc(head[:8]) != length_crc:
             raise TFRecordError(self.path, offset, number, "no valid record header here (stale index?)")
-        if masked_crc(data) != struct.unpack("<I", self._map[frame_end - FOOTER_BYTES:frame_end])[0]:
+        if masked_crc(data) != U32.unpack(self._map[frame_end - FOOTER_BYTES:frame_end])[0]:
             raise TFRecordError(self.path, offset, number, "data CRC mismatch")
         return data
 

@@ -1,6 +1,6 @@
 """Verified TFRecord framing in bulk: runs of whole records out of a mapped plain file.
 
-`tfrecord._records(..., batch=N)` (what `data_tools.batch.read_examples` reads through) calls
+`tfrecord.read_record_spans(..., batch=N)` (what `data_tools.batch.read_examples` reads through) calls
 `verified_span` to take up to N records at once instead of one Python step per record:
 a walk over the length fields finds the record boundaries, the span is copied out of the
 mapping once (so what is checked is what gets decoded, even if the file changes underneath),
@@ -11,29 +11,13 @@ at that record, so damage is reported and resynchronised exactly as `read_record
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
-from google_crc32c import value as _crc32c
 
-_LEN = struct.Struct("<QI").unpack_from
-_MASK_DELTA = 0xA282EAD8
+from data_tools.framing import FOOTER_BYTES, FRAME_BYTES, HEADER, HEADER_BYTES, LENGTH_CRCS, LONG_RECORD, \
+    crc32c, length_crc, mask
+
 _A4 = np.arange(4)
 _A8 = np.arange(8)
-_LENGTH_CRCS: dict[int, int] = {}  # length -> masked CRC of its 8 bytes (depends on the length only)
-
-
-def _masked(crc):
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
-
-
-def _length_crc(length: int) -> int:
-    crc = _LENGTH_CRCS.get(length)
-    if crc is None:
-        crc = _masked(_crc32c(length.to_bytes(8, "little")))
-        if len(_LENGTH_CRCS) < 1 << 16:
-            _LENGTH_CRCS[length] = crc
-    return crc
 
 
 def verified_span(buf, off: int, most: int):
@@ -50,16 +34,17 @@ def verified_span(buf, off: int, most: int):
     # is checked below is that copy, and what gets decoded is that copy.
     starts = []
     append = starts.append
-    known = _LENGTH_CRCS.get
+    known = LENGTH_CRCS.get
+    unpack = HEADER.unpack_from
     p = off
     count = 0
     while count < most:
-        if p + 16 > n:
+        if p + FRAME_BYTES > n:
             break
-        length, length_crc = _LEN(buf, p)
-        if known(length) != length_crc and _length_crc(length) != length_crc:
-            break
-        stop = p + 16 + length
+        length, stored = unpack(buf, p)
+        if known(length) != stored and (length > LONG_RECORD or length_crc(length) != stored):
+            break  # damage, or a long record (the careful path checks it in steps)
+        stop = p + FRAME_BYTES + length
         if stop > n:
             break
         append(p - off)
@@ -74,18 +59,17 @@ def verified_span(buf, off: int, most: int):
     nxt = np.empty_like(st)
     nxt[:-1] = st[1:]
     nxt[-1] = p
-    ds = st + 12
-    de = nxt - 4
+    ds = st + HEADER_BYTES
+    de = nxt - FOOTER_BYTES
     # the walk read the mapping; the file may have changed since: check the copy again
     lengths = (de - ds).tolist()
     good = raw[st[:, None] + _A8].view("<u8")[:, 0] == (de - ds).astype(np.uint64)
-    expected = list(map(_LENGTH_CRCS.get, lengths))  # a C-level loop once the lengths are known
+    expected = list(map(LENGTH_CRCS.get, lengths))  # a C-level loop once the lengths are known
     if None in expected:
-        expected = [_length_crc(x) for x in lengths]
+        expected = [length_crc(x) for x in lengths]
     good &= raw[st[:, None] + 8 + _A4].view("<u4")[:, 0] == np.array(expected, np.uint32)
-    crcs = np.array([_crc32c(blob[a:b]) for a, b in zip(ds.tolist(), de.tolist())], np.uint64)
-    masked = (((crcs >> np.uint64(15)) | (crcs << np.uint64(17))) + np.uint64(_MASK_DELTA)) & np.uint64(0xFFFFFFFF)
-    good &= raw[de[:, None] + _A4].view("<u4")[:, 0] == masked
+    crcs = np.array([crc32c(blob[a:b]) for a, b in zip(ds.tolist(), de.tolist())], np.uint64)
+    good &= raw[de[:, None] + _A4].view("<u4")[:, 0] == mask(crcs)
     if not good.all():
         k = int(np.argmin(good))  # the first record that does not verify
         if k == 0:

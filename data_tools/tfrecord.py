@@ -1,13 +1,16 @@
 """TFRecord framing: verified reading (lossless past damage, or strict) and atomic writing.
 
 A record on disk is `u64 length | u32 masked crc32c(length) | data | u32 masked crc32c(data)`,
-little endian; GZIP and ZLIB files compress the whole framed stream. For compressed files every
-offset this module reports is a position in the *decompressed* stream.
+little endian (constants and the CRC mask: data_tools.framing); GZIP and ZLIB files compress the
+whole framed stream (data_tools.compression). For compressed files every offset this module
+reports is a position in the *decompressed* stream; damage to the compressed stream itself also
+carries its compressed offsets.
 
 The reader never returns a record whose two CRCs did not validate. In the default lossless
 mode a damaged byte range is reported to `on_damage` and skipped: the reader scans forward to
-the next offset where a length and its CRC validate and carries on, so every intact record
-after the damage still comes out. `strict=True` raises TFRecordError at the first problem.
+the next offset where a length and its CRC validate (data_tools.resync, vectorised) and carries
+on, so every intact record after the damage still comes out. `strict=True` raises TFRecordError
+at the first problem. Memory stays bounded whatever a damaged length claims (LONG_RECORD).
 """
 
 from __future__ import annotations
@@ -20,31 +23,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-import numpy as np
-from google_crc32c import value as _crc32c
+from google_crc32c import extend as crc32c_extend
 
 from appliance.errors import DataError
-from data_tools.compression import DecompressedSource
+from data_tools.compression import DecompressedSource, detect_compression
+from data_tools.framing import (
+    FOOTER_BYTES,
+    FRAME_BYTES,
+    HEADER,
+    HEADER_BYTES,
+    LENGTH_CRCS,
+    LONG_RECORD,
+    U32,
+    crc32c,
+    length_crc,
+    mask,
+    masked_crc,
+)
+from data_tools.resync import MAX_STREAMED_RECORD, find_next_header
 from data_tools.spans import joined, verified_span
 
-HEADER_BYTES = 12  # u64 length + u32 masked crc of the length
-FOOTER_BYTES = 4  # u32 masked crc of the data
-FRAME_BYTES = HEADER_BYTES + FOOTER_BYTES
+__all__ = ["COMPRESSIONS", "FOOTER_BYTES", "FRAME_BYTES", "HEADER_BYTES", "MAX_STREAMED_RECORD", "DamagedRange",
+           "TFRecordError", "TFRecordWriter", "detect_compression", "frame", "iter_records_with_offsets",
+           "masked_crc", "read_record_spans", "read_records", "write_records"]
+
 COMPRESSIONS = (None, "GZIP", "ZLIB")
-_MASK_DELTA = 0xA282EAD8
-# Largest record read from a GZIP/ZLIB stream (protobuf's own limit): the stream's length is
-# unknown until it is decompressed, so this bounds the memory a damaged length can claim.
-# Plain files need no bound: a length past the end of the mapped file is simply a truncation.
-MAX_STREAMED_RECORD = (1 << 31) - 1
-_LEN = struct.Struct("<QI")
-_LENGTH_CRCS: dict[int, int] = {}  # length -> masked CRC of its 8 bytes, filled as lengths verify
-_U32 = struct.Struct("<I")
-
-
-def masked_crc(data: bytes) -> int:
-    """TFRecord's masked CRC32C: rotate right by 15 and add a constant (so CRCs of CRCs differ)."""
-    crc = _crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 
 class TFRecordError(DataError):
@@ -60,41 +63,27 @@ class TFRecordError(DataError):
 
 @dataclass(frozen=True)
 class DamagedRange:
-    """Bytes [start, end) that held no verifiable record; record_number is the next record's number."""
+    """Bytes [start, end) that held no verifiable record; record_number is the next record's number.
+
+    For GZIP/ZLIB files start and end are decompressed offsets, and where the compressed stream
+    itself was damaged, compressed_start/compressed_end give the compressed bytes that decoded
+    to nothing usable (start == end when no decompressed byte was lost, e.g. a bad checksum).
+    """
 
     file: str
     start: int
     end: int
     record_number: int
     reason: str
+    compressed_start: int | None = None
+    compressed_end: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.file}: bytes {self.start}-{self.end} (before record {self.record_number}): {self.reason}"
-
-
-def detect_compression(path: str | os.PathLike) -> str | None:
-    """None, "GZIP" or "ZLIB", from the first bytes.
-
-    A valid plain record header wins; a compression header counts only if the bytes after it
-    really decompress, so a damaged plain file is never mistaken for a compressed one.
-    """
-    with open(path, "rb") as f:
-        head = f.read(1 << 16)
-    if len(head) >= HEADER_BYTES:
-        length, crc = _LEN.unpack_from(head)
-        if masked_crc(head[:8]) == crc:
-            return None
-    if head[:3] == b"\x1f\x8b\x08":
-        kind, wbits = "GZIP", 31
-    elif len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0:
-        kind, wbits = "ZLIB", 15
-    else:
-        return None
-    try:
-        zlib.decompressobj(wbits).decompress(head, 1 << 16)
-    except zlib.error:
-        return None
-    return kind
+        where = f"bytes {self.start}-{self.end}"
+        if self.compressed_start is not None:
+            where = (f"decompressed bytes {self.start}-{self.end}, "
+                     f"compressed bytes {self.compressed_start}-{self.compressed_end}")
+        return f"{self.file}: {where} (before record {self.record_number}): {self.reason}"
 
 
 def _check_compression(compression):
@@ -108,6 +97,9 @@ def _check_compression(compression):
 class _PlainSource:
     """A whole plain file as one bytes-like buffer (mmap: no copy, bounded memory)."""
 
+    gaps = ()
+    stream_problem = None
+
     def __init__(self, path):
         self._file = open(path, "rb")
         size = os.fstat(self._file.fileno()).st_size
@@ -118,8 +110,25 @@ class _PlainSource:
     def fill(self, need_end: int) -> None:
         """Nothing to do: the whole file is mapped."""
 
-    def drop_before(self, pos: int) -> None:
+    def drop_before(self, pos: int, *, at_once: bool = False) -> None:
         """Nothing to do: the OS pages the mapping in and out."""
+
+    def next_gap_at(self) -> None:
+        return None
+
+    def take_gaps(self, upto: int) -> list:
+        return []
+
+    def crc_ahead(self, start: int, length: int, scan_from: int):
+        """(crc32c of bytes [start, start+length), the u32 after them, file size, None), copying
+        1 MB at a time; the CRCs are None when the file ends first (see DecompressedSource)."""
+        end = len(self.buf)
+        if start + length + FOOTER_BYTES > end:
+            return None, None, end, None
+        crc = 0
+        for at in range(start, start + length, 1 << 20):
+            crc = crc32c_extend(crc, self.buf[at:min(at + (1 << 20), start + length)])
+        return crc, U32.unpack_from(self.buf, start + length)[0], end, None
 
     def close(self):
         if isinstance(self.buf, mmap.mmap):
@@ -127,43 +136,13 @@ class _PlainSource:
         self._file.close()
 
 
-def _open_source(path, compression):
+def _open_source(path, compression, strict):
     if compression == "auto":
         compression = detect_compression(path)
     _check_compression(compression)
-    return _PlainSource(path) if compression is None else DecompressedSource(path, compression)
-
-
-def _find_next_header(src, start: int) -> int | None:
-    """The first offset >= start where a length field and its masked CRC validate, or None.
-
-    Vectorised: candidate lengths at every offset are assembled with numpy, and only offsets
-    whose length fits in the bytes left get a CRC check, so scanning garbage stays fast.
-    """
-    step = 1 << 20
-    pos = start
-    while True:
-        src.fill(pos + step + HEADER_BYTES)
-        src.drop_before(pos)
-        end = src.base + len(src.buf)
-        avail = end - pos
-        if avail < HEADER_BYTES:
-            return None
-        n = min(avail, step + HEADER_BYTES) - HEADER_BYTES + 1  # offsets with a whole header here
-        window = bytes(src.buf[pos - src.base: pos - src.base + n + HEADER_BYTES - 1])
-        raw = np.frombuffer(window, dtype=np.uint8)
-        lengths = np.zeros(n, dtype=np.uint64)
-        for k in range(8):  # the little-endian u64 at every offset
-            lengths |= raw[k:k + n].astype(np.uint64) << np.uint64(8 * k)
-        if src.eof:
-            left = avail - np.arange(n, dtype=np.int64) - FRAME_BYTES  # data bytes that could follow
-            fits = (left >= 0) & (lengths <= np.clip(left, 0, None).astype(np.uint64))
-        else:
-            fits = lengths <= np.uint64(MAX_STREAMED_RECORD)
-        for i in np.flatnonzero(fits).tolist():
-            if masked_crc(window[i:i + 8]) == _U32.unpack_from(window, i + 8)[0]:
-                return pos + i
-        pos += n
+    if compression is None:
+        return _PlainSource(path)
+    return DecompressedSource(path, compression, resume=not strict)
 
 
 def iter_records_with_offsets(
@@ -188,25 +167,37 @@ def read_records(
     return _records(path, strict, compression, on_damage, with_offsets=False)
 
 
+def read_record_spans(
+    path: str | os.PathLike,
+    *,
+    batch: int,
+    strict: bool = False,
+    compression: str | None = "auto",
+    on_damage: Callable[[DamagedRange], None] | None = None,
+) -> Iterator[tuple]:
+    """Yield runs of up to `batch` verified records as (blob, starts, ends, _) (see data_tools.spans).
+
+    Record r of a run is blob[starts[r]:ends[r]]; the same checks, damage reports and strict
+    errors as read_records, one yield per run (what data_tools.batch decodes).
+    """
+    return _records(path, strict, compression, on_damage, with_offsets=False, batch=batch)
+
+
 def _records(path, strict, compression, on_damage, with_offsets, batch=None):
-    # One generator for both public forms: a wrapper generator would cost ~10% of the hot path.
-    # With batch=N it yields runs of up to N records instead, as (blob, starts, ends, _) (see
-    # data_tools.spans; data_tools.batch reads that way): the same checks, damage reports and
-    # strict errors, one yield per run.
+    # One generator for every public form: a wrapper generator would cost ~10% of the hot path.
     path = str(path)
     pending = None if batch is None else []
     try:
-        src = _open_source(path, compression)
+        src = _open_source(path, compression, strict)
     except OSError as err:
         raise DataError(f"{path}: cannot open: {err.strerror or err}") from None
     record_number = 0
     pos = 0
     damage_start = None
     damage_reason = None
-    unpack_header = _LEN.unpack_from
-    unpack_u32 = _U32.unpack_from
-    crc32c = _crc32c
-    length_crcs = _LENGTH_CRCS
+    unpack_header = HEADER.unpack_from
+    unpack_u32 = U32.unpack_from
+    length_crcs = LENGTH_CRCS
     try:
         while True:
             if not src.eof:
@@ -214,11 +205,13 @@ def _records(path, strict, compression, on_damage, with_offsets, batch=None):
                 src.drop_before(pos)
             if damage_start is None:
                 # Hot path: whole, valid records inside the buffer. Anything else (damage, a record
-                # running past the buffer, the end) breaks out to the careful path below.
+                # running past the buffer, a long record, the end) breaks out to the careful path below.
                 buf, base = src.buf, src.base
                 n = len(buf)
                 off = pos - base
-                if pending is not None and src.eof:
+                if (gap := src.next_gap_at()) is not None:
+                    n = min(n, gap - base)  # stop there, so a stream gap is reported in its place
+                if pending is not None and src.eof and not src.gaps:
                     # batches from a mapped plain file: whole verified spans (data_tools.spans);
                     # the loop below then meets whatever stopped them, record by record
                     if pending:
@@ -229,19 +222,17 @@ def _records(path, strict, compression, on_damage, with_offsets, batch=None):
                         record_number += len(span[1])
                         off = span[3]
                 while off + HEADER_BYTES <= n:
-                    length, length_crc = unpack_header(buf, off)
-                    if length_crcs.get(length) != length_crc:
-                        # the CRC of a length depends on the length alone: compute each one once
-                        if masked_crc(buf[off:off + 8]) != length_crc:
+                    length, stored_crc = unpack_header(buf, off)
+                    if length_crcs.get(length) != stored_crc:
+                        # the CRC of a length depends on the length alone: each is computed once;
+                        # long ones are never cached, so they always take the careful path
+                        if length > LONG_RECORD or length_crc(length) != stored_crc:
                             break
-                        if len(length_crcs) < 1 << 16:
-                            length_crcs[length] = length_crc
                     stop = off + HEADER_BYTES + length + FOOTER_BYTES
                     if stop > n:
                         break
                     data = buf[off + HEADER_BYTES:stop - FOOTER_BYTES]
-                    c = crc32c(data)
-                    if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != unpack_u32(buf, stop - 4)[0]:
+                    if mask(crc32c(data)) != unpack_u32(buf, stop - 4)[0]:
                         break
                     if pending is None:
                         yield (record_number, base + off, data) if with_offsets else data
@@ -257,38 +248,19 @@ def _records(path, strict, compression, on_damage, with_offsets, batch=None):
                     src.fill(pos + HEADER_BYTES)
             buf, base = src.buf, src.base
             end = base + len(buf)
-            problem = None
             if pos >= end:
-                problem = src.stream_problem if isinstance(src, DecompressedSource) else None
-                if problem is None:
-                    break
-            elif pos + HEADER_BYTES > end:
-                problem = f"truncated header: {end - pos} of {HEADER_BYTES} bytes left at end of file"
-            else:
-                length, length_crc = unpack_header(buf, pos - base)
-                if masked_crc(buf[pos - base:pos - base + 8]) != length_crc:
-                    problem = "length CRC mismatch"
+                if strict and src.stream_problem:
+                    problem = src.stream_problem
                 else:
-                    stop = pos + HEADER_BYTES + length + FOOTER_BYTES
-                    if stop > end and not src.eof:
-                        if length <= MAX_STREAMED_RECORD:
-                            src.fill(stop)
-                            buf, base = src.buf, src.base
-                            end = base + len(buf)
-                        else:  # a GZIP/ZLIB stream: filling that far could hold gigabytes
-                            problem = f"absurd record length {length} (over 2 GiB, protobuf's limit)"
-                    if problem is None and stop > end:
-                        problem = (f"truncated record: header says {length} bytes of data, "
-                                   f"only {max(0, end - pos - FRAME_BYTES)} left in the file")
-                    elif problem is None:
-                        start = pos + HEADER_BYTES - base
-                        data = buf[start:start + length]
-                        if masked_crc(data) != unpack_u32(buf, start + length)[0]:
-                            problem = "data CRC mismatch"
+                    break
+            else:
+                problem, data, stop = _check_record(src, pos)
             if problem is None:
                 if damage_start is not None:
-                    _report(path, damage_start, pos, record_number, damage_reason, on_damage)
+                    _report(src, path, damage_start, pos, record_number, damage_reason, on_damage)
                     damage_start = None
+                for gap in src.take_gaps(pos):  # the stream skipped here, between two whole records
+                    _report_gap(path, gap, record_number, on_damage)
                 if pending is None:
                     yield (record_number, pos, data) if with_offsets else data
                 else:
@@ -303,29 +275,87 @@ def _records(path, strict, compression, on_damage, with_offsets, batch=None):
                 if pending:  # the verified records before the damage come out first, as unbatched
                     yield joined(pending)
                     pending = []
+                if src.stream_problem and src.stream_problem != problem:
+                    problem = f"{problem} ({src.stream_problem})"
                 raise TFRecordError(path, pos, record_number, problem)
             if damage_start is None:
                 damage_start, damage_reason = pos, problem
-            if pos >= end:  # the compressed stream broke off: nothing more to scan
-                _report(path, damage_start, end, record_number, damage_reason, on_damage)
-                break
-            nxt = _find_next_header(src, pos + 1)
+            nxt = find_next_header(src, pos + 1)
             if nxt is None:
-                end = src.base + len(src.buf)
-                if isinstance(src, DecompressedSource) and src.stream_problem:
-                    damage_reason = f"{damage_reason}; {src.stream_problem}"
-                _report(path, damage_start, end, record_number, damage_reason, on_damage)
+                _report(src, path, damage_start, src.base + len(src.buf), record_number, damage_reason, on_damage)
                 break
             pos = nxt
         if pending:
             yield joined(pending)
+        for gap in src.take_gaps(1 << 63):  # stream damage that cost no record (e.g. a bad checksum)
+            _report_gap(path, gap, record_number, on_damage)
     finally:
         src.close()
 
 
-def _report(path, start, end, record_number, reason, on_damage):
-    if on_damage is not None:
+def _check_record(src, pos):
+    """(problem or None, data, stop) for the record at pos, which has at least 1 byte in the window."""
+    base = src.base
+    end = base + len(src.buf)
+    if pos + HEADER_BYTES > end:
+        return f"truncated header: {end - pos} of {HEADER_BYTES} bytes left at end of file", None, None
+    length, stored_crc = HEADER.unpack_from(src.buf, pos - base)
+    if length_crc(length) != stored_crc:
+        return "length CRC mismatch", None, None
+    stop = pos + HEADER_BYTES + length + FOOTER_BYTES
+    if stop > end and not src.eof and length > MAX_STREAMED_RECORD:
+        # a GZIP/ZLIB stream: filling that far could hold gigabytes
+        return f"absurd record length {length} (over 2 GiB, protobuf's limit)", None, None
+    if length > LONG_RECORD:
+        # bounded memory whatever the claim; on failure resync from the first header after pos
+        # that the check met on its way (a compressed stream is then not decompressed twice)
+        crc, stored, have, resume = src.crc_ahead(pos + HEADER_BYTES, length, pos + 1)
+        if crc is None or mask(crc) != stored:
+            if resume is not None:
+                src.restore(resume)
+            return ("data CRC mismatch" if crc is not None else _truncated(pos, length, have)), None, None
+    if stop > end and not src.eof:
+        src.fill(stop)
+        base = src.base
+        end = base + len(src.buf)
+    if stop > end:
+        return _truncated(pos, length, end), None, None
+    start = pos + HEADER_BYTES - base
+    data = src.buf[start:start + length]
+    if length <= LONG_RECORD and masked_crc(data) != U32.unpack_from(src.buf, start + length)[0]:
+        return "data CRC mismatch", None, None
+    return None, data, stop
+
+
+def _truncated(pos, length, end):
+    # the same words for a plain file and the decompressed stream of a GZIP/ZLIB one (where the
+    # stream itself broke off, its own reason is added to the report)
+    left = max(0, end - pos - FRAME_BYTES)
+    return f"truncated record: header says {length} bytes of data, only {left} left in the file"
+
+
+def _report(src, path, start, end, record_number, reason, on_damage):
+    """Report [start, end), with the compressed offsets of any stream gap inside it."""
+    inside = []
+    for gap in src.take_gaps(end):
+        if gap.at < start:
+            _report_gap(path, gap, record_number, on_damage)
+        else:
+            inside.append(gap)
+    if on_damage is None:
+        return
+    if not inside:
         on_damage(DamagedRange(path, start, end, record_number, reason))
+        return
+    reason = "; ".join([reason] + [gap.reason for gap in inside])
+    on_damage(DamagedRange(path, start, end, record_number, reason,
+                           inside[0].compressed_start, inside[-1].compressed_end))
+
+
+def _report_gap(path, gap, record_number, on_damage):
+    if on_damage is not None:
+        on_damage(DamagedRange(path, gap.at, gap.at, record_number, gap.reason,
+                               gap.compressed_start, gap.compressed_end))
 
 
 # --------------------------------------------------------------------------- writing
@@ -334,9 +364,7 @@ def _report(path, start, end, record_number, reason, on_damage):
 def frame(data: bytes) -> bytes:
     """One framed record, exactly as TensorFlow's writer lays it out."""
     length = struct.pack("<Q", len(data))
-    return b"".join(
-        (length, _U32.pack(masked_crc(length)), data, _U32.pack(masked_crc(data)))
-    )
+    return b"".join((length, U32.pack(masked_crc(length)), data, U32.pack(masked_crc(data))))
 
 
 class TFRecordWriter:

@@ -68,7 +68,8 @@ class FileResult:
     compression: str | None = None
     bytes: int = 0
     error: str | None = None  # the file could not be read at all
-    damaged: list = dataclasses.field(default_factory=list)  # dicts: start, end, record_number, reason
+    # dicts: start, end, record_number, reason (+ compressed_start, compressed_end for stream damage)
+    damaged: list = dataclasses.field(default_factory=list)
     offsets: array = dataclasses.field(default_factory=lambda: array("q"))  # [record number] -> byte offset
     clean_records: array = dataclasses.field(default_factory=lambda: array("q"))  # record numbers, shard order
     quarantined_records: array = dataclasses.field(default_factory=lambda: array("q"))
@@ -116,8 +117,11 @@ def scan_file(task: ScanTask) -> FileResult:
     progress = _Progress(task.progress, plain=result.compression is None)
 
     def on_damage(damage):
-        result.damaged.append({"start": damage.start, "end": damage.end,
-                               "record_number": damage.record_number, "reason": damage.reason})
+        entry = {"start": damage.start, "end": damage.end,
+                 "record_number": damage.record_number, "reason": damage.reason}
+        if damage.compressed_start is not None:  # GZIP/ZLIB: start/end are decompressed offsets
+            entry.update(compressed_start=damage.compressed_start, compressed_end=damage.compressed_end)
+        result.damaged.append(entry)
 
     try:
         for number, offset, data in iter_records_with_offsets(path, on_damage=on_damage):
@@ -148,7 +152,11 @@ def scan_file(task: ScanTask) -> FileResult:
         progress.finish(result.bytes)
     if result.damaged:
         result.checks["framing"] += len(result.damaged)
-        if not len(result.offsets):
+        if not len(result.offsets) and result.compression:
+            first = result.damaged[0]
+            result.error = (f"{result.compression} file: no record could be recovered "
+                            f"({first['reason']}, decompressed byte {first['start']})")
+        elif not len(result.offsets):
             result.error = f"not a TFRecord file: no record framing found in its {result.bytes} bytes"
     return result
 

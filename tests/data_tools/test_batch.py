@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from appliance.errors import DataError
-from data_tools.batch import ExampleBatch, _decode_spans, decode_batch, read_examples
+from data_tools.batch import ExampleBatch, decode_spans, decode_batch, read_examples
 from data_tools.example import decode_example, encode_example
 from data_tools.spans import joined
 from data_tools.tfrecord import TFRecordError, read_records, write_records
@@ -64,7 +64,7 @@ def test_regular_file_takes_the_numpy_path_and_matches_decode_example(tmp_path):
     # the fast path really accepts this layout (a silent fallback would hide a broken fast path)
     records = image_records(8)
     blob, starts, ends, _ = joined(records)
-    assert set(_decode_spans(blob, starts, ends, None)) == set(decode_example(records[0]))
+    assert set(decode_spans(blob, starts, ends, None)) == set(decode_example(records[0]))
 
 
 def test_keys_limit_the_columns_and_absent_keys_are_none(tmp_path):
@@ -104,7 +104,7 @@ def test_mixed_varint_widths_and_varying_counts(tmp_path):
     assert_same_rows(got, expected(path))
     # lengths of one, two and three varint bytes in one batch still take the numpy path
     blob, starts, ends, _ = joined(records)
-    assert set(_decode_spans(blob, starts, ends, None)) == {"image", "scores", "ids"}
+    assert set(decode_spans(blob, starts, ends, None)) == {"image", "scores", "ids"}
 
 
 @pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
