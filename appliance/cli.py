@@ -20,8 +20,7 @@ VERB_MODULES = [  # in the order of the pipeline, as `appliance --help` lists th
     "appliance.doctor",
     "data_tools.cli",
     "appliance.train.cli",
-    "appliance.deploy.export",
-    "appliance.deploy.quantize",
+    "appliance.deploy.cli",  # export, quantize
     "appliance.deploy.compile",
     "appliance.deploy.package",
     "appliance.deploy.edge_verify",

@@ -6,30 +6,9 @@ import json
 import warnings
 from pathlib import Path
 
-from appliance import values
 from appliance.errors import DataError
 
 DEFAULT_MAX_REL_ERROR = 1e-5
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "export", help="export a trained model to ONNX with a PyTorch/onnxruntime parity check",
-        description="Export RUN_DIR (holding model/) or a trained-model/checkpoint directory to "
-        "DIR/model.onnx, with preprocessing and class names in its metadata, and check it "
-        "against PyTorch on samples (parity.json).")
-    p.add_argument("model", metavar="RUN_DIR|CHECKPOINT")
-    p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
-    p.add_argument("--opset", type=values.positive_int, default=17)
-    p.add_argument("--batch", default="dynamic", metavar="dynamic|N",
-                   help="batch axis: dynamic (default) or a fixed size")
-    p.add_argument("--samples", nargs="+", metavar="FILE",
-                   help="validation TFRecord files (or a .npz of tensors) for the parity check; "
-                   "default: 16 seeded random images")
-    p.add_argument("--num-samples", type=values.positive_int, default=64)
-    p.add_argument("--max-rel-error", type=values.non_negative_float, default=DEFAULT_MAX_REL_ERROR,
-                   help="fail when max|torch-onnx| / max|torch| exceeds this (default 1e-5)")
-    p.set_defaults(func=run)
 
 
 def find_model_dir(path) -> Path:
@@ -42,17 +21,6 @@ def find_model_dir(path) -> Path:
             return candidate
     raise DataError(f"{path}: not a run directory or trained-model directory (no {CARD_NAME} "
                     f"in it or in {path / 'model'})")
-
-
-def run(args) -> int:
-    batch = parse_batch(args.batch)
-    report = export_model(args.model, args.out, opset=args.opset, batch=batch, sample_files=args.samples,
-                          num_samples=args.num_samples, max_rel_error=args.max_rel_error)
-    parity = report["parity"]
-    print(f"wrote {Path(args.out) / 'model.onnx'}: parity on {parity['samples']} {parity['source']} samples: "
-          f"max abs {parity['max_abs_error']:.3g}, max rel {parity['max_rel_error']:.3g} "
-          f"(limit {args.max_rel_error:g}), top-1 agreement {parity['top1_agreement']:.4f}")
-    return 0
 
 
 def parse_batch(text: str):

@@ -8,53 +8,13 @@ through the same preprocessing as export and the edge runner.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 
-from appliance import values
 from appliance.errors import DataError
 
 METHODS = ("minmax", "entropy", "percentile")
 SCHEMES = ("s8s8", "u8s8")
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "quantize", help="INT8 (static QDQ) or FP16 quantization with an accuracy report and gate",
-        description="Quantize MODEL.onnx with calibration data, evaluate FP32 vs quantized on the "
-        "validation set (accuracy.json, accuracy.html) and exit 1 when top-1 drops more than --max-drop points.")
-    p.add_argument("model", metavar="MODEL.onnx")
-    p.add_argument("--calib", required=True, nargs="+", metavar="DATA",
-                   help="calibration TFRecord files (image/encoded, image/class/label) or a .npz of tensors")
-    p.add_argument("--val", nargs="+", metavar="DATA", help="labelled validation data (default: --calib)")
-    p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
-    p.add_argument("--mode", choices=["int8", "fp16"], default="int8")
-    p.add_argument("--method", choices=METHODS, default="minmax", help="INT8 calibration method")
-    p.add_argument("--per-channel", action="store_true", help="INT8: per-channel weight scales")
-    p.add_argument("--scheme", choices=SCHEMES, default="s8s8",
-                   help="INT8 types: s8s8 (default, accurate on any CPU) or u8s8 with 7-bit weights "
-                   "(reduce_range: onnxruntime's faster x86 kernels without their AVX2 saturation)")
-    p.add_argument("--calib-samples", type=values.positive_int, default=128)
-    p.add_argument("--val-samples", type=values.positive_int, default=1000)
-    p.add_argument("--max-drop", type=values.non_negative_float, default=1.0, help="allowed top-1 drop in points (default 1.0)")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    report = quantize_model(args.model, args.calib, args.out, val_files=args.val, mode=args.mode,
-                            method=args.method, per_channel=args.per_channel, scheme=args.scheme, calib_samples=args.calib_samples,
-                            val_samples=args.val_samples, max_drop=args.max_drop)
-    q, f = report["quantized"], report["fp32"]
-    print(f"wrote {q['model']}: top-1 {f['top1'] * 100:.2f}% -> {q['top1'] * 100:.2f}% "
-          f"(drop {report['top1_drop_points']:.2f} points, allowed {args.max_drop:g}), agreement "
-          f"{report['prediction_agreement'] * 100:.2f}%, size x{report['size_ratio']:.2f}, latency "
-          f"x{report['latency_ratio']:.2f}; report {Path(args.out) / 'accuracy.html'}")
-    if not report["gate_passed"]:
-        print(f"appliance quantize: error: {q['model']}: top-1 dropped {report['top1_drop_points']:.2f} points, "
-              f"more than --max-drop {args.max_drop:g} (see {Path(args.out) / 'accuracy.html'})", file=sys.stderr)
-        return 1
-    return 0
 
 
 class CalibrationSet:

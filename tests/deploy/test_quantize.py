@@ -15,9 +15,10 @@ def test_quantize_passes_the_gate_with_a_report(tmp_path, exported, calib_tfreco
     out = tmp_path / mode
     proc = run_appliance("quantize", str(exported / "model.onnx"), "--calib", str(calib_tfrecord),
                          "--val", str(val_tfrecord), "--out", str(out), "--mode", mode, "--calib-samples", "48",
-                         "--scheme", scheme)
+                         "--scheme", scheme, "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "accuracy.json").read_text())
+    assert json.loads(proc.stdout) == report  # --json: the report as one object on stdout
     assert report["fp32"]["top1"] >= 0.9  # the fixture model really learned the task
     assert report["gate_passed"] and report["top1_drop_points"] <= 1.0
     assert report["validation_samples"] == 96 and report["calibration_samples"] == 48 and report["prediction_agreement"] >= 0.98
@@ -50,7 +51,7 @@ def test_gate_fails_when_calibration_misses_the_signal(tmp_path, exported, val_t
     out = tmp_path / "bad"
     proc = run_appliance("quantize", str(exported / "model.onnx"), "--calib", str(flat), "--val", str(val_tfrecord),
                          "--out", str(out))
-    assert proc.returncode == 1
+    assert proc.returncode == 3 and len(proc.stderr.strip().splitlines()) == 1  # GateFailed
     assert "top-1 dropped" in proc.stderr and "more than --max-drop 1" in proc.stderr
     report = json.loads((out / "accuracy.json").read_text())
     assert not report["gate_passed"] and report["top1_drop_points"] > 1.0
