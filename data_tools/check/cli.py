@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 from appliance import values
@@ -30,7 +31,10 @@ def register_data_verb(data_subparsers) -> None:
     p.add_argument("--max-pixels", type=values.positive_int, default=None, help="larger images are quarantined (default 64M)")
     p.add_argument("--near-distance", type=values.non_negative_int, default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
     p.add_argument("--jobs", type=values.positive_int, default=None, help="worker processes (default: one per file, up to the cores)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress output")
+    p.add_argument("--quiet", action="store_true", help="no progress output (results and errors still print)")
+    p.add_argument("--json", action="store_true",
+                   help="print report.json as one JSON object on stdout (the summary line goes to stderr)")
     p.set_defaults(func=check_command)
 
 
@@ -43,9 +47,11 @@ def check_command(args) -> int:
         raise ConfigError("data check: give TFRecord files, or --train and --val files")
     if args.val and not args.train:
         raise ConfigError("data check: --val needs --train (leakage is checked between the two)")
-    _, status = run_check(
+    report, status = run_check(
         inputs, args.out, schema_path=args.schema, fail_on=args.fail_on, image_key=args.image_key,
         label_key=args.label_key, max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
-        near_distance=args.near_distance, jobs=args.jobs, progress=not args.no_progress,
-        command=["appliance", *sys.argv[1:]])
+        near_distance=args.near_distance, jobs=args.jobs, progress=not (args.no_progress or args.quiet),
+        command=["appliance", *sys.argv[1:]], summary_stream=sys.stderr if args.json else None)
+    if args.json:
+        print(json.dumps(report))
     return status

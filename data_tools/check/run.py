@@ -43,8 +43,9 @@ SCHEMA_SAMPLE = 256  # records read to infer a schema
 def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None, fail_on: str | None = None,
               image_key="image/encoded", label_key="image/class/label", max_pixels=DEFAULT_MAX_PIXELS,
               near_distance: int = 4, jobs: int | None = None, progress: bool = True,
-              command: list[str] | None = None) -> tuple[dict, int]:
-    """Check (path, split) inputs, write the output directory; returns (report, exit status)."""
+              command: list[str] | None = None, summary_stream=None) -> tuple[dict, int]:
+    """Check (path, split) inputs, write the output directory; returns (report, exit status).
+    The one-line summary goes to summary_stream (default stdout)."""
     conditions = gate_rules.parse_fail_on(fail_on)
     if not 0 <= near_distance <= 7:
         raise ConfigError(f"--near-distance must be 0..7 bits (got {near_distance})")
@@ -54,11 +55,12 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
     with directory_lock(out_dir, "--out directory"):
         return _run_locked(inputs, Path(out_dir), schema_path=schema_path, fail_on=fail_on, conditions=conditions,
                            image_key=image_key, label_key=label_key, max_pixels=max_pixels,
-                           near_distance=near_distance, jobs=jobs, progress=progress, command=command)
+                           near_distance=near_distance, jobs=jobs, progress=progress, command=command,
+                           summary_stream=summary_stream)
 
 
 def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_key, label_key, max_pixels,
-                near_distance, jobs, progress, command) -> tuple[dict, int]:
+                near_distance, jobs, progress, command, summary_stream) -> tuple[dict, int]:
     stage = out / ".check-partial"
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "clean").mkdir(parents=True)
@@ -117,7 +119,8 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
 
     print(f"checked {report['records_total']} records in {len(paths)} files: "
           f"{report['records_valid']} valid, {report['records_quarantined']} quarantined, "
-          f"{len(report['damaged_ranges'])} unreadable byte ranges; report: {out / 'report.html'}")
+          f"{len(report['damaged_ranges'])} unreadable byte ranges; report: {out / 'report.html'}",
+          file=summary_stream or sys.stdout)
     for line in report["gate"]["failed"]:
         print(f"gate failed: {line}", file=sys.stderr)
     if not report["gate"]["passed"]:
@@ -159,11 +162,10 @@ def _scan_in_worker(task: ScanTask):
 
 def _scan_all(tasks: list[ScanTask], jobs: int | None, show_progress: bool) -> list:
     """Scan files, in a process pool when there are several files and cores; a live progress bar."""
-    from tqdm import tqdm
+    from appliance.progress import Progress
 
     total = sum(os.path.getsize(t.path) for t in tasks if os.path.isfile(t.path))
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="data check", disable=not show_progress,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = Progress(total=total, unit="B", unit_scale=True, desc="data check", enabled=show_progress)
     records = 0
     jobs = jobs or min(len(tasks), len(os.sched_getaffinity(0)))
     context = multiprocessing.get_context("fork")
@@ -175,7 +177,7 @@ def _scan_all(tasks: list[ScanTask], jobs: int | None, show_progress: bool) -> l
             n, b = queue.get()
             records += n
             bar.update(b)
-        bar.set_postfix(records=records, refresh=False)
+        bar.set_postfix(f"{records} records")
 
     results = [None] * len(tasks)
     if jobs <= 1:
@@ -207,7 +209,7 @@ class _DirectProgress:
     def put(self, item) -> None:
         self.records += item[0]
         self.bar.update(item[1])
-        self.bar.set_postfix(records=self.records, refresh=False)
+        self.bar.set_postfix(f"{self.records} records")
 
 
 def _label_range_from_all(results, schema) -> list[tuple]:

@@ -133,7 +133,10 @@ def test_label_balance_and_gate(checked):
     assert report["labels"]["class_names"] == {str(i): name for i, name in enumerate(CLASSES)}
     assert report["schema"]["num_classes"] == 5  # the stray label 9 did not widen the range
     assert proc.returncode == 3, proc.stderr
-    assert "data check: 100%" in proc.stderr and "B/s" in proc.stderr and "records=" in proc.stderr  # progress
+    # Progress off a terminal: plain lines with rate, no \r frames; the last says 100 %.
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("data check: ")]
+    assert progress and "(100.0 %)" in progress[-1] and "B/s" in progress[-1] and "records" in progress[-1]
+    assert "\r" not in proc.stderr
     failed = [line for line in proc.stderr.splitlines() if line.startswith("gate failed:")]
     assert len(failed) == 2 and failed[0].startswith("gate failed: corrupt = 2 > 0")
     assert failed[1].startswith("gate failed: imbalance = ")
@@ -146,7 +149,9 @@ def test_label_balance_and_gate(checked):
 def test_passing_gate_exits_zero(tmp_path):
     planted = make_planted(tmp_path / "data", per_class=4, minority=4)
     proc = run_appliance("data", "check", str(planted.val), "--out", str(tmp_path / "out"),
-                         "--fail-on", "corrupt>0,imbalance>10", "--no-progress")
+                         "--fail-on", "corrupt>0,imbalance>10", "--quiet", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads((tmp_path / "out" / "report.json").read_text())["gate"] == {
-        "passed": True, "conditions": ["corrupt>0", "imbalance>10"], "failed": []}
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["gate"] == {"passed": True, "conditions": ["corrupt>0", "imbalance>10"], "failed": []}
+    assert json.loads(proc.stdout) == report  # --json: one object on stdout
+    assert proc.stderr.startswith("checked ") and "data check: " not in proc.stderr  # --quiet: no progress
