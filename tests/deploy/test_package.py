@@ -145,6 +145,20 @@ def test_edge_verify_python_route_under_qemu(python_package, val_tfrecord, sysro
     assert len(proc.stdout.strip().splitlines()) == 3  # native, Python, self-test
 
 
+def test_package_builds_offline_and_verify_json_is_one_object(compiled_arm, tmp_path):
+    """No network when packaging (zig, its cache, onnxruntime for the golden outputs) or verifying."""
+    tar = tmp_path / "offline.tar"
+    proc = run_appliance("package", str(compiled_arm), "--out", str(tar), offline=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"wrote {tar} (") and "glibc >= 2.28, 8 golden samples (tfrecord)" in proc.stdout
+    proc = run_appliance("edge", "verify", str(tar), "--json", "--bench-runs", "3", offline=True)
+    assert proc.returncode == 0, proc.stderr
+    [line] = proc.stdout.strip().splitlines()
+    report = json.loads(line)
+    assert report["passed"] and report["glibc_floor"] == "2.28" and report["selftest"]["passed"]
+    assert report["bench"]["runs"] == 3 and report["bench"]["emulated"] is True
+
+
 def test_python_route_of_a_slim_package_is_one_line(edge_package):
     proc = run_appliance("edge", "verify", str(edge_package), "--python")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
@@ -224,12 +238,12 @@ def test_int8_model_through_compile_package_and_verify(tmp_path, exported, calib
     assert any(i["path"] == str(calib_tfrecord) for i in manifest["params"]["lineage"][1]["inputs"])
 
 
-def test_sysroot_fetch_offline_and_missing_debs_are_one_line(tmp_path, edge_package):
+def test_sysroot_fetch_offline_and_missing_debs_are_one_line(tmp_path, python_package):
     proc = run_appliance("edge", "sysroot", "--out", str(tmp_path / "debs"), offline=True)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "no package lists downloaded" in proc.stderr and "needs a connected host" in proc.stderr
     assert not (tmp_path / "debs" / "manifest.json").exists()
-    proc = run_appliance("edge", "verify", str(edge_package), "--python", "--sysroot-debs", str(tmp_path / "none"))
+    proc = run_appliance("edge", "verify", str(python_package), "--python", "--sysroot-debs", str(tmp_path / "none"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert f"{tmp_path / 'none'}: no arm64 sysroot .debs (run `appliance edge sysroot" in proc.stderr
 
