@@ -255,3 +255,25 @@ def test_a_damaged_upstream_manifest_is_named_not_skipped(tmp_path):
     (tmp_path / "manifest.json").write_text('{"stage": "export", "inputs": [')
     with pytest.raises(DataError, match=r"manifest.json: damaged stage manifest"):
         lineage_from(tmp_path)
+
+
+def test_edge_verify_fails_when_the_package_selftest_fails(edge_package, tmp_path):
+    """Golden outputs that the model does not reproduce (re-summed, so the checksums pass): the
+    comparison with the host still agrees, the package's own self-test does not, and verify fails."""
+    import hashlib
+
+    root = tmp_path / "edge-package"
+    with tarfile.open(edge_package) as tar:
+        tar.extractall(tmp_path, filter="data")
+    expected = np.load(root / "selftest/expected.npy")
+    np.save(root / "selftest/expected.npy", expected[::-1].copy())
+    (root / "SHA256SUMS").write_text("".join(
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(root)}\n"
+        for p in sorted(root.rglob("*")) if p.is_file() and p.name != "SHA256SUMS"))
+    with tarfile.open(tmp_path / "bad-golden.tar", "w") as tar:
+        tar.add(root, arcname="edge-package")
+    proc = run_appliance("edge", "verify", str(tmp_path / "bad-golden.tar"), "--bench-runs", "0")
+    assert proc.returncode == 1, proc.stderr
+    native, selftest = proc.stdout.strip().splitlines()
+    assert native.endswith("PASS") and "bin/run --selftest (qemu-aarch64): 8 golden samples" in selftest
+    assert selftest.endswith("FAIL")

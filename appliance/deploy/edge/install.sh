@@ -80,7 +80,8 @@ chmod -R u=rwX,go=rX "$stage/package"
 rm -f "$prefix/.installed"
 if [ -f "$prefix/SHA256SUMS" ]; then  # what an earlier package put here
     cut -c67- "$prefix/SHA256SUMS" | cut -d/ -f1 | sort -u | while read -r top; do
-        [ -n "$top" ] && rm -rf "${prefix:?}/$top"
+        case "$top" in ""|.|..|.*) continue ;; esac  # never above or beside what a package put here
+        rm -rf "${prefix:?}/$top"
     done
 fi
 for entry in * ; do
