@@ -96,10 +96,11 @@ def _read_needs(path: Path, data: bytes) -> ElfNeeds:
 
 
 def check_floor(files: dict[str, Path], floor: str, glibcxx_ceiling: str | None = None,
-                glibcxx_bound: set[str] = frozenset()) -> dict[str, dict]:
+                glibcxx_bound: set[str] = frozenset(), origin: dict[str, str] | None = None) -> dict[str, dict]:
     """Refuse (one line naming the file and symbol) when a file needs a glibc above `floor`, or,
     for the files named in `glibcxx_bound`, a libstdc++ above `glibcxx_ceiling` (the TVM runtime
-    libraries' own need, which the device must meet anyway). Returns {name: highest needs}."""
+    libraries' own need, which the device must meet anyway). `origin` names where a file came
+    from, for the message (default: its path). Returns {name: highest needs}."""
     report = {}
     for name, path in files.items():
         needs = read_needs(path)
@@ -113,7 +114,8 @@ def check_floor(files: dict[str, Path], floor: str, glibcxx_ceiling: str | None 
                 limit = (f"the package's glibc floor {floor} (--glibc-floor)" if family == "GLIBC" else
                          f"the TVM runtime libraries' own GLIBCXX_{glibcxx_ceiling}" if glibcxx_ceiling else
                          "no libstdc++ (the TVM runtime libraries need none)")
-                raise DataError(f"{path}: needs {symbol}, above {limit}; it would not load on such a device")
+                where = (origin or {}).get(name, str(path))
+                raise DataError(f"{where}: needs {symbol}, above {limit}; it would not load on such a device")
         report[name] = {family: needs.highest(family) for family in ("GLIBC", "GLIBCXX", "CXXABI")
                         if needs.highest(family)}
     return report

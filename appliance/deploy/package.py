@@ -104,11 +104,14 @@ def zig_command() -> list[str]:
     return [sys.executable, "-m", "ziglang", "c++"]
 
 
+def wheel_of(wheels: list[Path], prefix: str) -> Path:
+    return next(w for w in wheels if w.name.startswith(prefix))
+
+
 def extract_runtime(wheels: list[Path], work: Path, lib_dir: Path) -> None:
     """libtvm_runtime.so and libtvm_ffi.so into lib_dir, the tvm-ffi headers into work."""
     for prefix, member in RUNTIME_LIBS.items():
-        wheel = next(w for w in wheels if w.name.startswith(prefix))
-        with zipfile.ZipFile(wheel) as z:
+        with zipfile.ZipFile(wheel_of(wheels, prefix)) as z:
             with z.open(member) as src, open(lib_dir / Path(member).name, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             if prefix == "apache_tvm_ffi-":
@@ -237,7 +240,9 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
             (root / sub).mkdir(parents=True)
         extract_runtime(wheels, Path(tmp) / "sdk", root / "lib")
         # Libraries first: a model library above the floor is refused before the (first: minutes) zig build.
-        tvm_needs = check_floor({f"lib/{p.name}": p for p in sorted((root / "lib").glob("*.so"))}, glibc_floor)
+        tvm_needs = check_floor({f"lib/{Path(m).name}": root / "lib" / Path(m).name for m in RUNTIME_LIBS.values()},
+                                glibc_floor, origin={f"lib/{Path(m).name}": f"{wheel_of(wheels, prefix)}:{m}"
+                                                     for prefix, m in RUNTIME_LIBS.items()})
         glibcxx = max((n["GLIBCXX"] for n in tvm_needs.values() if "GLIBCXX" in n), key=version_key, default=None)
         elf_needs = {**tvm_needs, **check_floor({"model.so": compiled / "model.so"}, glibc_floor, glibcxx, {"model.so"})}
         build_runner(Path(tmp) / "sdk", root / "lib", root / "bin" / "run", glibc_floor)

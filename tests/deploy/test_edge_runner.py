@@ -99,6 +99,14 @@ def test_a_library_needing_glibc_2_34_makes_package_refuse(tmp_path, compiled_ar
     assert not (tmp_path / "p.tar").exists()
 
 
+def test_a_floor_below_the_tvm_runtime_names_its_wheel_and_symbol(tmp_path, compiled_arm):
+    proc = run_appliance("package", str(compiled_arm), "--out", str(tmp_path / "p.tar"), "--glibc-floor", "2.17")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("appliance package: error: ") and "apache_tvm-0.27" in proc.stderr
+    assert ".whl:tvm/lib/libtvm_runtime.so: needs expf@GLIBC_2.27, above the package's glibc floor 2.17" in proc.stderr
+    assert not (tmp_path / "p.tar").exists()
+
+
 def test_a_bad_glibc_floor_is_one_line(tmp_path, compiled_arm):
     proc = run_appliance("package", str(compiled_arm), "--out", str(tmp_path / "p.tar"), "--glibc-floor", "2.x")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
