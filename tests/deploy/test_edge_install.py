@@ -117,3 +117,25 @@ def test_a_file_swapped_after_the_check_is_never_installed(package, device_sysro
     assert (tmp_path / "swapped").exists() and sha256_file(package / "model.so") == sha256_file(evil)
     assert proc.returncode == 0, proc.stderr
     assert sha256_file(prefix / "model.so") == original and "selftest PASS" in proc.stdout
+
+
+def test_a_failing_selftest_fails_the_install_and_leaves_no_install_mark(package, device_sysroot, tmp_path):
+    """Golden outputs this model does not reproduce, re-summed so that every checksum passes."""
+    import hashlib
+
+    import numpy as np
+
+    expected = np.load(package / "selftest/expected.npy")
+    np.save(package / "selftest/expected.npy", expected[::-1].copy())
+    (package / "SHA256SUMS").write_text("".join(
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(package)}\n"
+        for p in sorted(package.rglob("*")) if p.is_file() and p.name != "SHA256SUMS"))
+    prefix = tmp_path / "prefix"
+    for _ in range(2):  # and the second run is not taken for an installed package
+        proc = install(package, prefix, device_sysroot)
+        assert proc.returncode == 1
+        assert "selftest FAIL: 8 golden samples" in proc.stdout
+        assert proc.stderr.strip().splitlines() == [
+            f"install.sh: error: {prefix}/bin/run --selftest failed: the installed model does not reproduce the "
+            "host's outputs on this device"]
+        assert not (prefix / ".installed").exists()
