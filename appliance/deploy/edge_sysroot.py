@@ -18,6 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from appliance.deploy.qemu import find_qemu, run_counting_samples
 from appliance.errors import DataError, EnvironmentProblem
 
 PACKAGES = ("python3.11", "libstdc++6")  # numpy's and TVM's wheels expect the system libstdc++
@@ -132,10 +133,8 @@ def run_python_runner(root: Path, sysroot: Path, site: Path, inputs: Path, outpu
     if not python.exists():
         raise DataError(f"{sysroot}: the arm64 .debs hold no usr/bin/python3.11")
     env = {**os.environ, "PYTHONPATH": str(site), "TVM_USE_RUNTIME_LIB": "1"}
-    from appliance.deploy.edge_verify import run_counting_samples
-
     returncode, stderr = run_counting_samples(
-        [shutil.which("qemu-aarch64") or "qemu-aarch64", "-L", str(sysroot), str(python), "-s",
+        [find_qemu(), "-L", str(sysroot), str(python), "-s",
          str(root / "python" / "run.py"), "--input", str(inputs), "--output", str(outputs), "--top-k", "1"],
         total, "Python runner", env=env)
     if returncode != 0:

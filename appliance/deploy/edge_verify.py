@@ -1,12 +1,13 @@
 """`appliance edge verify`: run an edge package's native runner under qemu-aarch64 and compare
-its logits with the host's onnxruntime on the same samples, before the package leaves the building."""
+its logits with the host's onnxruntime on the same samples, before the package leaves the building.
+It also runs the package's own `bin/run --selftest` (golden samples, gated) and `bin/run --bench`
+(latency under emulation: reported, never gated, since qemu says nothing about ARM speed)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import subprocess
+import re
 import tarfile
 import tempfile
 import time
@@ -14,12 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance import values
-from appliance.errors import DataError, EnvironmentProblem
+from appliance.deploy.edge_sysroot import register_sysroot
+from appliance.deploy.qemu import DEFAULT_SYSROOT, check_sysroot, find_qemu, run_counting_samples, run_json
+from appliance.errors import DataError
 
 if TYPE_CHECKING:
     import numpy as np
 
-DEFAULT_SYSROOT = "/usr/aarch64-linux-gnu"
+BENCH_RUNS, BENCH_WARMUP = 20, 3
 
 
 def register(subparsers) -> None:
@@ -42,10 +45,12 @@ def register(subparsers) -> None:
                    help="also run python/run.py inside an arm64 Python sysroot under qemu (about 15 s more)")
     p.add_argument("--sysroot-debs", metavar="DIR",
                    help="arm64 .debs from `appliance edge sysroot` (default: wheelhouse/edge-sysroot-arm64)")
+    p.add_argument("--bench-runs", type=values.non_negative_int, default=BENCH_RUNS, metavar="N",
+                   help=f"timed runs of `bin/run --bench` under qemu (default {BENCH_RUNS}; 0 skips it); "
+                   "emulated latency, reported and not gated")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
     p.add_argument("--out", metavar="DIR", type=values.output_dir, help="also write verify.json and manifest.json here")
     p.set_defaults(func=run)
-    from appliance.deploy.edge_sysroot import register_sysroot
-
     register_sysroot(verbs)
 
 
@@ -53,13 +58,31 @@ def run(args) -> int:
     report = verify_package(args.package, sample_files=args.samples, num_samples=args.num_samples,
                             min_agreement=args.min_agreement, max_logit_diff=args.max_logit_diff,
                             sysroot=args.sysroot, out_dir=args.out, python=args.python,
-                            sysroot_debs=args.sysroot_debs)
+                            sysroot_debs=args.sysroot_debs, bench_runs=args.bench_runs)
+    if args.json:
+        print(json.dumps(report))
+        return 0 if report["passed"] else 1
     for route in report["routes"]:
         print(f"{args.package}: {route['runner']}: {report['samples']} samples: top-1 agreement "
               f"{route['top1_agreement']:.4f} (need {args.min_agreement:g}), max logit diff "
               f"{route['max_logit_diff']:.3g} (allowed {route['allowed_logit_diff']:.3g}), "
               f"{route['seconds']:.1f} s: {'PASS' if route['passed'] else 'FAIL'}")
+    print(f"{args.package}: {selftest_line(report['selftest'])}")
+    if report.get("bench"):
+        b = report["bench"]
+        print(f"{args.package}: bin/run --bench (emulated, not gated): {b['runs']} runs: median "
+              f"{b['median_ms']:.2f} ms, p90 {b['p90_ms']:.2f} ms, p99 {b['p99_ms']:.2f} ms, "
+              f"fluctuation {b['fluctuation']:.3f}")
     return 0 if report["passed"] else 1
+
+
+def selftest_line(t: dict) -> str:
+    if "error" in t:
+        return f"bin/run --selftest (qemu-aarch64): {t['samples']} golden samples: {t['error']}: FAIL"
+    diff = "nan" if t["max_abs_diff"] is None else f"{t['max_abs_diff']:.3g}"
+    return (f"bin/run --selftest (qemu-aarch64): {t['samples']} golden samples: top-1 agreement "
+            f"{t['top1_agreement']:.4f}, max logit diff {diff} (allowed {t['allowed_abs_diff']:.3g}): "
+            f"{'PASS' if t['passed'] else 'FAIL'}")
 
 
 def unpack_checked(package: Path, into: Path) -> Path:
@@ -69,15 +92,22 @@ def unpack_checked(package: Path, into: Path) -> Path:
     try:
         with tarfile.open(package) as tar:
             tar.extractall(into, filter="data")
+    except tarfile.ReadError:
+        # tarfile's own message is one line per compression it tried.
+        raise DataError(f"{package}: not an edge package (not a tar archive; make one with `appliance package`)") \
+            from None
     except (tarfile.TarError, OSError) as err:
-        raise DataError(f"{package}: not a readable edge package tar ({err})") from None
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(f"{package}: not a readable edge package tar ({first})") from None
     root = into / "edge-package"
     sums = root / "SHA256SUMS"
     if not sums.is_file():
         raise DataError(f"{package}: not an edge package (no edge-package/SHA256SUMS)")
     listed = set()
-    for line in sums.read_text().splitlines():
-        digest, name = line.split("  ", 1)
+    for number, line in enumerate(sums.read_text(errors="replace").splitlines(), 1):
+        digest, _, name = line.partition("  ")
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
+            raise DataError(f"{package}: SHA256SUMS line {number} is not '<sha256>  <file>'")
         listed.add(name)
         path = root / name
         if not path.is_file():
@@ -85,7 +115,7 @@ def unpack_checked(package: Path, into: Path) -> Path:
         if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
             raise DataError(f"{package}: {name}: sha256 does not match SHA256SUMS (modified after packaging)")
     extra = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
-                   and str(p.relative_to(root)) not in listed | {"SHA256SUMS", "manifest.json"})
+                   and str(p.relative_to(root)) not in listed | {"SHA256SUMS"})
     if extra:
         raise DataError(f"{package}: {extra[0]} is not listed in SHA256SUMS (added after packaging)")
     return root
@@ -95,12 +125,7 @@ def run_native(root: Path, x: np.ndarray, sysroot: str) -> tuple[np.ndarray, flo
     """Logits from bin/run under qemu-aarch64 for the whole batch in one process."""
     import numpy as np
 
-    qemu = shutil.which("qemu-aarch64")
-    if qemu is None:
-        raise EnvironmentProblem("qemu-aarch64: not found on PATH (install Debian's qemu-user, "
-                                 "e.g. `installer/bootstrap.sh --system`)")
-    if not Path(sysroot, "lib", "ld-linux-aarch64.so.1").exists():
-        raise EnvironmentProblem(f"{sysroot}: no aarch64 libc here (install libc6-arm64-cross or pass --sysroot)")
+    qemu, sysroot = find_qemu(), check_sysroot(sysroot)
     np.save(root / "verify-input.npy", x)
     start = time.perf_counter()
     returncode, stderr = run_counting_samples(
@@ -113,20 +138,18 @@ def run_native(root: Path, x: np.ndarray, sysroot: str) -> tuple[np.ndarray, flo
     return np.load(root / "verify-output.npy"), seconds
 
 
-def run_counting_samples(cmd: list[str], total: int, desc: str, env=None) -> tuple[int, str]:
-    """Run a runner that prints one JSON line per sample, with a progress bar (emulated ResNets
-    take tens of seconds per sample). Returns (exit status, stderr)."""
-    from tqdm import tqdm
-
-    with tempfile.TemporaryFile("w+") as err, tqdm(total=total, desc=f"{desc} under qemu", unit="sample",
-                                                    disable=None) as bar:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        for line in proc.stdout:
-            if line.startswith('{"sample"'):
-                bar.update(1)
-        proc.wait()
-        err.seek(0)
-        return proc.returncode, err.read()
+def run_selftest_and_bench(root: Path, sysroot: str, bench_runs: int) -> tuple[dict, dict | None]:
+    """The package's own proof, as the device would run it: `bin/run --selftest` against the
+    golden samples and the host outputs recorded at packaging, and `bin/run --bench` (emulated)."""
+    run = [find_qemu(), "-L", check_sysroot(sysroot), str(root / "bin" / "run")]
+    _, selftest = run_json([*run, "--selftest", "--json"], f"{root / 'bin' / 'run'} --selftest")
+    bench = None
+    if bench_runs > 0:
+        _, bench = run_json([*run, "--bench", "--json", "--runs", str(bench_runs), "--warmup", str(BENCH_WARMUP)],
+                            f"{root / 'bin' / 'run'} --bench", ok_codes=(0,))
+        bench.update({"emulated": True, "gated": False,
+                      "note": "qemu-aarch64 on an x86 host: says nothing about the device's latency"})
+    return selftest, bench
 
 
 def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: float, package,
@@ -150,7 +173,10 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
 
 def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=1.0,
                    max_logit_diff=None, sysroot=DEFAULT_SYSROOT, out_dir=None,
-                   python=False, sysroot_debs=None) -> dict:
+                   python=False, sysroot_debs=None, bench_runs=BENCH_RUNS) -> dict:
+    """Returns the report: `routes` (per runner: top1_agreement, max_logit_diff, passed, ...),
+    `selftest` (bin/run --selftest --json), `bench` (bin/run --bench --json, emulated, or None)
+    and `passed` (every route and the self-test)."""
     import numpy as np
 
     from appliance.deploy.edge_sysroot import build_python_sysroot, default_debs_dir, run_python_runner
@@ -162,6 +188,9 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
     with tempfile.TemporaryDirectory(prefix="edge-verify-") as tmp:
         root = unpack_checked(package, Path(tmp))
         info = json.loads((root / "model.json").read_text())
+        if python and not (root / "python" / "run.py").is_file():
+            raise DataError(f"{package}: has no Python runner (packaged without --with-python); "
+                            "verify it without --python, or repackage with --with-python")
         shape, preprocessing = info["input"]["shape"], info["preprocessing"]
         if max_logit_diff is None:
             max_logit_diff = default_tolerance(info.get("precision", "fp32"))
@@ -174,6 +203,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         edge, seconds = run_native(root, samples.x, sysroot)
         routes = [compare_with_host("native runner (qemu-aarch64)", edge, host, seconds, package,
                                     min_agreement, max_logit_diff, samples.y)]
+        selftest, bench = run_selftest_and_bench(root, sysroot, bench_runs)
         if python:
             debs = Path(sysroot_debs) if sysroot_debs else default_debs_dir()
             py_sysroot, site = build_python_sysroot(debs, root, Path(tmp) / "python-sysroot")
@@ -186,7 +216,8 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
                                             samples.y))
     report = {"made_by": "appliance edge verify", "package": str(package.resolve()), "samples": int(len(host)),
               "sample_source": samples.source, "min_agreement": min_agreement, "routes": routes,
-              "passed": all(r["passed"] for r in routes)}
+              "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": bench,
+              "passed": all(r["passed"] for r in routes) and bool(selftest["passed"])}
     if out_dir:
         from appliance.manifest import atomic_write_text, write_manifest
 
@@ -196,8 +227,23 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         atomic_write_text(out_dir / "verify.html", verify_html(report))
         write_manifest(out_dir, "verify", [package, *samples.files],
                        {"min_agreement": min_agreement, "max_logit_diff": max_logit_diff, "sysroot": sysroot,
-                        "python": python})
+                        "python": python, "bench_runs": bench_runs})
     return report
+
+
+def device_proof_html(report: dict) -> str:
+    """The package's own self-test and (emulated) bench, as `bin/run` reported them."""
+    import html
+
+    parts = []
+    if report.get("selftest"):
+        parts.append(f"<p>{html.escape(selftest_line(report['selftest']))}</p>")
+    if report.get("bench"):
+        b = report["bench"]
+        parts.append(f"<p>bin/run --bench under qemu-aarch64 (emulated: not the device's latency, not gated): "
+                     f"{b['runs']} runs, median {b['median_ms']:.2f} ms, p90 {b['p90_ms']:.2f} ms, "
+                     f"p99 {b['p99_ms']:.2f} ms, fluctuation {b['fluctuation']:.3f}</p>")
+    return "".join(parts)
 
 
 def verify_html(report: dict) -> str:
@@ -216,5 +262,5 @@ def verify_html(report: dict) -> str:
     body = (f"<p>{html.escape(report['package'])}: {report['samples']} {report['sample_source']} samples, each "
             "run on the host with onnxruntime and inside the package under qemu-aarch64.</p>"
             "<table><tr><th>runner</th><th>top-1 agreement</th><th>max logit difference</th><th>time</th><th></th></tr>"
-            + "".join(rows) + "</table>" + "".join(charts))
+            + "".join(rows) + "</table>" + device_proof_html(report) + "".join(charts))
     return page("Edge package vs host", "appliance edge verify", "verify.json", report["passed"], body)

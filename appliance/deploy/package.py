@@ -1,14 +1,20 @@
 """`appliance package`: a compiled aarch64 model -> one edge package tar the device installs offline.
 
-The tar holds edge-package/: model.so, model.json (input, preprocessing, class names),
-bin/run (native runner, no Python needed) with lib/ (TVM runtime from the aarch64 wheels),
-python/run.py + python/preprocessing.py (a verbatim copy of the host's), wheels/ (the hash-locked
-aarch64 wheels for the Python runner), reference/model.onnx (what edge verify compares with),
-install.sh, SHA256SUMS and manifest.json (lineage back to the training data).
+The tar holds edge-package/: model.so, model.json (input, preprocessing, class names, glibc
+floor, self-test tolerance), bin/run (native runner, no Python needed) with lib/ (TVM runtime
+from the aarch64 wheels), selftest/ (golden inputs: real validation samples, preprocessed, and
+the host's outputs for them), reference/model.onnx (what edge verify compares with), install.sh,
+manifest.json (lineage back to the training data) and SHA256SUMS over all of it.
+`--with-python` adds python/run.py + python/preprocessing.py (a verbatim copy of the host's) and
+wheels/ (the hash-locked aarch64 wheels that runner needs, with a --require-hashes list).
+
+Every ELF file in it is read for the glibc symbol versions it needs; anything above the floor
+(`--glibc-floor`, default 2.28) is refused, so that the package starts on the devices it names.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -19,31 +25,45 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from appliance.deploy.edge_sysroot import RUNNER_WHEELS  # what python/run.py imports
+from appliance.deploy.glibc_floor import DEFAULT_GLIBC_FLOOR, check_floor, parse_floor, version_key
 from appliance.errors import DataError, EnvironmentProblem
 
 HERE = Path(__file__).resolve().parent
 PROJECT = HERE.parents[1]
 ROOT_NAME = "edge-package"
 RUNTIME_LIBS = {"apache_tvm-": "tvm/lib/libtvm_runtime.so", "apache_tvm_ffi-": "tvm_ffi/lib/libtvm_ffi.so"}
+GOLDEN_SAMPLES = 8
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "package", help="build an edge package tar (native + Python runners, TVM runtime, wheels, checksums)",
+        "package", help="build an edge package tar (native runner, TVM runtime, golden samples, checksums)",
         description="Package COMPILE_DIR (from `appliance compile --target aarch64`) into one tar a device "
-        "installs with no network.")
+        "installs with no network. Refuses when any shipped ELF file needs a glibc above --glibc-floor.")
     p.add_argument("compiled", metavar="COMPILE_DIR")
     p.add_argument("--target", default="aarch64", choices=["aarch64"])
     p.add_argument("--out", required=True, metavar="edge-package.tar")
+    p.add_argument("--glibc-floor", default=DEFAULT_GLIBC_FLOOR, metavar="2.X",
+                   help=f"oldest glibc the device may have (default {DEFAULT_GLIBC_FLOOR}: Debian 10+, "
+                   "Ubuntu 18.10+, RHEL 8+, JetPack 5+)")
+    p.add_argument("--with-python", action="store_true",
+                   help="also ship python/run.py and the aarch64 wheels it needs (about 100 MB more)")
+    p.add_argument("--samples", nargs="+", metavar="FILE",
+                   help="validation TFRecord files or a .npz of tensors for the golden self-test samples "
+                   "(default: the samples `appliance export` checked parity on, when still present)")
     p.add_argument("--wheelhouse", metavar="DIR",
                    help="aarch64 wheels (default: the project's or installed bundle's wheelhouse/edge-aarch64)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    info = build_package(args.compiled, args.out, wheelhouse=args.wheelhouse)
-    print(f"wrote {args.out} ({info['bytes'] / 1e6:.1f} MB, {info['files']} files, "
-          f"{len(info['wheels'])} wheels); check it with `appliance edge verify {args.out}`")
+    info = build_package(args.compiled, args.out, wheelhouse=args.wheelhouse, with_python=args.with_python,
+                         glibc_floor=args.glibc_floor, sample_files=args.samples)
+    print(f"wrote {args.out} ({info['bytes'] / 1e6:.1f} MB, {info['files']} files, glibc >= {info['glibc_floor']}, "
+          f"{info['selftest_samples']} golden samples ({info['selftest_source']})"
+          f"{', ' + str(len(info['wheels'])) + ' wheels' if info['wheels'] else ''}); "
+          f"check it with `appliance edge verify {args.out}`")
     return 0
 
 
@@ -75,31 +95,128 @@ def locked_wheels(wheelhouse: Path) -> list[Path]:
     return wheels
 
 
-def build_runner(wheels: list[Path], work: Path, lib_dir: Path, out: Path) -> None:
-    """Cross-compile runner.cc against the TVM runtime and ffi headers from the aarch64 wheels."""
-    from appliance.deploy.compile import check_cross_compiler
+def zig_command() -> list[str]:
+    """zig's C++ driver from the ziglang wheel: it links against a chosen glibc version's symbols,
+    where Debian's aarch64 g++ links against its own glibc 2.36 (every binary then needs 2.34)."""
+    if importlib.util.find_spec("ziglang") is None:
+        raise EnvironmentProblem("ziglang: not installed in this Python (it cross-compiles bin/run for an old "
+                                 "glibc; `pip install --no-deps ziglang==0.17.0` from the bundle's wheelhouse)")
+    return [sys.executable, "-m", "ziglang", "c++"]
 
-    compiler = check_cross_compiler()
+
+def wheel_of(wheels: list[Path], prefix: str) -> Path:
+    return next(w for w in wheels if w.name.startswith(prefix))
+
+
+def extract_runtime(wheels: list[Path], work: Path, lib_dir: Path) -> None:
+    """libtvm_runtime.so and libtvm_ffi.so into lib_dir, the tvm-ffi headers into work."""
     for prefix, member in RUNTIME_LIBS.items():
-        wheel = next(w for w in wheels if w.name.startswith(prefix))
-        with zipfile.ZipFile(wheel) as z:
+        with zipfile.ZipFile(wheel_of(wheels, prefix)) as z:
             with z.open(member) as src, open(lib_dir / Path(member).name, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             if prefix == "apache_tvm_ffi-":
                 z.extractall(work, [n for n in z.namelist() if n.startswith("tvm_ffi/include/")])
-    cmd = [compiler, "-std=c++17", "-O2", "-I", str(work / "tvm_ffi" / "include"), str(HERE / "edge" / "runner.cc"),
-           "-o", str(out), "-L", str(lib_dir), "-ltvm_runtime", "-ltvm_ffi", "-Wl,-rpath,$ORIGIN/../lib"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+
+
+def build_runner(work: Path, lib_dir: Path, out: Path, glibc_floor: str) -> None:
+    """Cross-compile runner.cc against the tvm-ffi C headers and the TVM runtime libraries."""
+    source = HERE / "edge" / "runner.cc"
+    cmd = [*zig_command(), "-target", f"aarch64-linux-gnu.{glibc_floor}", "-std=c++17", "-O2",
+           # C ABI only: zig's libc++ must export nothing that replaces libtvm_ffi's own classes.
+           "-DTVM_FFI_DLL=", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fno-exceptions",
+           "-I", str(work / "tvm_ffi" / "include"), str(source), "-o", str(out), "-L", str(lib_dir),
+           # The runner calls nothing in libtvm_runtime directly, but its VM functions must be registered.
+           "-Wl,--no-as-needed", "-ltvm_runtime", "-ltvm_ffi", "-Wl,--as-needed", "-Wl,-rpath,$ORIGIN/../lib", "-s"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        raise EnvironmentProblem(f"{source}: zig c++ ran past 900 s") from None
     if done.returncode != 0:
-        raise EnvironmentProblem(f"{HERE / 'edge' / 'runner.cc'}: cross compile failed: "
-                                 f"{(done.stderr.strip().splitlines() or ['?'])[0]}")
+        errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
+        raise EnvironmentProblem(f"{source}: cross compile with zig failed: {errors[0].strip()}")
 
 
-def build_package(compiled, out, *, wheelhouse=None) -> dict:
+def golden_samples(compiled: Path, sample_files, preprocessing: dict, shape: list, count: int):
+    """Real validation samples for the self-test: those given, else the ones export checked parity on
+    (from the lineage, when the files are still there unchanged), else seeded synthetic images."""
+    from appliance.deploy.export import synthetic_samples
     from appliance.deploy.lineage import lineage_from
+    from appliance.deploy.samples import load_samples
+    from appliance.manifest import sha256_file
+
+    if sample_files:
+        return load_samples(sample_files, preprocessing, limit=count)
+    for step in lineage_from(compiled):
+        if step["stage"] != "export":
+            continue
+        # Its inputs are the trained model's files (weights, card) and then the samples.
+        files = [Path(i["path"]) for i in step["inputs"] if Path(i["path"]).suffix not in (".safetensors", ".json")]
+        unchanged = [i for i in step["inputs"] if Path(i["path"]) in files and Path(i["path"]).is_file()
+                     and sha256_file(i["path"]) == i["sha256"]]
+        if files and len(unchanged) == len(files):
+            try:
+                return load_samples(files, preprocessing, limit=count)
+            except DataError:
+                break  # not image samples after all: fall back to synthetic ones
+    return synthetic_samples(preprocessing, shape[1], count)
+
+
+def write_selftest(root: Path, samples, reference: Path, precision: str, count: int) -> dict:
+    """selftest/inputs.npy and the host's outputs for them; returns the model.json entry.
+
+    Of the candidate samples, those whose top-1 logit leads the runner-up by more than twice the
+    allowed difference come first: on them, any output within tolerance has the same top-1, so
+    the device's agreement gate cannot trip on a near tie."""
+    import numpy as np
+
+    from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
+
+    host = run_ort(ort_session(reference, optimize=False), samples.x).astype(np.float32)
+    tolerance = default_tolerance(precision)
+    allowed = tolerance * max(1.0, float(np.abs(host).max()))
+    top2 = np.sort(host, axis=1)[:, -2:] if host.shape[1] > 1 else np.zeros((len(host), 2), np.float32)
+    margin = top2[:, 1] - top2[:, 0]
+    clear = [i for i in range(len(host)) if margin[i] > 2 * allowed]
+    rest = sorted(set(range(len(host))) - set(clear), key=lambda i: -margin[i])
+    chosen = sorted((clear + rest)[:count])
+    (root / "selftest").mkdir()
+    np.save(root / "selftest" / "inputs.npy", np.ascontiguousarray(samples.x[chosen], dtype=np.float32))
+    np.save(root / "selftest" / "expected.npy", host[chosen])
+    return {"inputs": "selftest/inputs.npy", "expected": "selftest/expected.npy", "samples": len(chosen),
+            "source": samples.source, "files": [str(f) for f in samples.files], "reference": "onnxruntime (host)",
+            "tolerance": tolerance, "max_abs_diff": allowed, "min_top1_agreement": 1.0,
+            "min_top1_margin": float(margin[chosen].min())}
+
+
+def python_runner_wheels(wheels: list[Path], into: Path) -> list[Path]:
+    """The wheels python/run.py needs, copied, with a requirements file of their sha256 for
+    `pip install --no-index --require-hashes` on the device."""
+    from appliance.manifest import sha256_file
+
+    chosen = []
+    for prefix in RUNNER_WHEELS:
+        wheel = next((w for w in wheels if w.name.startswith(prefix)), None)
+        if wheel is None:
+            raise EnvironmentProblem(f"{wheels[0].parent}: no {prefix.rstrip('-')} wheel, which the Python runner needs")
+        chosen.append(wheel)
+        shutil.copyfile(wheel, into / wheel.name)
+    lines = ["# Made by `appliance package --with-python`: the wheels in this folder, pinned by sha256.\n",
+             "# pip install --no-index --no-deps --require-hashes --find-links wheels -r wheels/requirements.txt\n"]
+    for wheel in chosen:
+        name, version = wheel.name.split("-")[:2]
+        lines.append(f"{name.replace('_', '-')}=={version} --hash=sha256:{sha256_file(wheel)}\n")
+    (into / "requirements.txt").write_text("".join(lines))
+    return chosen
+
+
+def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_floor=DEFAULT_GLIBC_FLOOR,
+                  sample_files=None, golden_count=GOLDEN_SAMPLES) -> dict:
+    from appliance.deploy.lineage import lineage_from
+    from appliance.deploy.samples import check_input_shape
     from appliance.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs, write_manifest
 
     compiled, out = Path(compiled), Path(out)
+    glibc_floor = parse_floor(glibc_floor)
     info_path = compiled / "compile.json"
     if not info_path.is_file():
         raise DataError(f"{compiled}: not a compile directory (no compile.json; run `appliance compile` first)")
@@ -112,37 +229,60 @@ def build_package(compiled, out, *, wheelhouse=None) -> dict:
     if problems:
         raise DataError(f"{compiled}: changed since it was compiled: {problems[0]}")
     wheels = locked_wheels(Path(wheelhouse) if wheelhouse else default_wheelhouse())
+    # A pool to choose clear-cut golden samples from (see write_selftest).
+    samples = golden_samples(compiled, sample_files, info.get("preprocessing") or {}, info["input"]["shape"],
+                             golden_count * 8)
+    check_input_shape(samples, info["input"]["shape"], info["input"]["name"], compiled / "model.so")
 
     with tempfile.TemporaryDirectory(prefix="edge-package-") as tmp:
         root = Path(tmp) / ROOT_NAME
-        for sub in ("bin", "lib", "python", "wheels", "reference"):
+        for sub in ("bin", "lib", "reference"):
             (root / sub).mkdir(parents=True)
-        build_runner(wheels, Path(tmp) / "sdk", (root / "lib"), root / "bin" / "run")
+        extract_runtime(wheels, Path(tmp) / "sdk", root / "lib")
+        # Libraries first: a model library above the floor is refused before the (first: minutes) zig build.
+        tvm_needs = check_floor({f"lib/{Path(m).name}": root / "lib" / Path(m).name for m in RUNTIME_LIBS.values()},
+                                glibc_floor, origin={f"lib/{Path(m).name}": f"{wheel_of(wheels, prefix)}:{m}"
+                                                     for prefix, m in RUNTIME_LIBS.items()})
+        glibcxx = max((n["GLIBCXX"] for n in tvm_needs.values() if "GLIBCXX" in n), key=version_key, default=None)
+        elf_needs = {**tvm_needs, **check_floor({"model.so": compiled / "model.so"}, glibc_floor, glibcxx, {"model.so"})}
+        build_runner(Path(tmp) / "sdk", root / "lib", root / "bin" / "run", glibc_floor)
+        elf_needs.update(check_floor({"bin/run": root / "bin" / "run"}, glibc_floor, glibcxx, {"bin/run"}))
         shutil.copyfile(compiled / "model.so", root / "model.so")
         shutil.copyfile(compiled / "model.onnx", root / "reference" / "model.onnx")
-        # Copied, not rewritten: the device must preprocess exactly as the host measured.
-        from data_tools import preprocessing
-
-        shutil.copyfile(preprocessing.__file__, root / "python" / "preprocessing.py")
-        shutil.copyfile(HERE / "edge" / "run.py", root / "python" / "run.py")
         shutil.copyfile(HERE / "edge" / "install.sh", root / "install.sh")
         (root / "install.sh").chmod(0o755)
-        for w in wheels:
-            shutil.copyfile(w, root / "wheels" / w.name)
+        shipped_wheels = []
+        if with_python:
+            (root / "python").mkdir()
+            (root / "wheels").mkdir()
+            # Copied, not rewritten: the device must preprocess exactly as the host measured.
+            from data_tools import preprocessing
+
+            shutil.copyfile(preprocessing.__file__, root / "python" / "preprocessing.py")
+            shutil.copyfile(HERE / "edge" / "run.py", root / "python" / "run.py")
+            shipped_wheels = python_runner_wheels(wheels, root / "wheels")
+        selftest = write_selftest(root, samples, compiled / "model.onnx", info.get("precision", "fp32"), golden_count)
         model_info = {"made_by": "appliance package", "target": info["target"], "tvm_target": info["tvm_target"],
                       "input": info["input"], "precision": info.get("precision", "fp32"),
-                      "preprocessing": info.get("preprocessing"),
+                      "glibc_floor": glibc_floor, "glibcxx_needed": glibcxx,
+                      "preprocessing": info.get("preprocessing"), "selftest": selftest,
                       "class_names": info.get("class_names", []), "model_card": info.get("model_card")}
         atomic_write_text(root / "model.json", json.dumps(model_info, indent=2) + "\n")
+        write_manifest(root, "package", [compiled / "model.so", info_path, compiled / "model.onnx", *shipped_wheels,
+                                         *samples.files],
+                       {"target": info["target"], "glibc_floor": glibc_floor, "elf_needs": elf_needs,
+                        "with_python": with_python, "wheels": [w.name for w in shipped_wheels],
+                        "selftest": {k: selftest[k] for k in ("samples", "source", "max_abs_diff")},
+                        "lineage": lineage_from(compiled)})
+        # Written last and over everything else (manifest.json too): what install.sh checks on the device.
         files = sorted(p for p in root.rglob("*") if p.is_file())
         atomic_write_text(root / "SHA256SUMS", "".join(
             f"{sha256_file(p)}  {p.relative_to(root)}\n" for p in files))
-        write_manifest(root, "package", [compiled / "model.so", info_path, compiled / "model.onnx", *wheels],
-                       {"target": info["target"], "wheels": [w.name for w in wheels],
-                        "lineage": lineage_from(compiled)})
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_name(f".{out.name}.partial")
         with tarfile.open(partial, "w") as tar:
             tar.add(root, arcname=ROOT_NAME)
         partial.replace(out)
-        return {"bytes": out.stat().st_size, "files": len(files) + 2, "wheels": [w.name for w in wheels]}
+        return {"path": str(out), "bytes": out.stat().st_size, "files": len(files) + 1,
+                "wheels": [w.name for w in shipped_wheels], "with_python": with_python, "glibc_floor": glibc_floor,
+                "elf_needs": elf_needs, "selftest_samples": selftest["samples"], "selftest_source": selftest["source"]}

@@ -1,4 +1,7 @@
-"""appliance package and appliance edge verify: the tar, its runners, and agreement under qemu."""
+"""appliance package and appliance edge verify: the tar, its runners, and agreement under qemu.
+
+The glibc floor, the runner's error paths, self-test and bench are in test_edge_runner.py;
+install.sh on a device is in test_edge_install.py."""
 
 import io
 import json
@@ -12,25 +15,42 @@ import pytest
 from PIL import Image
 
 from conftest import run_appliance
-from appliance.deploy import preprocessing as host_preprocessing
+from data_tools import preprocessing as host_preprocessing
 
 
-@pytest.fixture(scope="module")
-def unpacked(tmp_path_factory, edge_package):
+def _unpack(tmp_path_factory, tar_path):
     root = tmp_path_factory.mktemp("unpacked")
-    with tarfile.open(edge_package) as tar:
+    with tarfile.open(tar_path) as tar:
         tar.extractall(root, filter="data")
     return root / "edge-package"
 
 
-def test_package_contents_checksums_and_lineage(unpacked):
+@pytest.fixture(scope="module")
+def unpacked(tmp_path_factory, edge_package):
+    return _unpack(tmp_path_factory, edge_package)
+
+
+@pytest.fixture(scope="module")
+def python_package(tmp_path_factory, compiled_arm):
+    from appliance.deploy.package import build_package
+
+    out = tmp_path_factory.mktemp("package-py") / "edge-package-py.tar"
+    build_package(compiled_arm, out, with_python=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def unpacked_python(tmp_path_factory, python_package):
+    return _unpack(tmp_path_factory, python_package)
+
+
+def test_package_contents_checksums_and_lineage(unpacked, edge_package):
     names = {str(p.relative_to(unpacked)) for p in unpacked.rglob("*") if p.is_file()}
-    assert {"model.so", "model.json", "bin/run", "lib/libtvm_runtime.so", "lib/libtvm_ffi.so", "python/run.py",
-            "python/preprocessing.py", "install.sh", "reference/model.onnx", "SHA256SUMS",
-            "manifest.json"} <= names
-    assert any(n.startswith("wheels/apache_tvm-") and n.endswith("aarch64.whl") for n in names)
-    # The device preprocesses with the host's own file, byte for byte.
-    assert (unpacked / "python/preprocessing.py").read_bytes() == open(host_preprocessing.__file__, "rb").read()
+    assert names == {"model.so", "model.json", "bin/run", "lib/libtvm_runtime.so", "lib/libtvm_ffi.so", "install.sh",
+                     "reference/model.onnx", "selftest/inputs.npy", "selftest/expected.npy", "SHA256SUMS",
+                     "manifest.json"}
+    # Slim by default: the native runner, the model and the TVM runtime, no wheels.
+    assert edge_package.stat().st_size < 12e6
     for tool_check in (["readelf", "-h", str(unpacked / "bin/run")],):
         assert "AArch64" in subprocess.run(tool_check, capture_output=True, text=True, check=True).stdout
     needed = subprocess.run(["readelf", "-d", str(unpacked / "bin/run")], capture_output=True, text=True).stdout
@@ -38,12 +58,39 @@ def test_package_contents_checksums_and_lineage(unpacked):
     # sha256sum -c is what install.sh runs on the device.
     assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=unpacked).returncode == 0
 
+    listed = {line.split("  ", 1)[1] for line in (unpacked / "SHA256SUMS").read_text().splitlines()}
+    assert listed == names - {"SHA256SUMS"}
+
     info = json.loads((unpacked / "model.json").read_text())
     assert info["input"] == {"name": "input", "shape": [1, 3, 16, 16], "dtype": "float32"}
+    assert info["glibc_floor"] == "2.28"
+    # Golden samples are the real validation samples export checked parity on, with host outputs.
+    assert info["selftest"]["source"] == "tfrecord" and info["selftest"]["samples"] == 8
+    golden, expected = np.load(unpacked / "selftest/inputs.npy"), np.load(unpacked / "selftest/expected.npy")
+    assert golden.shape == (8, 3, 16, 16) and expected.shape == (8, 4)
+    # Clear-cut samples: a device output within tolerance cannot change their top-1.
+    top2 = np.sort(expected, axis=1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0]).min() > 2 * info["selftest"]["max_abs_diff"]
     assert info["class_names"][3] == "south-east" and info["preprocessing"]["image_size"] == 16
     manifest = json.loads((unpacked / "manifest.json").read_text())
     assert [s["stage"] for s in manifest["params"]["lineage"]] == ["export", "compile"]
     assert any(i["path"].endswith("val.tfrecord") for i in manifest["params"]["lineage"][0]["inputs"])
+    assert manifest["params"]["glibc_floor"] == "2.28" and manifest["params"]["with_python"] is False
+
+
+def test_with_python_adds_the_runner_and_hash_pinned_wheels(unpacked_python):
+    from appliance.manifest import sha256_file
+
+    names = {str(p.relative_to(unpacked_python)) for p in unpacked_python.rglob("*") if p.is_file()}
+    assert {"python/run.py", "python/preprocessing.py", "wheels/requirements.txt"} <= names
+    # The device preprocesses with the host's own file, byte for byte.
+    assert (unpacked_python / "python/preprocessing.py").read_bytes() == open(host_preprocessing.__file__, "rb").read()
+    wheels = sorted(unpacked_python.glob("wheels/*.whl"))
+    assert any(w.name.startswith("apache_tvm-") and w.name.endswith("aarch64.whl") for w in wheels)
+    assert not any(w.name.startswith("onnxruntime-") for w in wheels)  # not needed by python/run.py
+    pins = (unpacked_python / "wheels/requirements.txt").read_text()
+    for w in wheels:
+        assert f"--hash=sha256:{sha256_file(w)}" in pins
 
 
 def test_native_runner_runs_under_qemu(unpacked, val_npz, tmp_path):
@@ -61,9 +108,17 @@ def test_edge_verify_agrees_on_every_sample(edge_package, val_tfrecord, tmp_path
                          "--out", str(tmp_path / "verify"))
     assert proc.returncode == 0, proc.stderr
     assert "native runner (qemu-aarch64): 24 samples: top-1 agreement 1.0000" in proc.stdout
-    assert proc.stdout.rstrip().endswith("PASS")
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].endswith("PASS") and "bin/run --selftest (qemu-aarch64): 8 golden samples" in lines[1]
+    assert lines[1].endswith("PASS") and "bin/run --bench (emulated, not gated): 20 runs: median" in lines[2]
     report = json.loads((tmp_path / "verify" / "verify.json").read_text())
     [native] = report["routes"]
+    assert report["selftest"]["passed"] and report["selftest"]["top1_agreement"] == 1.0
+    bench = report["bench"]
+    assert bench["emulated"] and not bench["gated"] and bench["runs"] == 20
+    assert 0 < bench["median_ms"] <= bench["p90_ms"] <= bench["p99_ms"] <= bench["max_ms"]
+    assert bench["fluctuation"] == pytest.approx((bench["p99_ms"] - bench["median_ms"]) / bench["median_ms"],
+                                                 rel=1e-6)
     page = (tmp_path / "verify" / "verify.html").read_text()
     assert "<svg" in page and "PASS" in page and "<script" not in page
     assert report["passed"] and native["disagreeing_samples"] == [] and native["max_logit_diff"] <= 1e-4
@@ -82,14 +137,45 @@ def sysroot_debs(tmp_path_factory):
     return out
 
 
-def test_edge_verify_python_route_under_qemu(edge_package, val_tfrecord, sysroot_debs, tmp_path):
-    proc = run_appliance("edge", "verify", str(edge_package), "--samples", str(val_tfrecord), "--num-samples", "8",
-                         "--python", "--sysroot-debs", str(sysroot_debs), "--out", str(tmp_path / "v"), offline=True)
+def test_edge_verify_python_route_under_qemu(python_package, val_tfrecord, sysroot_debs, tmp_path):
+    proc = run_appliance("edge", "verify", str(python_package), "--samples", str(val_tfrecord), "--num-samples", "8",
+                         "--python", "--sysroot-debs", str(sysroot_debs), "--bench-runs", "0",
+                         "--out", str(tmp_path / "v"), offline=True)
     assert proc.returncode == 0, proc.stderr
     native, python = json.loads((tmp_path / "v" / "verify.json").read_text())["routes"]
     assert python["runner"].startswith("Python runner (arm64 python3.11")
     assert python["top1_agreement"] == 1.0 and python["max_logit_diff"] <= 1e-4
-    assert len(proc.stdout.strip().splitlines()) == 2
+    assert len(proc.stdout.strip().splitlines()) == 3  # native, Python, self-test
+
+
+def test_package_builds_offline_and_verify_json_is_one_object(compiled_arm, tmp_path):
+    """No network when packaging (zig, its cache, onnxruntime for the golden outputs) or verifying."""
+    tar = tmp_path / "offline.tar"
+    proc = run_appliance("package", str(compiled_arm), "--out", str(tar), offline=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"wrote {tar} (") and "glibc >= 2.28, 8 golden samples (tfrecord)" in proc.stdout
+    proc = run_appliance("edge", "verify", str(tar), "--json", "--bench-runs", "3", offline=True)
+    assert proc.returncode == 0, proc.stderr
+    [line] = proc.stdout.strip().splitlines()
+    report = json.loads(line)
+    assert report["passed"] and report["glibc_floor"] == "2.28" and report["selftest"]["passed"]
+    assert report["bench"]["runs"] == 3 and report["bench"]["emulated"] is True
+
+
+def test_python_route_of_a_slim_package_is_one_line(edge_package):
+    proc = run_appliance("edge", "verify", str(edge_package), "--python")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"appliance edge verify: error: {edge_package}: has no Python runner (packaged without --with-python); "
+        "verify it without --python, or repackage with --with-python"]
+
+
+def test_a_file_that_is_not_a_package_is_one_line(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("remember to verify the package\n" * 40)
+    proc = run_appliance("edge", "verify", str(notes))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"appliance edge verify: error: {notes}: not an edge package (not a tar archive; make one with "
+        "`appliance package`)"]
 
 
 def test_tampered_package_is_one_line(edge_package, tmp_path):
@@ -116,7 +202,7 @@ def test_package_without_the_aarch64_wheelhouse_is_one_line(tmp_path, compiled_a
     assert not (tmp_path / "p.tar").exists()
 
 
-def test_python_runner_decodes_an_image_like_the_host(unpacked, exported, card, tmp_path):
+def test_python_runner_decodes_an_image_like_the_host(unpacked_python, exported, card, tmp_path):
     """run.py decoding a PNG, with the runtime-only TVM on a host build of the same model (the
     aarch64 route is test_edge_verify_python_route_under_qemu, which feeds tensors)."""
     from appliance.deploy.compile import compile_model
@@ -126,7 +212,7 @@ def test_python_runner_decodes_an_image_like_the_host(unpacked, exported, card, 
     compile_model(exported / "model.onnx", "x86_64", tmp_path / "x86")
     img = np.random.default_rng(5).integers(0, 256, (20, 20, 3), dtype=np.uint8)
     Image.fromarray(img).save(tmp_path / "img.png")
-    proc = subprocess.run([sys.executable, str(unpacked / "python/run.py"), "--input", str(tmp_path / "img.png"),
+    proc = subprocess.run([sys.executable, str(unpacked_python / "python/run.py"), "--input", str(tmp_path / "img.png"),
                            "--top-k", "4", "--model", str(tmp_path / "x86" / "model.so")],
                           capture_output=True, text=True, env={**os.environ, "TVM_USE_RUNTIME_LIB": "1"})
     assert proc.returncode == 0, proc.stderr
@@ -147,20 +233,20 @@ def test_int8_model_through_compile_package_and_verify(tmp_path, exported, calib
     quantize_model(exported / "model.onnx", [calib_tfrecord], tmp_path / "int8", val_files=[val_tfrecord])
     compile_model(tmp_path / "int8" / "model.int8.onnx", "aarch64", tmp_path / "arm")
     build_package(tmp_path / "arm", tmp_path / "int8.tar")
-    report = verify_package(tmp_path / "int8.tar", sample_files=[val_tfrecord], num_samples=16)
-    assert report["passed"] and report["routes"][0]["top1_agreement"] == 1.0
+    report = verify_package(tmp_path / "int8.tar", sample_files=[val_tfrecord], num_samples=16, bench_runs=0)
+    assert report["passed"] and report["routes"][0]["top1_agreement"] == 1.0 and report["selftest"]["passed"]
     with tarfile.open(tmp_path / "int8.tar") as tar:
         manifest = json.load(tar.extractfile("edge-package/manifest.json"))
     assert [s["stage"] for s in manifest["params"]["lineage"]] == ["export", "quantize", "compile"]
     assert any(i["path"] == str(calib_tfrecord) for i in manifest["params"]["lineage"][1]["inputs"])
 
 
-def test_sysroot_fetch_offline_and_missing_debs_are_one_line(tmp_path, edge_package):
+def test_sysroot_fetch_offline_and_missing_debs_are_one_line(tmp_path, python_package):
     proc = run_appliance("edge", "sysroot", "--out", str(tmp_path / "debs"), offline=True)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "no package lists downloaded" in proc.stderr and "needs a connected host" in proc.stderr
     assert not (tmp_path / "debs" / "manifest.json").exists()
-    proc = run_appliance("edge", "verify", str(edge_package), "--python", "--sysroot-debs", str(tmp_path / "none"))
+    proc = run_appliance("edge", "verify", str(python_package), "--python", "--sysroot-debs", str(tmp_path / "none"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert f"{tmp_path / 'none'}: no arm64 sysroot .debs (run `appliance edge sysroot" in proc.stderr
 
@@ -172,3 +258,25 @@ def test_a_damaged_upstream_manifest_is_named_not_skipped(tmp_path):
     (tmp_path / "manifest.json").write_text('{"stage": "export", "inputs": [')
     with pytest.raises(DataError, match=r"manifest.json: damaged stage manifest"):
         lineage_from(tmp_path)
+
+
+def test_edge_verify_fails_when_the_package_selftest_fails(edge_package, tmp_path):
+    """Golden outputs that the model does not reproduce (re-summed, so the checksums pass): the
+    comparison with the host still agrees, the package's own self-test does not, and verify fails."""
+    import hashlib
+
+    root = tmp_path / "edge-package"
+    with tarfile.open(edge_package) as tar:
+        tar.extractall(tmp_path, filter="data")
+    expected = np.load(root / "selftest/expected.npy")
+    np.save(root / "selftest/expected.npy", expected[::-1].copy())
+    (root / "SHA256SUMS").write_text("".join(
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(root)}\n"
+        for p in sorted(root.rglob("*")) if p.is_file() and p.name != "SHA256SUMS"))
+    with tarfile.open(tmp_path / "bad-golden.tar", "w") as tar:
+        tar.add(root, arcname="edge-package")
+    proc = run_appliance("edge", "verify", str(tmp_path / "bad-golden.tar"), "--bench-runs", "0")
+    assert proc.returncode == 1, proc.stderr
+    native, selftest = proc.stdout.strip().splitlines()
+    assert native.endswith("PASS") and "bin/run --selftest (qemu-aarch64): 8 golden samples" in selftest
+    assert selftest.endswith("FAIL")
