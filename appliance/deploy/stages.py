@@ -138,15 +138,16 @@ def package_file_name(target: str) -> str:
     return f"edge-package-{target}.tar"
 
 
-def package_stage(compiled: CompileResult, out_dir: Path) -> PackageResult:
-    """The edge package of a compiled model, with a stage manifest carrying the lineage."""
+def package_stage(compiled: CompileResult, out_dir: Path, *, sample_files=None) -> PackageResult:
+    """The edge package of a compiled model (its self-test samples from sample_files), with a stage
+    manifest carrying the lineage."""
     from appliance.deploy.lineage import lineage_from
     from appliance.deploy.package import build_package
     from appliance.manifest import atomic_write_text, write_manifest
 
     out_dir = Path(out_dir)
     tar = out_dir / package_file_name(compiled.target)
-    info = build_package(compiled.out_dir, tar)
+    info = build_package(compiled.out_dir, tar, sample_files=list(sample_files) if sample_files else None)
     record = {"package": tar.name, "target": compiled.target, "bytes": tar.stat().st_size, "info": info}
     atomic_write_text(out_dir / PACKAGE_RESULT_JSON, json.dumps(record, indent=2) + "\n")
     # The package carries its own manifest inside; this one describes the stage directory.
@@ -181,6 +182,10 @@ def verify_stage(package: PackageResult, out_dir: Path, *, sample_files, num_sam
                    min_agreement=min_agreement, out_dir=out_dir)
     result = VerifyResult.load(out_dir)
     if not result.passed:
+        selftest = result.report.get("selftest") or {}
+        if selftest and not selftest.get("passed", False):
+            raise GateFailed(f"{Path(out_dir) / VERIFY_JSON}: the package's on-device self-test failed under qemu "
+                             f"({selftest.get('error') or selftest})")
         worst = min(r["top1_agreement"] for r in result.report["routes"])
         raise GateFailed(f"{Path(out_dir) / VERIFY_JSON}: the edge build disagrees with the host "
                          f"(top-1 agreement {worst:.4f} < {min_agreement})")

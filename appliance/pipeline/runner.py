@@ -194,7 +194,7 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
     stages.append(Stage(
         "package", out / "package", asdict(cfg.package),
         lambda r: [r[compiled].library, r[compiled].out_dir / deploy.COMPILE_JSON],
-        lambda d, r: deploy.package_stage(r[compiled], d),
+        lambda d, r: deploy.package_stage(r[compiled], d, sample_files=clean(r, "val")),
         deploy.PackageResult.load))
 
     stages.append(Stage(
@@ -276,6 +276,14 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
         summary["accuracy"]["edge_max_logit_diff"] = route["max_logit_diff"]
         summary["latency_ms"]["edge_qemu_per_sample"] = round(1000 * route["seconds"] / max(1, report["samples"]), 2)
         summary["verified_samples"] = report["samples"]
+        selftest, bench = report.get("selftest"), report.get("bench")
+        if selftest:
+            summary["edge_selftest"] = {k: selftest.get(k) for k in ("passed", "samples", "top1_agreement",
+                                                                      "max_abs_diff", "allowed_abs_diff")}
+        if bench:  # measured under qemu: a figure of the emulator, not of the device; never gated
+            summary["latency_ms"]["edge_bench_median_emulated"] = bench["median_ms"]
+            summary["latency_ms"]["edge_bench_p99_emulated"] = bench["p99_ms"]
+            summary["edge_bench_fluctuation_emulated"] = bench["fluctuation"]
     package = results.get("package")
     if package is not None:
         summary["sizes_bytes"]["edge_package"] = package.bytes
