@@ -18,8 +18,8 @@ from appliance.errors import ApplianceError
 # so `appliance --help` stays fast.
 VERB_MODULES = [  # in the order of the pipeline, as `appliance --help` lists them
     "appliance.doctor",
-    "appliance.data_cli",
-    "appliance.train.launcher",
+    "data_tools.cli",
+    "appliance.train.cli",
     "appliance.deploy.export",
     "appliance.deploy.quantize",
     "appliance.deploy.compile",
@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _verb_label(args) -> str:
     """`data check`, `edge verify`, ...: the words the user typed, for the one-line error."""
+    if getattr(args, "verb_label", None):
+        return args.verb_label
     sub = next((getattr(args, k) for k in ("data_verb", "edge_verb", "bundle_verb") if getattr(args, k, None)), None)
     return f"{args.verb} {sub}" if sub else str(args.verb)
 
@@ -56,8 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
+    if argv[:2] == ["train", "slurm"]:  # a sub-verb of `train`, whose own first argument is a file
+        from appliance.train.cli import SLURM_VERB
+
+        argv = [SLURM_VERB, *argv[2:]]
     args = parser.parse_args(argv)
     args.debug = debug
+    if getattr(args, "quiet", False):
+        from appliance.progress import set_quiet
+
+        set_quiet(True)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -17,3 +17,9 @@ class DataError(ApplianceError):
 
 class EnvironmentProblem(ApplianceError):
     """Something this box lacks (a tool, a package, disk space)."""
+
+
+class GateFailed(ApplianceError):
+    """A quality gate failed (data check, quantize accuracy, edge agreement): the figures are in its report."""
+
+    exit_code = 3

@@ -18,6 +18,8 @@ def read_toml(path: str | Path, what: str = "config file") -> dict:
         return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such {what}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a {what} (give the .toml file)") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
 

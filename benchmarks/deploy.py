@@ -52,7 +52,7 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0) -> dict:
     from appliance.deploy.export import export_model
     from appliance.deploy.onnx_model import ort_session
     from appliance.deploy.quantize import quantize_int8
-    from appliance.train.models import ModelCard, build_model, save_trained_model
+    from appliance.models import ModelCard, build_model, save_trained_model
 
     card = ModelCard(arch, 1000, 3, 224)
     save_trained_model(work / "model", build_model(arch, 1000), card)

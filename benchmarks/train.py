@@ -87,7 +87,7 @@ def bare_loop(cfg, warmup: int) -> float:
     from torch.nn.parallel import DistributedDataParallel
 
     from appliance.train import data
-    from appliance.train.models import build_model
+    from appliance.models import build_model
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -153,7 +153,7 @@ def checkpoint_numbers(out: Path) -> list[dict]:
 
     from appliance.train.checkpoint import CheckpointManager
     from appliance.train.determinism import rng_state
-    from appliance.train.models import ModelCard, build_model
+    from appliance.models import ModelCard, build_model
 
     rows = []
     for arch, size in (("small_cnn", 32), ("resnet18", 224)):

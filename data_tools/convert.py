@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Callable
 
 from appliance.errors import DataError
+from appliance.inputs import require_file
 from appliance.manifest import atomic_write_text, write_manifest
 from data_tools.example import encode_example
-from data_tools.index import build_index
+from data_tools.index import build_index, find_index, read_index_file
 from data_tools.tfrecord import DamagedRange, TFRecordWriter, detect_compression, read_records
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
@@ -133,3 +134,40 @@ def decompress(
                 progress(len(record))
     build_index(target)
     return target
+
+
+def decompress_files(
+    sources: list[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    on_damage: Callable[[str, DamagedRange], None] | None = None,
+    progress_for: Callable[[Path], Callable[[int], None]] | None = None,
+) -> list[tuple[Path, Path, int]]:
+    """Decompress every source into out_dir and write the directory's manifest; every source is
+    checked before any is read. Returns (source, plain file, records) per source; a source with
+    damage and no valid record is a DataError (it is not TFRecord data)."""
+    for source in sources:
+        require_file(source)
+        if detect_compression(source) is None:
+            raise DataError(f"{source}: not GZIP or ZLIB compressed; nothing to decompress")
+    done = []
+    for source in sources:
+        damage: list[DamagedRange] = []
+
+        def note(d, source=source, damage=damage):
+            damage.append(d)
+            if on_damage:
+                on_damage(str(source), d)
+        target = decompress(source, out_dir, on_damage=note, progress=progress_for(Path(source)) if progress_for else None)
+        count = len(read_index_file(find_index(target)))
+        require_records(source, count, damage)
+        done.append((Path(source), target, count))
+    write_manifest(out_dir, "convert", inputs=list(sources),
+                   params={"decompress": True, "made_by": "appliance data convert --decompress"})
+    return done
+
+
+def require_records(path, records: int, damage: list) -> None:
+    """A file with damage and no valid record at all is not TFRecord data: say so in one line."""
+    if records == 0 and damage:
+        raise DataError(f"{path}: not a TFRecord file (no valid record; {damage[0].reason} at byte 0)"
+                        if damage[0].start == 0 else f"{path}: no valid record ({damage[0]})")

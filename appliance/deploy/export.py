@@ -33,7 +33,7 @@ def register(subparsers) -> None:
 
 def find_model_dir(path) -> Path:
     """RUN_DIR -> RUN_DIR/model; a trained-model or checkpoint directory -> itself."""
-    from appliance.train.models import CARD_NAME
+    from appliance.models import CARD_NAME
 
     path = Path(path)
     for candidate in (path, path / "model"):
@@ -71,10 +71,10 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
 
     from appliance.deploy.lineage import lineage_from
     from appliance.deploy.onnx_model import load_onnx, ort_session, run_ort
-    from appliance.deploy.preprocessing import preprocessing_of
+    from data_tools.preprocessing import preprocessing_of
     from appliance.deploy.samples import load_samples
     from appliance.manifest import atomic_write_text, write_manifest
-    from appliance.train.models import CARD_NAME, WEIGHTS_NAME, load_trained_model
+    from appliance.models import CARD_NAME, WEIGHTS_NAME, load_trained_model
 
     model_dir = find_model_dir(model_path)
     model, card = load_trained_model(model_dir)
@@ -161,7 +161,7 @@ def synthetic_samples(preprocessing: dict, channels: int, count: int):
     """Seeded random images through the shared preprocessing, for when no data was given."""
     import numpy as np
 
-    from appliance.deploy.preprocessing import preprocess_image
+    from data_tools.preprocessing import preprocess_image
     from appliance.deploy.samples import Samples
 
     rng = np.random.default_rng(0)

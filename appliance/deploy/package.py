@@ -121,7 +121,9 @@ def build_package(compiled, out, *, wheelhouse=None) -> dict:
         shutil.copyfile(compiled / "model.so", root / "model.so")
         shutil.copyfile(compiled / "model.onnx", root / "reference" / "model.onnx")
         # Copied, not rewritten: the device must preprocess exactly as the host measured.
-        shutil.copyfile(HERE / "preprocessing.py", root / "python" / "preprocessing.py")
+        from data_tools import preprocessing
+
+        shutil.copyfile(preprocessing.__file__, root / "python" / "preprocessing.py")
         shutil.copyfile(HERE / "edge" / "run.py", root / "python" / "run.py")
         shutil.copyfile(HERE / "edge" / "install.sh", root / "install.sh")
         (root / "install.sh").chmod(0o755)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance.deploy.preprocessing import preprocess_image
+from data_tools.preprocessing import preprocess_image
 from appliance.errors import DataError
 
 IMAGE_KEY, LABEL_KEY = "image/encoded", "image/class/label"

@@ -8,9 +8,13 @@ from appliance.pipeline.runner import STAGES
 
 
 def run_pipeline_command(args) -> int:
+    import json
+
     from appliance.pipeline.runner import run_pipeline
 
-    run_pipeline(args.config, from_stage=args.from_stage)
+    summary = run_pipeline(args.config, from_stage=args.from_stage, quiet_summary=args.json)
+    if args.json:
+        print(json.dumps(summary, default=str))
     return 0
 
 
@@ -29,6 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("config", help="PIPELINE.toml (see README: 'Pipeline config, key by key')")
     p.add_argument("--from", dest="from_stage", metavar="STAGE", choices=STAGES,
                    help=f"rerun from this stage even if unchanged ({', '.join(STAGES)})")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress output (results and errors still print)")
     p.set_defaults(func=run_pipeline_command)
 
     d = subparsers.add_parser(

@@ -64,7 +64,9 @@ class VerifySection:
 @dataclass(frozen=True)
 class PipelineConfig:
     source: Path
-    training: dict  # the training sections, as read (validated by appliance.train.config)
+    training: dict  # the training sections, as read (validated by appliance.train.config at load)
+    train_files: tuple[Path, ...] = ()  # [data] train, resolved against the config's directory
+    val_files: tuple[Path, ...] = ()
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     check: CheckSection = field(default_factory=CheckSection)
     export: ExportSection = field(default_factory=ExportSection)
@@ -105,6 +107,22 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
         raise ConfigError(f"{path}: [package] target {sections['package'].target!r} is not among "
                           f"[compile] targets {list(sections['compile'].targets)}")
     training = {name: raw[name] for name in TRAIN_SECTIONS if name in raw}
-    if "data" not in training or "train" not in training.get("data", {}):
+    if not isinstance(training.get("data", {}), dict) or "train" not in training.get("data", {}):
         raise ConfigError(f"{path}: [data] train = [...] is required (the TFRecord files to train on)")
-    return PipelineConfig(source=source, training=training, **sections)
+    if not training["data"].get("val"):
+        raise ConfigError(f"{path}: [data] val = [...] is required: every later stage is measured on it")
+    train_cfg = validate_training(training, source)
+    return PipelineConfig(source=source, training=training, train_files=tuple(map(Path, train_cfg.data.train)),
+                          val_files=tuple(map(Path, train_cfg.data.val)), **sections)
+
+
+def validate_training(training: dict, source: Path):
+    """The training sections checked as `appliance train` will check them, now, so that a typo
+    fails before the data check spends an hour. The run's name and directory are the pipeline's."""
+    from appliance.train.config import config_from_dict
+
+    sections = {name: dict(table) if isinstance(table, dict) else table for name, table in training.items()}
+    run = sections.setdefault("run", {})
+    if isinstance(run, dict):
+        run.update(name="train", out_dir=".")  # the train stage runs in OUT/train, whatever [run] says
+    return config_from_dict(sections, source)

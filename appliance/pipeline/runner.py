@@ -1,11 +1,14 @@
 """`appliance pipeline PIPELINE.toml`: check -> train -> export -> quantize -> compile -> package -> verify.
 
-Each stage writes OUT/<stage>/ with its manifest.json; OUT/.pipeline/<stage>.json holds the
-stage's fingerprint: the sha256 of its parameters and of its input files' hashes (taken from
-the upstream stages' manifests). A rerun skips a stage whose fingerprint is unchanged and
-whose outputs still match their manifest, so changing one training parameter redoes train and
-what follows, and nothing before it. A training stage that was interrupted (same fingerprint,
-not completed) resumes from its newest good checkpoint.
+Each stage is a typed library function (data_tools.check.stage, appliance.train.stage,
+appliance.deploy.stages) that writes OUT/<stage>/ with its manifest.json and returns a result
+holding its output paths and figures; this module only composes them and names none of their
+files. OUT/.pipeline/<stage>.json holds the stage's fingerprint: the sha256 of its parameters and
+of the files it reads (the data files for check and train, whether or not the check ran; an
+upstream result's outputs for the others). A rerun skips a stage whose fingerprint is unchanged
+and whose outputs still match their manifest, so changing one training parameter redoes train
+and what its new model changes, and nothing before it. A training stage that was interrupted
+(same fingerprint, not completed) resumes from its newest good checkpoint.
 """
 
 from __future__ import annotations
@@ -19,18 +22,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from appliance.errors import ApplianceError, ConfigError, DataError
+from appliance.errors import ConfigError, DataError
 from appliance.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs
 from appliance.pipeline.config import PipelineConfig, load_pipeline_config
 
 RECORDS_DIR = ".pipeline"  # OUT/.pipeline/<stage>.json, outside the stage directories and their manifests
 STAGES = ("check", "train", "export", "quantize", "compile", "package", "verify")
-
-
-class GateFailed(ApplianceError):
-    """A stage's quality gate failed; the pipeline stops there."""
-
-    exit_code = 3
 
 
 def say(message: str) -> None:
@@ -45,13 +42,21 @@ def fingerprint(params: dict, input_hashes: list[str]) -> str:
     return digest.hexdigest()
 
 
+Results = dict  # stage name -> that stage's typed result (CheckResult, TrainResult, ExportResult, ...)
+
+
 @dataclass
-class StageRun:
+class Stage:
+    """One step of the plan. inputs(results) lists the files it reads (hashed into its fingerprint);
+    action(out_dir, results) runs it and returns its result; load(out_dir) rebuilds the result of
+    a finished run that is skipped."""
+
     name: str
     out_dir: Path
     params: dict
-    inputs: list[Path]
-    action: Callable[[Path], dict]  # does the work into out_dir; returns a summary for the report
+    inputs: Callable[[Results], list[Path]]
+    action: Callable[[Path, Results], object]
+    load: Callable[[Path], object]
     resumable: bool = False
 
 
@@ -61,19 +66,31 @@ def _record_path(out_dir: Path) -> Path:
 
 def _record(out_dir: Path) -> dict:
     try:
-        return json.loads(_record_path(out_dir).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        record = json.loads(_record_path(out_dir).read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return {}
+    return record if isinstance(record, dict) else {}
 
 
-def run_stage(stage: StageRun, input_hashes: list[str], force: bool) -> dict:
-    fp = fingerprint(stage.params, input_hashes)
+def _output_problems(out_dir: Path) -> list[str]:
+    if not (out_dir / "manifest.json").exists():
+        return ["no manifest"]
+    try:
+        return verify_outputs(out_dir)
+    except DataError as err:
+        return [str(err)]
+
+
+def run_stage(stage: Stage, results: Results, force: bool) -> tuple[object, bool]:
+    """Run stage, or skip it when its fingerprint is unchanged and its outputs are intact.
+    Returns (its result, whether it ran)."""
+    fp = fingerprint(stage.params, [sha256_file(p) for p in stage.inputs(results)])
     record = _record(stage.out_dir)
     if not force and record.get("fingerprint") == fp and record.get("completed"):
-        problems = verify_outputs(stage.out_dir) if (stage.out_dir / "manifest.json").exists() else ["no manifest"]
+        problems = _output_problems(stage.out_dir)
         if not problems:
             say(f"{stage.name}: unchanged, skipped ({stage.out_dir})")
-            return record["summary"]
+            return stage.load(stage.out_dir), False
         say(f"{stage.name}: outputs changed since it ran ({problems[0]}); running it again")
     resume = stage.resumable and not force and record.get("fingerprint") == fp and not record.get("completed")
     if stage.out_dir.exists() and not resume:
@@ -87,238 +104,192 @@ def run_stage(stage: StageRun, input_hashes: list[str], force: bool) -> dict:
                                                                 "completed": False}) + "\n")
     say(f"{stage.name}: {'resuming' if resume else 'running'} -> {stage.out_dir}")
     start = time.monotonic()
-    summary = stage.action(stage.out_dir)
-    summary["seconds"] = round(time.monotonic() - start, 1)
+    result = stage.action(stage.out_dir, results)
+    seconds = round(time.monotonic() - start, 1)
     atomic_write_text(_record_path(stage.out_dir), json.dumps(
-        {"stage": stage.name, "fingerprint": fp, "completed": True, "summary": summary}, indent=2) + "\n")
+        {"stage": stage.name, "fingerprint": fp, "completed": True, "seconds": seconds}, indent=2) + "\n")
     shutil.rmtree(stage.out_dir.with_name(stage.out_dir.name + ".previous"), ignore_errors=True)
-    say(f"{stage.name}: done in {summary['seconds']} s")
-    return summary
+    say(f"{stage.name}: done in {seconds} s")
+    return result, True
 
 
-def _resolve_files(cfg: PipelineConfig, key: str) -> list[Path]:
-    import glob
-
-    base = cfg.source.parent
-    files = []
-    for pattern in cfg.training["data"].get(key, []):
-        matches = sorted(glob.glob(str(base / pattern)))
-        if not matches:
-            raise ConfigError(f"{cfg.source}: [data] {key}: {pattern!r} matches no file")
-        files.extend(Path(m).resolve() for m in matches)
-    return files
+def _files_in(directory: Path) -> list[Path]:
+    return sorted(p for p in Path(directory).rglob("*") if p.is_file())
 
 
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ConfigError(f"cannot write {value!r} into the training config")
+def plan(cfg: PipelineConfig) -> list[Stage]:
+    """The stages in order, each with its parameters, inputs, action and result loader."""
+    from appliance.deploy import stages as deploy
+    from appliance.train.launcher import TrainResult
+    from data_tools.check.stage import CheckResult
 
-
-def write_train_config(path: Path, sections: dict) -> None:
-    lines = [f"# Written by `appliance pipeline` from {sections.get('_source', 'the pipeline config')}; "
-             "remade on every run."]
-    for name, table in sections.items():
-        if name.startswith("_"):
-            continue
-        lines.append(f"\n[{name}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
-    atomic_write_text(path, "\n".join(lines) + "\n")
-
-
-def plan(cfg: PipelineConfig) -> list[StageRun]:
-    """The stages in order, each with its parameters, inputs and action."""
     out = cfg.out_dir
-    train_files, val_files = _resolve_files(cfg, "train"), _resolve_files(cfg, "val")
-    if not val_files:
-        raise ConfigError(f"{cfg.source}: [data] val = [...] is required: every later stage is measured on it")
-    stages: list[StageRun] = []
+    stages: list[Stage] = []
 
-    def clean(split: str) -> list[Path]:
-        """The check stage's clean shards for a split (the raw files when the check is off)."""
-        if not cfg.check.enabled:
-            return train_files if split == "train" else val_files
-        report = json.loads((out / "check" / "report.json").read_text())
-        return [out / "check" / f["clean_shard"] for f in report["files"]
-                if f["split"] == split and f["clean_shard"]]
+    def clean(results: Results, split: str) -> list[Path]:
+        """The data a later stage reads: the check stage's clean shards, or the files as given."""
+        check: CheckResult | None = results.get("check")
+        if check is None:
+            return list(cfg.train_files if split == "train" else cfg.val_files)
+        return list(check.clean.get(split, ()))
 
     if cfg.check.enabled:
-        def check(d: Path) -> dict:
-            from data_tools.check.run import run_check
+        def load_check(d: Path) -> CheckResult:
+            from data_tools.check.stage import REPORT_JSON, result_of
 
-            report, status = run_check([(str(p), "train") for p in train_files] + [(str(p), "val") for p in val_files],
-                                       d, fail_on=cfg.check.fail_on)
-            if status != 0:
-                failed = "; ".join(report.get("gate", {}).get("failed", [])) or f"exit status {status}"
-                raise GateFailed(f"{d / 'report.json'}: data check gate failed: {failed}")
-            return {"records_total": report["records_total"], "records_valid": report["records_valid"],
-                    "records_quarantined": report["records_quarantined"], "report": str(d / "report.html")}
-        stages.append(StageRun("check", out / "check", asdict(cfg.check), train_files + val_files, check))
+            return result_of(d, json.loads((d / REPORT_JSON).read_text()))
 
-    def train(d: Path) -> dict:
-        from appliance.cli import main as cli_main
+        def check(d: Path, results: Results) -> CheckResult:
+            from data_tools.check.stage import check_stage
 
-        sections = json.loads(json.dumps(cfg.training))  # a deep copy
-        sections["_source"] = str(cfg.source)
-        sections["data"]["train"] = [str(p) for p in clean("train")]
-        sections["data"]["val"] = [str(p) for p in clean("val")]
-        if cfg.check.enabled:
-            sections["data"]["check_report"] = str(out / "check" / "report.json")
-        sections.setdefault("run", {})
-        sections["run"]["out_dir"], sections["run"]["name"] = str(d.parent), d.name
-        write_train_config(d / "config.toml", sections)
-        status = cli_main(["train", str(d / "config.toml"), "--nproc-per-node", cfg.pipeline.nproc_per_node,
-                           "--max-restarts", str(cfg.pipeline.max_restarts)])
-        if status != 0:
-            raise ApplianceError(f"{d}: training failed (exit status {status}); rerun the same command to resume")
-        metrics = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        evals = [m for m in metrics if "val_top1" in m]
-        return {"run_dir": str(d), "model_dir": str(d / "model"), **({"val_top1": evals[-1]["val_top1"]} if evals else {})}
+            files = [(p, "train") for p in cfg.train_files] + [(p, "val") for p in cfg.val_files]
+            return check_stage(files, d, fail_on=cfg.check.fail_on)
+        stages.append(Stage("check", out / "check", asdict(cfg.check),
+                            lambda r: [*cfg.train_files, *cfg.val_files], check, load_check))
 
-    train_params = {k: v for k, v in cfg.training.items()}
-    train_params["pipeline"] = {"nproc_per_node": cfg.pipeline.nproc_per_node}
-    stages.append(StageRun("train", out / "train", train_params, [], train, resumable=True))
+    def train(d: Path, results: Results) -> TrainResult:
+        from appliance.train.stage import train_stage
 
-    def export(d: Path) -> dict:
-        from appliance.deploy.export import export_model
+        check = results.get("check")
+        return train_stage(cfg.training, cfg.source, d, train_files=clean(results, "train"),
+                           val_files=clean(results, "val"), check_report=check.report_json if check else None,
+                           nproc_per_node=cfg.pipeline.nproc_per_node, max_restarts=cfg.pipeline.max_restarts)
 
-        report = export_model(out / "train", d, opset=cfg.export.opset, sample_files=clean("val"),
-                              max_rel_error=cfg.export.max_rel_error)
-        return {"model": str(d / "model.onnx"), "bytes": (d / "model.onnx").stat().st_size, "parity": report}
-    stages.append(StageRun("export", out / "export", asdict(cfg.export), [], export))
+    # Training reads the data files; their content is in its fingerprint whether or not a check ran.
+    train_params = {"training": cfg.training, "nproc_per_node": cfg.pipeline.nproc_per_node,
+                    "checked": cfg.check.enabled}
+    stages.append(Stage("train", out / "train", train_params,
+                        lambda r: [*clean(r, "train"), *clean(r, "val")], train, TrainResult.from_run_dir,
+                        resumable=True))
 
-    def quantize(d: Path) -> dict:
-        from appliance.deploy.quantize import quantize_model
+    stages.append(Stage(
+        "export", out / "export", asdict(cfg.export),
+        lambda r: [*_files_in(r["train"].model_dir), *clean(r, "val")],
+        lambda d, r: deploy.export_stage(r["train"].model_dir, d, opset=cfg.export.opset,
+                                         sample_files=clean(r, "val"), max_rel_error=cfg.export.max_rel_error),
+        deploy.ExportResult.load))
 
-        q = cfg.quantize
-        report = quantize_model(out / "export" / "model.onnx", clean("train"), d, val_files=clean("val"),
-                                mode=q.mode, method=q.method, per_channel=q.per_channel,
-                                calib_samples=q.calib_samples, val_samples=1_000_000, max_drop=q.max_drop)
-        if not report["gate_passed"]:
-            raise GateFailed(f"{d / 'accuracy.json'}: {q.mode} top-1 dropped more than {q.max_drop} points")
-        return {"model": str(d / f"model.{q.mode}.onnx"), "report": report}
-    if cfg.quantize.mode != "none":
-        stages.append(StageRun("quantize", out / "quantize", asdict(cfg.quantize), [], quantize))
-    deployed = (lambda: out / "quantize" / f"model.{cfg.quantize.mode}.onnx") if cfg.quantize.mode != "none" \
-        else (lambda: out / "export" / "model.onnx")
+    q = cfg.quantize
+    if q.mode != "none":
+        stages.append(Stage(
+            "quantize", out / "quantize", asdict(q),
+            lambda r: [r["export"].model, *clean(r, "train"), *clean(r, "val")],
+            lambda d, r: deploy.quantize_stage(r["export"].model, clean(r, "train"), clean(r, "val"), d,
+                                               mode=q.mode, method=q.method, per_channel=q.per_channel,
+                                               calib_samples=q.calib_samples, max_drop=q.max_drop),
+            deploy.QuantizeResult.load))
+
+    def deployed(results: Results) -> Path:
+        return results["quantize"].model if "quantize" in results else results["export"].model
 
     for target in cfg.compile.targets:
-        def compile_target(d: Path, target=target) -> dict:
-            from appliance.deploy.compile import compile_model
+        stages.append(Stage(
+            f"compile-{target}", out / f"compile-{target}", {"target": target},
+            lambda r: [deployed(r), *clean(r, "val")],
+            lambda d, r, target=target: deploy.compile_stage(deployed(r), target, d, sample_files=clean(r, "val")),
+            deploy.CompileResult.load))
 
-            return {"target": target, "report": compile_model(deployed(), target, d, sample_files=clean("val"))}
-        stages.append(StageRun(f"compile-{target}", out / f"compile-{target}", {"target": target}, [], compile_target))
+    compiled = f"compile-{cfg.package.target}"
+    stages.append(Stage(
+        "package", out / "package", asdict(cfg.package),
+        lambda r: [r[compiled].library, r[compiled].out_dir / deploy.COMPILE_JSON],
+        lambda d, r: deploy.package_stage(r[compiled], d),
+        deploy.PackageResult.load))
 
-    def package(d: Path) -> dict:
-        from appliance.deploy.package import build_package
-
-        from appliance.deploy.lineage import lineage_from
-        from appliance.manifest import write_manifest
-
-        compiled = out / f"compile-{cfg.package.target}"
-        tar = d / f"edge-package-{cfg.package.target}.tar"
-        info = build_package(compiled, tar)
-        # The package carries its own manifest inside; this one describes the stage directory.
-        write_manifest(d, "package", [compiled / "model.so", compiled / "compile.json"],
-                       {"target": cfg.package.target, "lineage": lineage_from(compiled)})
-        return {"package": str(tar), "bytes": tar.stat().st_size, "info": info}
-    stages.append(StageRun("package", out / "package", asdict(cfg.package), [], package))
-
-    def verify(d: Path) -> dict:
-        from appliance.deploy.edge_verify import verify_package
-
-        tar = out / "package" / f"edge-package-{cfg.package.target}.tar"
-        report = verify_package(tar, sample_files=clean("val"), num_samples=cfg.verify.samples or 1_000_000,
-                                min_agreement=cfg.verify.min_agreement, out_dir=d)
-        if not report["passed"]:
-            raise GateFailed(f"{d / 'verify.json'}: the edge build disagrees with the host "
-                             f"({report['routes'][0]['top1_agreement']:.4f} < {cfg.verify.min_agreement})")
-        return {"report": report}
-    stages.append(StageRun("verify", out / "verify", asdict(cfg.verify), [], verify))
+    stages.append(Stage(
+        "verify", out / "verify", asdict(cfg.verify),
+        lambda r: [r["package"].package, *clean(r, "val")],
+        lambda d, r: deploy.verify_stage(r["package"], d, sample_files=clean(r, "val"),
+                                         num_samples=cfg.verify.samples, min_agreement=cfg.verify.min_agreement),
+        deploy.VerifyResult.load))
     return stages
 
 
-def upstream_hashes(stages: list[StageRun], index: int) -> list[str]:
-    """The sha256 of every earlier stage's outputs, from their manifests: a change there is a change here."""
-    hashes = []
-    for earlier in stages[:index]:
-        try:
-            hashes.extend(o["sha256"] for o in read_manifest(earlier.out_dir)["outputs"])
-        except DataError:
-            raise DataError(f"{earlier.out_dir}: no manifest; run the pipeline from stage {earlier.name}") from None
-    return hashes
+def run_stages(stages: list[Stage], first_forced: int | None = None) -> tuple[Results, list[str]]:
+    """Run or skip each stage in order; returns the results and the names of the stages that ran."""
+    results: Results = {}
+    ran = []
+    for i, stage in enumerate(stages):
+        say(f"stage {i + 1}/{len(stages)}: {stage.name}")
+        results[stage.name], did_run = run_stage(stage, results, force=first_forced is not None and i >= first_forced)
+        if did_run:
+            ran.append(stage.name)
+    return results, ran
 
 
-def run_pipeline(config_path: str | Path, from_stage: str | None = None) -> dict:
+def run_pipeline(config_path: str | Path, from_stage: str | None = None, *, quiet_summary: bool = False) -> dict:
+    from appliance.inputs import require_file
+
+    require_file(config_path, "pipeline config")
     cfg = load_pipeline_config(config_path)
     stages = plan(cfg)
     names = [s.name for s in stages]
+    first_forced = None
     if from_stage is not None:
         matching = [n for n in names if n == from_stage or n.startswith(from_stage + "-")]
         if not matching:
             raise ConfigError(f"--from {from_stage}: not a stage of this pipeline ({', '.join(names)})")
         first_forced = names.index(matching[0])
-    else:
-        first_forced = len(stages)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     say(f"{cfg.source.name}: {len(stages)} stages into {cfg.out_dir}: {' -> '.join(names)}")
     start = time.monotonic()
-    summaries = {}
-    for i, stage in enumerate(stages):
-        say(f"stage {i + 1}/{len(stages)}: {stage.name}")
-        hashes = [sha256_file(p) for p in stage.inputs] + upstream_hashes(stages, i)
-        summaries[stage.name] = run_stage(stage, hashes, force=i >= first_forced)
-    summary = build_summary(cfg, summaries, time.monotonic() - start)
+    results, ran = run_stages(stages, first_forced)
+    summary = build_summary(cfg, results, ran, time.monotonic() - start)
     atomic_write_text(cfg.out_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
-    print(format_summary(summary))
+    if not quiet_summary:
+        print(format_summary(summary))
     return summary
 
 
-def build_summary(cfg: PipelineConfig, stages: dict, seconds: float) -> dict:
+def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds: float) -> dict:
     """Accuracy at each stage, sizes, latencies, where every artifact is, and the lineage."""
     out = cfg.out_dir
+    figures = {name: (r.figures() if hasattr(r, "figures") else {}) for name, r in results.items()}
     summary = {"made_by": "appliance pipeline", "config": str(cfg.source), "out_dir": str(out),
-               "seconds": round(seconds, 1), "stages": stages, "accuracy": {}, "sizes_bytes": {},
+               "seconds": round(seconds, 1), "ran": ran, "stages": figures, "accuracy": {}, "sizes_bytes": {},
                "latency_ms": {}, "artifacts": {}}
-    q = stages.get("quantize", {}).get("report")
-    if q:
+    train = results.get("train")
+    if train is not None:
+        figures["train"] = {"run_dir": str(train.run_dir), "model_dir": str(train.model_dir), "steps": train.steps,
+                            "val_acc": train.val_acc}
+        if train.val_acc is not None:
+            summary["accuracy"]["train_val_top1"] = train.val_acc
+    quantized = results.get("quantize")
+    if quantized is not None:
+        q = quantized.report
         summary["accuracy"]["fp32_top1"] = q["fp32"]["top1"]
         summary["accuracy"][f"{q['mode']}_top1"] = q["quantized"]["top1"]
         summary["accuracy"]["quantized_top1_drop_points"] = q["top1_drop_points"]
         summary["sizes_bytes"].update({"onnx_fp32": q["fp32"]["bytes"], f"onnx_{q['mode']}": q["quantized"]["bytes"]})
         summary["latency_ms"].update({"host_ort_fp32": q["fp32"]["latency_ms_median"],
                                       f"host_ort_{q['mode']}": q["quantized"]["latency_ms_median"]})
-    elif "train" in stages and "val_top1" in stages["train"]:
-        summary["accuracy"]["fp32_top1"] = stages["train"]["val_top1"]
-    verify = stages.get("verify", {}).get("report")
-    if verify:
-        route = verify["routes"][0]
+    elif train is not None and train.val_acc is not None:
+        summary["accuracy"]["fp32_top1"] = train.val_acc
+    verify = results.get("verify")
+    if verify is not None:
+        report = verify.report
+        route = report["routes"][0]
         summary["accuracy"]["edge_agreement_with_host"] = route["top1_agreement"]
         if "top1" in route:
             summary["accuracy"]["edge_top1"] = route["top1"]
         summary["accuracy"]["edge_max_logit_diff"] = route["max_logit_diff"]
-        summary["latency_ms"]["edge_qemu_per_sample"] = round(1000 * route["seconds"] / max(1, verify["samples"]), 2)
-        summary["verified_samples"] = verify["samples"]
-    if "package" in stages:
-        summary["sizes_bytes"]["edge_package"] = stages["package"]["bytes"]
-        summary["lineage"] = lineage(out)
-    for name in stages:
-        summary["artifacts"][name] = str(out / name)
+        summary["latency_ms"]["edge_qemu_per_sample"] = round(1000 * route["seconds"] / max(1, report["samples"]), 2)
+        summary["verified_samples"] = report["samples"]
+    package = results.get("package")
+    if package is not None:
+        summary["sizes_bytes"]["edge_package"] = package.bytes
+        summary["lineage"] = lineage(package.out_dir, results.get("check"))
+    for name, result in results.items():
+        summary["artifacts"][name] = str(getattr(result, "out_dir", None) or getattr(result, "run_dir"))
     return summary
 
 
-def lineage(out: Path) -> list[dict]:
+def lineage(package_dir: Path, check) -> list[dict]:
     """The edge package's lineage, from the raw data files the check stage read to the compiled model."""
-    steps = read_manifest(out / "package")["params"].get("lineage", [])
-    if (out / "check" / "manifest.json").is_file() and not any(s.get("stage") == "check" for s in steps):
-        check = read_manifest(out / "check")
-        steps = [{"stage": "check", "dir": str(out / "check"), "inputs": check["inputs"]}, *steps]
+    steps = read_manifest(package_dir)["params"].get("lineage", [])
+    if check is not None and not any(s.get("stage") == "check" for s in steps):
+        manifest = read_manifest(check.out_dir)
+        steps = [{"stage": "check", "dir": str(check.out_dir), "inputs": manifest["inputs"]}, *steps]
     return steps
 
 

@@ -153,7 +153,7 @@ class CheckpointManager:
             tmp.mkdir()
         _barrier()
 
-        from appliance.train.models import save_trained_model
+        from appliance.models import save_trained_model
 
         owned: list[Path] = []
         if self.rank == 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from appliance.errors import ConfigError
 from appliance.tomlconfig import parse_section, read_toml
-from appliance.train.models import ARCHITECTURES
+from appliance.models import ARCHITECTURES
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -201,9 +201,14 @@ def _resolve(patterns: tuple[str, ...], base: Path, source: str, key: str) -> tu
 
 def load_config(path: str | Path) -> Config:
     """Read and validate a training config; all errors are ConfigError naming the file and key."""
+    return config_from_dict(read_toml(path, "config file"), path)
+
+
+def config_from_dict(raw: dict, path: str | Path) -> Config:
+    """Validate training sections read from `path` (a training config, or a pipeline config's
+    training sections); relative paths are resolved against path's directory."""
     path = Path(path)
     source = str(path)
-    raw = read_toml(path, "config file")
     for name, value in raw.items():
         if name not in _SECTION_TYPES:
             raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(_SECTION_TYPES)})")

@@ -1,6 +1,6 @@
 """From TFRecord files to batches: decode, resize, normalise; the resumable sampler per rank.
 
-`decode_image` applies the one definition of preprocessing (appliance/deploy/preprocessing.py;
+`decode_image` applies the one definition of preprocessing (data_tools/preprocessing.py;
 export and the edge runner read the same mean/std/size from the model card).
 """
 
@@ -17,10 +17,10 @@ from appliance.errors import DataError
 def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> torch.Tensor:
     """PNG/JPEG bytes -> float32 tensor [C, H, W]: resized to image_size, normalised with mean/std.
 
-    The arithmetic is appliance.deploy.preprocessing.preprocess_image, the function export
+    The arithmetic is data_tools.preprocessing.preprocess_image, the function export
     parity, calibration and the edge runner use too, so training and deployment agree.
     """
-    from appliance.deploy.preprocessing import preprocess_image
+    from data_tools.preprocessing import preprocess_image
 
     preprocessing = {"image_size": image_size, "mean": mean, "std": std,
                      "channel_order": "RGB" if channels == 3 else "L"}

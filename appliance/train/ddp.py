@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from appliance.errors import ConfigError
-from appliance.train.models import build_model
+from appliance.models import build_model
 
 # Blocks worth recomputing in backward: the repeated units of each architecture we build.
 _BLOCK_NAMES = {"BasicBlock", "Bottleneck", "InvertedResidual", "MBConv", "FusedMBConv"}

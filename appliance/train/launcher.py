@@ -1,23 +1,28 @@
 """`appliance train CONFIG.toml`: build the exact torchrun command and run it.
 
-One node: torchrun --standalone on loopback, one process per GPU (NCCL) or CPU processes (gloo).
+The library behind `appliance train` (handlers in appliance/train/cli.py): `launch_training` takes
+a LaunchSpec and returns a TrainResult. One node: torchrun --standalone on loopback, one process per GPU (NCCL) or CPU processes (gloo).
 Many nodes: --nnodes/--node-rank/--rdzv-endpoint with torchrun's c10d rendezvous; node rank 0
-hosts the rendezvous store. `appliance train slurm CONFIG --nodes N` writes an sbatch script
-that runs the same command under srun. We use torchrun as is: no home-made scheduler.
+hosts the rendezvous store. `slurm_script` writes an sbatch script that runs the same command
+under srun. We use torchrun as is: no home-made scheduler.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from appliance import __version__
-from appliance.errors import ConfigError
+from appliance.errors import ApplianceError, ConfigError, DataError
+from appliance.manifest import atomic_write_text
+from appliance.progress import quiet
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -45,7 +50,7 @@ def torchrun_command(config: str, *, nproc: int | str, nnodes: int = 1, node_ran
                      rdzv_endpoint: str = "", rdzv_id: str = "appliance", max_restarts: int = 0,
                      resume: str = "auto", python: str = sys.executable) -> list[str]:
     """The torchrun argv. node_rank None leaves the rendezvous host to c10d (Slurm)."""
-    cmd = [python, "-m", "torch.distributed.run"]
+    cmd = [python, "-m", "appliance.train.agent"]  # torchrun, without its traceback
     if nnodes == 1 and not rdzv_endpoint:
         # --standalone: a private c10d store on a free localhost port; nothing listens outside.
         cmd += ["--standalone", "--local-addr", "127.0.0.1"]
@@ -98,63 +103,156 @@ def _run_torchrun(cmd: list[str], env: dict) -> tuple[int, str]:
     return returncode, (received[0] if received else "")
 
 
-def run(args) -> int:
-    from appliance.train.config import check_data_report, load_config
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to start training on this node: what `appliance train` flags say, typed."""
 
-    if args.config[0] == "slurm":
-        return write_slurm(args)
-    if len(args.config) != 1:
-        raise ConfigError(f"expected one CONFIG.toml, got {' '.join(args.config)}")
-    config = args.config[0]
-    cfg = load_config(config)  # fail here, with one line, rather than in every worker
+    config: Path
+    nproc_per_node: str = "auto"
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    max_restarts: int = 0
+    resume: str = "auto"
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished training run produced: its directories and its final validation figures."""
+
+    run_dir: Path
+    model_dir: Path
+    checkpoints_dir: Path
+    metrics_path: Path
+    manifest_path: Path
+    steps: int
+    val_acc: float | None  # top-1 on the validation set at the last evaluation (None without [data] val)
+    val_loss: float | None
+
+    @classmethod
+    def from_run_dir(cls, run_dir: Path) -> "TrainResult":
+        from appliance.manifest import MANIFEST_NAME, read_manifest
+
+        run_dir = Path(run_dir)
+        metrics_path = run_dir / METRICS_NAME
+        evals = []
+        if metrics_path.is_file():
+            for line in metrics_path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill mid-write
+                if isinstance(record, dict) and "val_acc" in record:
+                    evals.append(record)
+        last = evals[-1] if evals else {}
+        return cls(run_dir=run_dir, model_dir=run_dir / MODEL_DIR_NAME, checkpoints_dir=run_dir / "checkpoints",
+                   metrics_path=metrics_path, manifest_path=run_dir / MANIFEST_NAME,
+                   steps=int(read_manifest(run_dir)["params"].get("steps", 0)),
+                   val_acc=last.get("val_acc"), val_loss=last.get("val_loss"))
+
+
+METRICS_NAME = "metrics.jsonl"
+MODEL_DIR_NAME = "model"
+WORKER_ERROR_NAME = ".worker-error"  # a worker's one-line error, for the launcher to print
+WORKER_ERROR_ENV = "APPLIANCE_WORKER_ERROR_FILE"  # tells the workers where (appliance.train.loop reads it)
+
+
+def preflight(cfg) -> None:
+    """Everything that can be checked before a process starts: the data-check gate, and every data
+    file opened and frame-checked (its index built, which the workers reuse)."""
+    from appliance.train.config import check_data_report
+    from data_tools.index import build_index, read_index_file
+
     check_data_report(cfg)
-    nproc = resolve_nproc(args.nproc_per_node)
-    cmd = torchrun_command(str(Path(config).resolve()), nproc=nproc, nnodes=args.nnodes,
-                           node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=cfg.run.name,
-                           max_restarts=args.max_restarts, resume=args.resume)
-    env = launch_env(cmd, nproc)
-    printable = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
-    if args.dry_run:
-        print(printable)
-        return 0
-    print(f"appliance train: {printable}", file=sys.stderr, flush=True)
-    returncode, stopped_by = _run_torchrun(cmd, {**os.environ, **env})
-    if stopped_by:
-        print(f"appliance train: stopped by {stopped_by}; the workers saved a checkpoint in "
-              f"{cfg.run_dir / 'checkpoints'}: run the same command to resume", file=sys.stderr)
-        return 128 + getattr(signal, stopped_by)
-    if returncode != 0:
-        print(f"appliance train: error: training failed (torchrun exit status {returncode}); "
-              f"the log above names the failing rank. Checkpoints: {cfg.run_dir / 'checkpoints'}",
-              file=sys.stderr)
-        return 1
-    return 0
+    for key, files in (("train", cfg.data.train), ("val", cfg.data.val)):
+        for path in files:
+            damage = []
+            records = len(read_index_file(build_index(path, on_damage=damage.append)))
+            if records == 0:
+                why = f"{damage[0].reason} at byte {damage[0].start}" if damage else "no record"
+                raise DataError(f"{path}: not a TFRecord file ({why}); listed in {cfg.source} [data] {key}")
 
 
-def write_slurm(args) -> int:
+def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult | str:
+    """Validate, preflight, then run torchrun to its end on this node. Returns the run's result
+    (or, with dry_run, the command line that would run). Raises ApplianceError with one line on
+    any failure, a worker's own error line included."""
     from appliance.train.config import load_config
 
-    if len(args.config) != 2:
-        raise ConfigError("usage: appliance train slurm CONFIG.toml --nodes N")
-    config = str(Path(args.config[1]).resolve())
+    config = Path(spec.config)
+    cfg = load_config(config)  # fail here, with one line, rather than in every worker
+    nproc = resolve_nproc(spec.nproc_per_node)
+    if spec.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
+    cmd = torchrun_command(str(config.resolve()), nproc=nproc, nnodes=spec.nnodes, node_rank=spec.node_rank,
+                           rdzv_endpoint=spec.rdzv_endpoint, rdzv_id=cfg.run.name,
+                           max_restarts=spec.max_restarts, resume=spec.resume)
+    env = launch_env(cmd, nproc)
+    printable = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
+    if dry_run:
+        return printable
+    preflight(cfg)
+    if not quiet():
+        print(f"appliance train: {printable}", file=sys.stderr, flush=True)
+    error_file = cfg.run_dir / WORKER_ERROR_NAME
+    error_file.unlink(missing_ok=True)
+    error_file.parent.mkdir(parents=True, exist_ok=True)
+    returncode, stopped_by = _run_torchrun(cmd, {**os.environ, **env, WORKER_ERROR_ENV: str(error_file)})
+    if stopped_by:
+        raise Interrupted(f"stopped by {stopped_by}; the workers saved a checkpoint in "
+                          f"{cfg.run_dir / 'checkpoints'}: run the same command to resume",
+                          exit_code=128 + getattr(signal, stopped_by))
+    if returncode != 0:
+        line = _worker_error(error_file)
+        if line:
+            raise ApplianceError(line)
+        raise ApplianceError(f"training failed (torchrun exit status {returncode}); the log above names the "
+                             f"failing rank. Checkpoints: {cfg.run_dir / 'checkpoints'}")
+    return TrainResult.from_run_dir(cfg.run_dir)
+
+
+def _worker_error(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[0] if lines else ""
+
+
+class Interrupted(ApplianceError):
+    """Training stopped by a signal; the workers checkpointed. exit_code follows the shell (128 + signal)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def slurm_script(config: Path, *, nodes: int, gpus_per_node: int = 0, nproc_per_node: str = "auto",
+                 max_restarts: int = 0, out: Path | None = None) -> Path:
+    """Write an sbatch script that runs this launcher's torchrun command on `nodes` nodes under srun."""
+    from appliance.train.config import load_config
+
+    config = Path(config).resolve()
     cfg = load_config(config)
-    nproc = args.nproc_per_node
+    if nodes < 1 or gpus_per_node < 0 or max_restarts < 0:
+        raise ConfigError("--nodes must be at least 1, --gpus-per-node and --max-restarts 0 or more")
+    nproc = nproc_per_node
     if nproc == "auto":
-        nproc = "$SLURM_GPUS_ON_NODE" if args.gpus_per_node else "1"
-    cmd = torchrun_command(config, nproc=nproc, nnodes=args.nodes, node_rank=None,
+        nproc = "$SLURM_GPUS_ON_NODE" if gpus_per_node else "1"
+    cmd = torchrun_command(str(config), nproc=nproc, nnodes=nodes, node_rank=None,
                            rdzv_endpoint="$head_node:29500", rdzv_id="$SLURM_JOB_ID",
-                           max_restarts=args.max_restarts, resume="auto")
+                           max_restarts=max_restarts, resume="auto")
     # Variables are filled in by the shell on each node, so they get double quotes.
     line = " ".join(f'"{c}"' if "$" in c else shlex.quote(c) for c in cmd)
-    out = Path(args.out) if args.out else cfg.run_dir / "train.sbatch"
+    out = Path(out) if out else cfg.run_dir / "train.sbatch"
     out.parent.mkdir(parents=True, exist_ok=True)
-    gpus = f"#SBATCH --gpus-per-node={args.gpus_per_node}\n" if args.gpus_per_node else ""
+    gpus = f"#SBATCH --gpus-per-node={gpus_per_node}\n" if gpus_per_node else ""
     script = (
         "#!/bin/bash\n"
-        f"# Generated by appliance {__version__} `appliance train slurm {args.config[1]} --nodes {args.nodes}`\n"
+        f"# Generated by appliance {__version__} `appliance train slurm {config} --nodes {nodes}`\n"
         f"# on {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}. Submit: sbatch {out}\n"
         f"#SBATCH --job-name={cfg.run.name}\n"
-        f"#SBATCH --nodes={args.nodes}\n"
+        f"#SBATCH --nodes={nodes}\n"
         "#SBATCH --ntasks-per-node=1\n"
         f"{gpus}"
         f"#SBATCH --output={cfg.run_dir}/slurm-%j.out\n"
@@ -164,30 +262,6 @@ def write_slurm(args) -> int:
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
         f"srun {line}\n"
     )
-    out.write_text(script)
+    atomic_write_text(out, script)
     out.chmod(0o755)
-    print(out)
-    return 0
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "train", help="train a model from a TOML config with torchrun (DDP), resumable",
-        description="Train with torchrun: `appliance train CONFIG.toml` on this machine, or with "
-        "--nnodes/--node-rank/--rdzv-endpoint on several. `appliance train slurm CONFIG.toml --nodes N` "
-        "writes an sbatch script instead.")
-    p.add_argument("config", nargs="+", metavar="[slurm] CONFIG.toml", help="the training config")
-    p.add_argument("--nproc-per-node", default="auto", help="processes on this node: N or auto "
-                   "(one per GPU; one CPU process without a GPU)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of machines (default 1: standalone)")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's rank; rank 0 hosts the rendezvous")
-    p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of node rank 0 (c10d rendezvous)")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart all workers this many times after a failure; each restart resumes "
-                   "from the newest good checkpoint")
-    p.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint directory")
-    p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
-    p.add_argument("--nodes", type=int, default=1, help="slurm: number of nodes")
-    p.add_argument("--gpus-per-node", type=int, default=0, help="slurm: GPUs per node (0: CPU)")
-    p.add_argument("--out", default="", help="slurm: script path (default RUN_DIR/train.sbatch)")
-    p.set_defaults(func=run)
+    return out

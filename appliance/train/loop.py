@@ -28,7 +28,7 @@ from appliance.train import data, faults
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report, load_config
 from appliance.train.determinism import rng_state, set_determinism, set_rng_state
-from appliance.train.models import ModelCard, save_trained_model
+from appliance.models import ModelCard, save_trained_model
 from appliance.train.ddp import build_training_model, pick_precision
 from appliance.train.optimizer import build_optimizer, build_scheduler
 
@@ -110,7 +110,11 @@ def train(cfg: Config, resume: str = "auto") -> int:
     set_determinism(cfg.run.seed, rank, cfg.run.deterministic)
     check_data_report(cfg)
     run_dir = cfg.run_dir
-    log = print if rank == 0 else (lambda *a, **k: None)
+    bar = None  # rank 0's progress (a bar on a terminal, plain lines in a log); lines go through it
+
+    def log(line: str, flush: bool = True) -> None:
+        if rank == 0:
+            bar.write(line, sys.stdout) if bar is not None else print(line, flush=flush)
 
     # The loaders get their own generator, reseeded per epoch: creating an iterator then never
     # draws from the global RNG, whose stream the checkpoints capture mid-epoch.
@@ -188,10 +192,11 @@ def train(cfg: Config, resume: str = "auto") -> int:
     writer = None
     if rank == 0:
         from tensorboardX import SummaryWriter
-        from tqdm import tqdm
+
+        from appliance.progress import Progress
 
         writer = SummaryWriter(str(run_dir / "tb"))
-        bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, mininterval=1.0)
+        bar = Progress(total=total_steps, initial=step, desc="train", unit="step", every=30)
     stop = StopFlag()
     criterion = nn.CrossEntropyLoss()
     model.train()
@@ -243,7 +248,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
                     for key, value in record.items():
                         if key not in ("step", "epoch"):
                             writer.add_scalar(f"train/{key}", value, step)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+                    bar.set_postfix(f"loss {record['loss']:.4f}, lr {record['lr']:.2e}")
                 window_start, data_wait, window_steps = time.perf_counter(), 0.0, 0
                 loss_sum.zero_()
             if rank == 0:
@@ -295,11 +300,32 @@ def main(argv: list[str] | None = None) -> int:
         # Raised in a DataLoader worker, the message carries the worker's traceback: keep its last line.
         line = str(err).strip().splitlines()[-1]
         line = line.split(": ", 1)[1] if line.startswith("appliance.errors.") else line
-        print(f"appliance train: error: {line}", file=sys.stderr, flush=True)
+        report_worker_error(line)
         _exit_now(2)
     except BaseException:
         traceback.print_exc()
         _exit_now(1)
+
+
+WORKER_ERROR_ENV = "APPLIANCE_WORKER_ERROR_FILE"  # set by the launcher: where a worker's one line goes
+
+
+def report_worker_error(line: str) -> None:
+    """Under `appliance train`, the first failing rank writes its line for the launcher to print
+    (once, without torchrun's stack); run by hand under torchrun, every rank prints it."""
+    path = os.environ.get(WORKER_ERROR_ENV)
+    if path:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return  # another rank said it first
+        except OSError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(line + "\n")
+            return
+    print(f"appliance train: error: {line}", file=sys.stderr, flush=True)
 
 
 def die_with_launcher() -> None:

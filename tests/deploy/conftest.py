@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from appliance.deploy.preprocessing import preprocess_image, preprocessing_of
+from data_tools.preprocessing import preprocess_image, preprocessing_of
 
 IMAGE_SIZE, CLASSES = 16, 4
 
@@ -28,7 +28,7 @@ def synthetic_images(n: int, seed: int):
 
 @pytest.fixture(scope="session")
 def card():
-    from appliance.train.models import ModelCard
+    from appliance.models import ModelCard
 
     return ModelCard("small_cnn", CLASSES, 3, IMAGE_SIZE, mean=(0.2, 0.2, 0.2), std=(0.3, 0.3, 0.3),
                      class_names=("north-west", "north-east", "south-west", "south-east"))
@@ -85,7 +85,7 @@ def run_dir(tmp_path_factory, card):
     """RUN_DIR/model/ as training writes it: a small_cnn trained to high accuracy."""
     import torch
 
-    from appliance.train.models import build_model, save_trained_model
+    from appliance.models import build_model, save_trained_model
 
     torch.manual_seed(0)
     images, labels = synthetic_images(512, seed=0)

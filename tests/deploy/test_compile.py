@@ -41,7 +41,7 @@ def test_aarch64_build_is_an_arm_elf_with_lineage(compiled_arm, exported):
 @pytest.fixture(scope="module")
 def mobilenet_onnx(tmp_path_factory):
     from appliance.deploy.export import export_model
-    from appliance.train.models import ModelCard, build_model, save_trained_model
+    from appliance.models import ModelCard, build_model, save_trained_model
 
     root = tmp_path_factory.mktemp("mobilenet")
     card = ModelCard("mobilenet_v2", 10, 3, 64, class_names=tuple(map(str, range(10))))

@@ -121,7 +121,7 @@ def test_python_runner_decodes_an_image_like_the_host(unpacked, exported, card, 
     aarch64 route is test_edge_verify_python_route_under_qemu, which feeds tensors)."""
     from appliance.deploy.compile import compile_model
     from appliance.deploy.onnx_model import ort_session, run_ort
-    from appliance.deploy.preprocessing import preprocess_image, preprocessing_of
+    from data_tools.preprocessing import preprocess_image, preprocessing_of
 
     compile_model(exported / "model.onnx", "x86_64", tmp_path / "x86")
     img = np.random.default_rng(5).integers(0, 256, (20, 20, 3), dtype=np.uint8)

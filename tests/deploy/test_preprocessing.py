@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from appliance.deploy.preprocessing import preprocess_image, preprocessing_of
+from data_tools.preprocessing import preprocess_image, preprocessing_of
 from conftest import run_appliance  # noqa: F401  (shared helpers resolve from tests/)
 
 

@@ -9,7 +9,7 @@ import torch
 from appliance.errors import EnvironmentProblem
 from appliance.train.checkpoint import COMMIT_MARKER, CheckpointManager
 from appliance.train.determinism import rng_state
-from appliance.train.models import ModelCard, build_model, load_trained_model
+from appliance.models import ModelCard, build_model, load_trained_model
 
 CARD = ModelCard(architecture="small_cnn", num_classes=3, in_channels=1, image_size=8, mean=(0.5,), std=(0.25,),
                  channel_order="L", class_names=("a", "b", "c"))

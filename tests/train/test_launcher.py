@@ -29,7 +29,7 @@ def test_dry_run_prints_standalone_torchrun_on_loopback(tmp_path):
     env = [w for w in words if "=" in w and w.split("=")[0].isupper()]
     assert "GLOO_SOCKET_IFNAME=lo" in env and "OMP_NUM_THREADS=1" in env  # this box: 2 cores, no GPU
     cmd = words[len(env):]
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "appliance.train.agent"]
     assert cmd[3:] == ["--standalone", "--local-addr", "127.0.0.1", "--nproc-per-node", "2", "--max-restarts", "3",
                        "-m", "appliance.train.loop", str(path), "--resume", "auto"]
 
@@ -40,7 +40,7 @@ def test_dry_run_multi_node_uses_c10d_rendezvous(tmp_path):
                          "--node-rank", "1", "--rdzv-endpoint", "10.0.0.5:29400")
     assert proc.returncode == 0, proc.stderr
     cmd = shlex.split(proc.stdout)
-    i = cmd.index("torch.distributed.run")
+    i = cmd.index("appliance.train.agent")
     assert cmd[i + 1:i + 13] == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.5:29400",
                                  "--rdzv-id", "demo", "--rdzv-conf", "is_host=0", "--nproc-per-node", "4"]
     assert "--standalone" not in cmd and "GLOO_SOCKET_IFNAME=lo" not in cmd
@@ -64,7 +64,7 @@ def test_slurm_writes_an_sbatch_script(tmp_path):
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     words = shlex.split(srun.replace('"$head_node:29500"', "HEAD:29500").replace('"$SLURM_JOB_ID"', "JOB")
                         .replace('"$SLURM_GPUS_ON_NODE"', "G"))
-    assert words[1:] == [sys.executable, "-m", "torch.distributed.run", "--nnodes", "4", "--rdzv-backend", "c10d",
+    assert words[1:] == [sys.executable, "-m", "appliance.train.agent", "--nnodes", "4", "--rdzv-backend", "c10d",
                          "--rdzv-endpoint", "HEAD:29500", "--rdzv-id", "JOB", "--nproc-per-node", "G",
                          "--max-restarts", "0", "-m", "appliance.train.loop", str(path), "--resume", "auto"]
     # bash accepts the script

@@ -1,4 +1,4 @@
-"""`appliance data ...`: the verb group for TFRecord data (index, cat, convert, and others' sub-verbs).
+"""`appliance data ...`: thin handlers for the verb group for TFRecord data (index, cat, convert, and others' sub-verbs).
 
 Another module adds a sub-verb by exposing `register_data_verb(subparsers)` and being listed in
 DATA_VERB_MODULES; heavy imports stay inside the functions so `appliance --help` stays fast.
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from appliance.errors import DataError
+from appliance.inputs import require_file
 
 # Modules contributing `appliance data VERB` sub-verbs via register_data_verb(subparsers).
 DATA_VERB_MODULES: list[str] = [
@@ -59,23 +60,16 @@ def _warn(damage) -> None:
     print(f"warning: {damage}", file=sys.stderr)
 
 
-def _require_tfrecord(path: str, records: int, damage: list) -> None:
-    """A file with damage and no valid record at all is not TFRecord data: say so in one line."""
-    if records == 0 and damage:
-        raise DataError(f"{path}: not a TFRecord file (no valid record; {damage[0].reason} at byte 0)"
-                        if damage[0].start == 0 else f"{path}: no valid record ({damage[0]})")
-
-
 def index_files(args) -> int:
+    from data_tools.convert import require_records
     from data_tools.index import build_index, read_index_file
 
     for path in args.files:
-        if not Path(path).is_file():
-            raise DataError(f"{path}: no such file")
+        require_file(path)
         damage = []
         index_path = build_index(path, args.cache_dir, force=args.force, on_damage=damage.append)
         count = len(read_index_file(index_path))
-        _require_tfrecord(path, count, damage)
+        require_records(path, count, damage)
         for d in damage:
             _warn(d)
         print(f"{path}: {count} records -> {index_path}")
@@ -100,11 +94,11 @@ def _jsonable(value):
 
 
 def cat_file(args) -> int:
+    from data_tools.convert import require_records
     from data_tools.example import decode_example
     from data_tools.tfrecord import iter_records_with_offsets
 
-    if not Path(args.file).is_file():
-        raise DataError(f"{args.file}: no such file")
+    require_file(args.file)
     damage = []
     shown = 0
 
@@ -130,43 +124,32 @@ def cat_file(args) -> int:
         shown += 1
         if args.limit is not None and shown >= args.limit:
             break
-    _require_tfrecord(args.file, shown, damage)
+    require_records(args.file, shown, damage)
     return 0
 
 
 def convert(args) -> int:
-    from tqdm import tqdm
-
-    from appliance.manifest import write_manifest
-    from data_tools.convert import convert_image_folder, decompress, find_images
-    from data_tools.index import find_index, read_index_file
+    from appliance.progress import Progress
+    from data_tools.convert import convert_image_folder, decompress_files, find_images
 
     if args.decompress:
-        outputs = []
-        from data_tools.tfrecord import detect_compression
+        bars = []
 
-        for source in args.sources:  # check them all before any progress bar starts
-            if not Path(source).is_file():
-                raise DataError(f"{source}: no such file")
-            if detect_compression(source) is None:
-                raise DataError(f"{source}: not GZIP or ZLIB compressed; nothing to decompress")
-        for source in args.sources:
-            damage = []
-            size = Path(source).stat().st_size if Path(source).is_file() else 0
-            with tqdm(desc=Path(source).name, unit="B", unit_scale=True, total=None, file=sys.stderr) as bar:
-                target = decompress(source, args.out, on_damage=lambda d: (damage.append(d), _warn(d)),
-                                    progress=bar.update)
-            count = len(read_index_file(find_index(target)))
-            _require_tfrecord(source, count, damage)
-            print(f"{source} ({size} bytes compressed): {count} records -> {target}")
-            outputs.append(target)
-        write_manifest(args.out, "convert", inputs=args.sources,
-                       params={"decompress": True, "made_by": "appliance data convert --decompress"})
+        def progress_for(source: Path):
+            bars.append(Progress(desc=source.name, unit="B", unit_scale=True))
+            return bars[-1].update
+        try:
+            done = decompress_files(args.sources, args.out, on_damage=lambda _, d: _warn(d), progress_for=progress_for)
+        finally:
+            for bar in bars:
+                bar.close()
+        for source, target, count in done:
+            print(f"{source} ({source.stat().st_size} bytes compressed): {count} records -> {target}")
         return 0
     if len(args.sources) != 1:
         raise DataError("convert takes one IMAGE_DIR (or several files with --decompress)")
     _, images = find_images(args.sources[0])
-    with tqdm(total=len(images), desc="convert", unit="img", file=sys.stderr) as bar:
+    with Progress(total=len(images), desc="convert", unit="img") as bar:
         paths = convert_image_folder(args.sources[0], args.out, shards=args.shards, prefix=args.prefix,
                                      seed=args.seed, progress=bar.update)
     print(f"{len(images)} images -> {len(paths)} shards in {args.out}")

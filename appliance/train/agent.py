@@ -1,0 +1,44 @@
+"""torchrun, unchanged, minus its stack trace on a worker failure: `python -m appliance.train.agent ARGS`.
+
+Takes exactly torchrun's arguments and runs torch.distributed.run's own `run`. When a worker fails,
+torchrun raises ChildFailedError and prints ~30 lines (its traceback and a failure table) after
+the worker has already printed its one-line error; here the agent exits with the worker's
+status instead, and the launcher prints one line (the worker's, from RUN_DIR/.worker-error).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+WORKER_ERROR_ENV = "APPLIANCE_WORKER_ERROR_FILE"  # the launcher's; a failing worker writes its line there
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    # A logger's own filters see the records made on it: the failure line is made on this one.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoFailureTables())
+    try:
+        run(args)
+    except ChildFailedError as err:
+        _, failure = err.get_first_failure()
+        return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
+    return 0
+
+
+class _NoFailureTables(logging.Filter):
+    """Drop the agent's failure records (the failed rank; SIGTERM sent to the others) when a worker has already said why in one line (its
+    .worker-error file exists); a worker killed by a signal still shows as `exitcode: -9`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = os.environ.get(WORKER_ERROR_ENV, "")
+        return not (said and os.path.exists(said) and record.levelno >= logging.WARNING
+                    and any(m in record.getMessage() for m in ("failed (exitcode", "Sending process")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""`appliance train CONFIG.toml` and `appliance train slurm CONFIG.toml --nodes N`: thin handlers
+over appliance.train.launcher."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SLURM_VERB = "train-slurm"  # `appliance train slurm ...` is parsed by this parser (see appliance.cli)
+
+
+def run(args) -> int:
+    from appliance.train.launcher import LaunchSpec, launch_training
+
+    result = launch_training(LaunchSpec(config=Path(args.config), nproc_per_node=args.nproc_per_node,
+                                        nnodes=args.nnodes, node_rank=args.node_rank,
+                                        rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
+                                        resume=args.resume), dry_run=args.dry_run)
+    if isinstance(result, str):
+        print(result)
+    return 0
+
+
+def write_slurm(args) -> int:
+    from appliance.train.launcher import slurm_script
+
+    print(slurm_script(Path(args.config), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                       nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
+                       out=Path(args.out) if args.out else None))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a model from a TOML config with torchrun (DDP), resumable",
+        description="Train with torchrun: `appliance train CONFIG.toml` on this machine, or with "
+        "--nnodes/--node-rank/--rdzv-endpoint on several.",
+        epilog="`appliance train slurm CONFIG.toml --nodes N` writes an sbatch script instead "
+        "(see `appliance train slurm --help`).")
+    p.add_argument("config", metavar="CONFIG.toml", help="the training config")
+    _add_nproc_and_restarts(p)
+    p.add_argument("--nnodes", type=int, default=1, help="number of machines (default 1: standalone)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's rank; rank 0 hosts the rendezvous")
+    p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of node rank 0 (c10d rendezvous)")
+    p.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint directory")
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress output (results and errors still print)")
+    p.set_defaults(func=run)
+
+    s = subparsers.add_parser(
+        SLURM_VERB, prog="appliance train slurm", help=argparse.SUPPRESS,
+        description="Write an sbatch script that runs `appliance train`'s torchrun command on N nodes under srun.")
+    s.add_argument("config", metavar="CONFIG.toml", help="the training config")
+    s.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU)")
+    s.add_argument("--out", default="", help="script path (default RUN_DIR/train.sbatch)")
+    _add_nproc_and_restarts(s)
+    s.set_defaults(func=write_slurm, verb_label="train slurm")
+
+
+def _add_nproc_and_restarts(p) -> None:
+    p.add_argument("--nproc-per-node", default="auto", help="processes per node: N or auto "
+                   "(one per GPU; one CPU process without a GPU)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all workers this many times after a failure; each restart resumes "
+                   "from the newest good checkpoint")

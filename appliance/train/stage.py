@@ -1,0 +1,57 @@
+"""Training as a pipeline stage: the pipeline's training sections and resolved data files in,
+a TrainResult out, through the same typed launcher `appliance train` uses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from appliance.errors import ConfigError
+from appliance.manifest import atomic_write_text
+from appliance.train.launcher import LaunchSpec, TrainResult, launch_training
+
+CONFIG_NAME = "config.toml"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} into the training config")
+
+
+def write_train_config(path: Path, sections: dict, source: str) -> None:
+    """A training config TOML from sections (dicts of plain values); says what made it."""
+    lines = [f"# Written by `appliance pipeline` from {source}; remade on every run."]
+    for name, table in sections.items():
+        lines.append(f"\n[{name}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def train_sections(training: dict, run_dir: Path, train_files, val_files, check_report: Path | None) -> dict:
+    """The pipeline's training sections as `appliance train` reads them, for the files given."""
+    sections = json.loads(json.dumps(training))  # a deep copy
+    sections.setdefault("data", {})
+    sections["data"]["train"] = [str(p) for p in train_files]
+    sections["data"]["val"] = [str(p) for p in val_files]
+    if check_report is not None:
+        sections["data"]["check_report"] = str(check_report)
+    sections.setdefault("run", {})
+    sections["run"]["out_dir"], sections["run"]["name"] = str(run_dir.parent), run_dir.name
+    return sections
+
+
+def train_stage(training: dict, source: Path, run_dir: Path, *, train_files, val_files,
+                check_report: Path | None, nproc_per_node: str, max_restarts: int) -> TrainResult:
+    """Train into run_dir (resuming its newest good checkpoint); raises ApplianceError with one line."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = run_dir / CONFIG_NAME
+    write_train_config(config, train_sections(training, run_dir, train_files, val_files, check_report), str(source))
+    return launch_training(LaunchSpec(config=config, nproc_per_node=nproc_per_node, max_restarts=max_restarts))

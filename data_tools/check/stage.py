@@ -1,0 +1,49 @@
+"""The data check as a pipeline stage: typed inputs in, a typed result out, the gate as GateFailed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.errors import GateFailed
+
+REPORT_JSON = "report.json"
+REPORT_HTML = "report.html"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    out_dir: Path
+    report_json: Path
+    report_html: Path
+    clean: dict[str, tuple[Path, ...]]  # split ("train", "val") -> its clean, indexed shards
+    records_total: int
+    records_valid: int
+    records_quarantined: int
+
+    def figures(self) -> dict:
+        return {"records_total": self.records_total, "records_valid": self.records_valid,
+                "records_quarantined": self.records_quarantined, "report": str(self.report_html)}
+
+
+def check_stage(files: list[tuple[Path, str]], out_dir: Path, *, fail_on: str | None) -> CheckResult:
+    """Check (file, split) pairs into out_dir; GateFailed (exit 3) when the gate fails or a file
+    cannot be read at all."""
+    from data_tools.check.run import run_check
+
+    report, status = run_check([(str(p), split) for p, split in files], out_dir, fail_on=fail_on)
+    out_dir = Path(out_dir)
+    if status != 0:
+        failed = "; ".join(report.get("gate", {}).get("failed", [])) or "a file could not be read"
+        raise GateFailed(f"{out_dir / REPORT_JSON}: data check gate failed: {failed}")
+    return result_of(out_dir, report)
+
+
+def result_of(out_dir: Path, report: dict) -> CheckResult:
+    clean: dict[str, list[Path]] = {}
+    for f in report["files"]:
+        if f.get("clean_shard"):
+            clean.setdefault(f.get("split") or "", []).append(out_dir / f["clean_shard"])
+    return CheckResult(out_dir=out_dir, report_json=out_dir / REPORT_JSON, report_html=out_dir / REPORT_HTML,
+                       clean={k: tuple(v) for k, v in clean.items()}, records_total=report["records_total"],
+                       records_valid=report["records_valid"], records_quarantined=report["records_quarantined"])

@@ -1,0 +1,190 @@
+"""The pipeline's rerun logic, fast: the real plan, real data files and the real check stage, with
+the heavy stages (torchrun, TVM, qemu) replaced by small actions that write their stage's output
+contract (the files its result loader reads, and a manifest) from their inputs' bytes."""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance.deploy import stages as deploy
+from appliance.manifest import atomic_write_text, sha256_file, write_manifest
+from appliance.pipeline.config import load_pipeline_config
+from appliance.pipeline.runner import build_summary, plan, run_stages
+from appliance.train.launcher import TrainResult
+from data_tools.tfrecord import write_records
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+from train_data import image_records  # noqa: E402  (tests/train/train_data.py)
+
+CONFIG = """
+[pipeline]
+out = "out"
+[check]
+enabled = {check}
+fail_on = "corrupt>0"
+[run]
+name = "ignored"
+seed = 1
+[data]
+train = ["data/train-*.tfrecord"]
+val = ["data/val-*.tfrecord"]
+classes = ["left", "right", "top"]
+image_size = 8
+channels = 1
+mean = [0.3]
+std = [0.25]
+[optimizer]
+lr = {lr}
+[train]
+epochs = 1
+[compile]
+targets = ["aarch64"]
+"""
+
+
+def _digest(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else str(p).encode())
+    return h.hexdigest()
+
+
+def _inputs_digest(paths) -> str:
+    return _digest(*(sha256_file(p) for p in paths))
+
+
+def fake_train(cfg):
+    def action(d: Path, results) -> TrainResult:
+        files = [*(results["check"].clean["train"] if "check" in results else cfg.train_files),
+                 *(results["check"].clean["val"] if "check" in results else cfg.val_files)]
+        (d / "model").mkdir(parents=True, exist_ok=True)
+        (d / "model" / "weights.bin").write_text(_digest(json.dumps(cfg.training, sort_keys=True),
+                                                          _inputs_digest(files)))
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "epoch": 0, "val_loss": 0.5, "val_acc": 0.875}) + "\n")
+        write_manifest(d, "train", files, {"steps": 1}, outputs=[d / "model" / "weights.bin", d / "metrics.jsonl"])
+        return TrainResult.from_run_dir(d)
+    return action
+
+
+def fake_export(d: Path, results) -> deploy.ExportResult:
+    (d / deploy.EXPORTED_MODEL).write_text(_inputs_digest(sorted((results["train"].model_dir).iterdir())))
+    atomic_write_text(d / deploy.PARITY_JSON, json.dumps({"passed": True, "max_rel_error": 0.0}))
+    write_manifest(d, "export", [results["train"].model_dir / "weights.bin"], {})
+    return deploy.ExportResult.load(d)
+
+
+def fake_quantize(d: Path, results) -> deploy.QuantizeResult:
+    model = d / "model.int8.onnx"
+    model.write_text(_inputs_digest([results["export"].model]))
+    side = {"top1": 0.875, "bytes": 10, "latency_ms_median": 0.1}
+    atomic_write_text(d / deploy.ACCURACY_JSON, json.dumps({
+        "mode": "int8", "fp32": {"model": str(results["export"].model), **side},
+        "quantized": {"model": str(model), **side}, "top1_drop_points": 0.0, "gate_passed": True}))
+    write_manifest(d, "quantize", [results["export"].model], {})
+    return deploy.QuantizeResult.load(d)
+
+
+def fake_compile(target):
+    def action(d: Path, results) -> deploy.CompileResult:
+        (d / deploy.COMPILED_LIBRARY).write_text(_inputs_digest([results["quantize"].model]))
+        atomic_write_text(d / deploy.COMPILE_JSON, json.dumps({"target": target}))
+        write_manifest(d, "compile", [results["quantize"].model], {"target": target})
+        return deploy.CompileResult.load(d)
+    return action
+
+
+def fake_package(d: Path, results) -> deploy.PackageResult:
+    compiled = results["compile-aarch64"]
+    tar = d / deploy.package_file_name("aarch64")
+    tar.write_text(_inputs_digest([compiled.library]))
+    atomic_write_text(d / deploy.PACKAGE_RESULT_JSON, json.dumps(
+        {"package": tar.name, "target": "aarch64", "bytes": tar.stat().st_size}))
+    write_manifest(d, "package", [compiled.library], {"target": "aarch64", "lineage": []})
+    return deploy.PackageResult.load(d)
+
+
+def fake_verify(d: Path, results) -> deploy.VerifyResult:
+    atomic_write_text(d / deploy.VERIFY_JSON, json.dumps({"passed": True, "samples": 6, "routes": [
+        {"runner": "native", "top1_agreement": 1.0, "max_logit_diff": 0.0, "seconds": 0.1}]}))
+    write_manifest(d, "verify", [results["package"].package], {})
+    return deploy.VerifyResult.load(d)
+
+
+def write_shard(path: Path, n: int, seed: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_records(path, list(image_records(n, seed)))
+
+
+@pytest.fixture
+def site(tmp_path):
+    write_shard(tmp_path / "data" / "train-0.tfrecord", 24, 1)
+    write_shard(tmp_path / "data" / "val-0.tfrecord", 6, 2)
+    return tmp_path
+
+
+def run(site: Path, check: bool = True, lr: float = 0.003):
+    path = site / "pipeline.toml"
+    path.write_text(CONFIG.format(check="true" if check else "false", lr=lr))
+    cfg = load_pipeline_config(path)
+    stages = plan(cfg)
+    fakes = {"train": fake_train(cfg), "export": fake_export, "quantize": fake_quantize,
+             "compile-aarch64": fake_compile("aarch64"), "package": fake_package, "verify": fake_verify}
+    for stage in stages:
+        if stage.name in fakes:
+            stage.action = fakes[stage.name]
+    results, ran = run_stages(stages)
+    return cfg, results, ran
+
+
+ALL = ["check", "train", "export", "quantize", "compile-aarch64", "package", "verify"]
+AFTER_CHECK = ALL[1:]
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_nothing_changed_reruns_nothing(site, check):
+    _, _, ran = run(site, check)
+    assert ran == (ALL if check else AFTER_CHECK)
+    _, _, ran = run(site, check)
+    assert ran == []
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_changed_data_file_reruns_training_and_what_follows(site, check):
+    run(site, check)
+    write_shard(site / "data" / "train-0.tfrecord", 24, 99)  # same name, new content
+    _, _, ran = run(site, check)
+    assert ran == (ALL if check else AFTER_CHECK)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_an_added_data_file_reruns_training_and_what_follows(site, check):
+    run(site, check)
+    write_shard(site / "data" / "train-1.tfrecord", 12, 5)  # matched by the glob
+    _, results, ran = run(site, check)
+    assert ran == (ALL if check else AFTER_CHECK)
+    inputs = {i["path"] for i in json.loads((results["train"].manifest_path).read_text())["inputs"]}
+    assert any("train-1" in p for p in inputs)
+
+
+def test_a_changed_training_parameter_reruns_train_and_later_only(site):
+    run(site)
+    _, _, ran = run(site, lr=0.01)
+    assert ran == AFTER_CHECK
+
+
+def test_summary_carries_the_training_accuracy(site):
+    cfg, results, ran = run(site)
+    summary = build_summary(cfg, results, ran, 1.0)
+    assert summary["accuracy"]["train_val_top1"] == 0.875
+    assert summary["stages"]["train"]["val_acc"] == 0.875
+    assert summary["artifacts"]["package"] == str(cfg.out_dir / "package")
+
+
+def test_a_damaged_output_reruns_that_stage(site):
+    cfg, _, _ = run(site)
+    (cfg.out_dir / "compile-aarch64" / deploy.COMPILED_LIBRARY).write_text("tampered")
+    _, _, ran = run(site)
+    assert ran == ["compile-aarch64"]  # rebuilt bit-identical, so package and verify stay

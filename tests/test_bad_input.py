@@ -1,0 +1,50 @@
+"""What a new user types by mistake: one line naming the file and the problem, exit 2, nothing written."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_appliance
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
+from train_data import make_config  # noqa: E402
+
+
+def one_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
+    return lines[0]
+
+
+@pytest.mark.parametrize("verb", ["cat", "index"])
+def test_data_verbs_on_a_directory(tmp_path, verb):
+    line = one_line(run_appliance("data", verb, str(tmp_path)))
+    assert line == f"appliance data {verb}: error: {tmp_path}: is a directory, not a file"
+
+
+@pytest.mark.parametrize("verb", ["train", "pipeline"])
+def test_config_verbs_on_a_directory(tmp_path, verb):
+    line = one_line(run_appliance(verb, str(tmp_path)))
+    assert line.startswith(f"appliance {verb}: error: {tmp_path}: is a directory, not a ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_text_file_listed_as_training_data_stops_before_torchrun(tmp_path):
+    config = make_config(tmp_path, train_records=8, val_records=3)
+    notes = tmp_path / "data" / "train-notes.tfrecord"  # matched by the config's train-*.tfrecord glob
+    notes.write_text("these are my notes, not TFRecords\n")
+    proc = run_appliance("train", str(config))
+    line = one_line(proc)
+    assert line.startswith(f"appliance train: error: {notes}: not a TFRecord file")
+    assert "torch.distributed" not in proc.stdout + proc.stderr  # no process was started
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_worker_error_is_the_workers_one_line(tmp_path):
+    config = make_config(tmp_path, train_records=8, val_records=3)
+    proc = run_appliance("train", str(config), "--resume", str(tmp_path / "no-such-checkpoint"),
+                         "--nproc-per-node", "2", "--quiet", timeout=300)
+    line = one_line(proc)
+    assert line.startswith(f"appliance train: error: --resume {tmp_path / 'no-such-checkpoint'}")
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
