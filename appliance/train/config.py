@@ -17,6 +17,7 @@ from pathlib import Path
 from appliance.errors import ConfigError
 from appliance.tomlconfig import parse_section, read_toml
 from appliance.models import ARCHITECTURES
+from appliance.train.quality import GATE_KEYS, check_thresholds
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -78,6 +79,11 @@ class TrainSection:
     grad_accum: int = 1
     precision: str = "auto"
     grad_clip: float = 0.0  # 0 disables clipping
+    # The quality gate on the trained model (appliance/train/quality.py); they judge, not train.
+    min_val_acc: float = 0.0
+    min_class_recall: float = 0.0
+    baseline_margin: float = 0.1  # fraction of the gap from the majority baseline to 100 % to close
+    max_predicted_share: float = 0.95  # one class predicted this often is a collapsed model
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ class Config:
         d.pop("source")
         d.pop("checkpoint")
         d["run"] = {"seed": self.run.seed, "deterministic": self.run.deterministic}
-        d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps")}
+        d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps", *GATE_KEYS)}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict:
@@ -233,6 +239,7 @@ def config_from_dict(raw: dict, path: str | Path) -> Config:
         raise ConfigError(f"{source}: [run] name {run.name!r} must be a plain directory name")
     cfg = Config(**sections, source=str(path.resolve()))
     _check_values(cfg, source)
+    check_thresholds(cfg.train, source)
     return cfg
 
 
