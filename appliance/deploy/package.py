@@ -96,7 +96,6 @@ def build_runner(wheels: list[Path], work: Path, lib_dir: Path, out: Path) -> No
 
 
 def build_package(compiled, out, *, wheelhouse=None) -> dict:
-    from appliance.deploy.lineage import lineage_from
     from appliance.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs, write_manifest
 
     compiled, out = Path(compiled), Path(out)
@@ -138,8 +137,7 @@ def build_package(compiled, out, *, wheelhouse=None) -> dict:
         atomic_write_text(root / "SHA256SUMS", "".join(
             f"{sha256_file(p)}  {p.relative_to(root)}\n" for p in files))
         write_manifest(root, "package", [compiled / "model.so", info_path, compiled / "model.onnx", *wheels],
-                       {"target": info["target"], "wheels": [w.name for w in wheels],
-                        "lineage": lineage_from(compiled)})
+                       {"target": info["target"], "wheels": [w.name for w in wheels]})
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_name(f".{out.name}.partial")
         with tarfile.open(partial, "w") as tar:

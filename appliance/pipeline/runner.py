@@ -300,7 +300,8 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
 
 def lineage(package_dir: Path, check) -> list[dict]:
     """The edge package's lineage, from the raw data files the check stage read to the compiled model."""
-    steps = read_manifest(package_dir)["params"].get("lineage", [])
+    manifest = read_manifest(package_dir)
+    steps = manifest.get("lineage") or manifest["params"].get("lineage", [])  # params: older manifests
     if check is not None and not any(s.get("stage") == "check" for s in steps):
         manifest = read_manifest(check.out_dir)
         steps = [{"stage": "check", "dir": str(check.out_dir), "inputs": manifest["inputs"]}, *steps]
