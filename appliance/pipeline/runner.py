@@ -168,7 +168,8 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
                         resumable=True))
 
     thresholds = Thresholds.of(cfg.training.get("train", {}))
-    stages.append(Stage("gate", out / "gate", asdict(thresholds), lambda r: [r["train"].metrics_path, *_files_in(r["train"].model_dir)],
+    stages.append(Stage("gate", out / "gate", asdict(thresholds),
+                        lambda r: [r["train"].metrics_path, *_files_in(r["train"].model_dir)],
                         lambda d, r: gate_stage(r["train"], thresholds, d), GateResult.load))
 
     stages.append(Stage(

@@ -133,8 +133,8 @@ class TrainResult:
     quality: dict | None = None  # the quality gate's figures (appliance.train.quality), once judged
 
     def judged(self, thresholds) -> "TrainResult":
-        """This result with the quality gate's figures for thresholds (a Thresholds); None without a
-        validation pass that recorded its confusion counts."""
+        """This result with the quality gate's figures for thresholds (a Thresholds); quality stays
+        None without a validation pass that recorded its confusion counts."""
         from dataclasses import replace
 
         from appliance.train.quality import quality_figures

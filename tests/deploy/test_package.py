@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from conftest import run_appliance
-from appliance.deploy import preprocessing as host_preprocessing
+from data_tools import preprocessing as host_preprocessing
 
 
 @pytest.fixture(scope="module")
