@@ -40,6 +40,7 @@ std = [0.25]
 lr = {lr}
 [train]
 epochs = 1
+{train_extra}
 [compile]
 targets = ["aarch64"]
 """
@@ -127,9 +128,9 @@ def site(tmp_path):
     return tmp_path
 
 
-def run(site: Path, check: bool = True, lr: float = 0.003):
+def run(site: Path, check: bool = True, lr: float = 0.003, train_extra: str = ""):
     path = site / "pipeline.toml"
-    path.write_text(CONFIG.format(check="true" if check else "false", lr=lr))
+    path.write_text(CONFIG.format(check="true" if check else "false", lr=lr, train_extra=train_extra))
     cfg = load_pipeline_config(path)
     stages = plan(cfg)
     fakes = {"train": fake_train(cfg), "export": fake_export, "quantize": fake_quantize,
@@ -175,6 +176,17 @@ def test_a_changed_training_parameter_reruns_train_and_later_only(site):
     run(site)
     _, _, ran = run(site, lr=0.01)
     assert ran == AFTER_CHECK
+
+
+def test_a_changed_gate_threshold_reruns_the_gate_only_and_can_stop_the_pipeline(site):
+    from appliance.errors import GateFailed
+
+    run(site)
+    _, _, ran = run(site, train_extra="baseline_margin = 0.5")  # 87.5 % top-1 still closes 0.5 of the gap
+    assert ran == ["gate"]
+    with pytest.raises(GateFailed, match=r"run .*/out/train: val top-1 87.5 % vs majority-class baseline 37.5 %"):
+        run(site, train_extra="min_val_acc = 0.9")
+    assert json.loads((site / "out" / "gate" / "quality.json").read_text())["passed"] is False
 
 
 def test_the_summary_carries_the_quality_gate_figures(site):
