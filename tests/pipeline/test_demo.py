@@ -53,6 +53,17 @@ def test_demo_offline_meets_the_accuracy_and_agreement_bars(demo):
     data_files = {str(p) for p in (out / "data").glob("*.tfrecord")}
     lineage_inputs = {i["path"] for step in summary["lineage"] for i in step["inputs"]}
     assert data_files <= lineage_inputs
+    # The edge package's own manifest says what made it and how to remake it: `appliance demo`.
+    import shlex
+    import tarfile
+    with tarfile.open(summary["artifacts"]["package"] + "/edge-package-aarch64.tar") as tar:
+        manifest = json.load(tar.extractfile("edge-package/manifest.json"))
+    made_by = shlex.join(["appliance", "demo", "--out", str(out)])
+    assert manifest["command"] == made_by and manifest["appliance_version"]
+    assert [s["stage"] for s in manifest["lineage"]] == ["check", "train", "export", "quantize", "compile"]
+    assert all(s["command"] == made_by for s in manifest["lineage"])
+    assert data_files <= {i["path"] for i in manifest["lineage"][0]["inputs"]}
+    print("demo figures:", json.dumps(acc))
     for stage in ("check", "train", "gate", "export", "quantize", "compile-x86_64", "compile-aarch64", "package", "verify"):
         assert (out / "out" / stage / "manifest.json").is_file(), stage
 
