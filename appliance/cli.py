@@ -52,6 +52,7 @@ def _verb_label(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv_given = None if argv is None else list(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug is accepted anywhere on the line, not only before the verb.
     debug = "--debug" in argv
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = [SLURM_VERB, *argv[2:]]
     args = parser.parse_args(argv)
     args.debug = debug
+    from appliance.manifest import remember_command
+
+    remember_command(list(sys.argv[1:]) if argv_given is None else argv_given)  # as typed, --debug too
     if getattr(args, "quiet", False):
         from appliance.progress import set_quiet
 

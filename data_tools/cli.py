@@ -50,6 +50,9 @@ def register(subparsers) -> None:
     p.add_argument("--shards", type=values.positive_int, default=1, help="number of output files (default 1)")
     p.add_argument("--prefix", default="data", help="shard file name prefix (default data)")
     p.add_argument("--seed", type=values.non_negative_int, default=0, help="shuffle seed for dealing images to shards")
+    p.add_argument("--val-fraction", type=values.fraction_float, default=0.0, metavar="F",
+                   help="split IMAGE_DIR into train-* and val-* shards: F of each class to validation, "
+                   "seeded by --seed, near-duplicate images kept on one side (default 0: no split)")
     p.add_argument("--decompress", action="store_true", help="SOURCE files are GZIP/ZLIB TFRecords")
     p.set_defaults(func=convert)
 
@@ -131,7 +134,7 @@ def cat_file(args) -> int:
 
 def convert(args) -> int:
     from appliance.progress import Progress
-    from data_tools.convert import convert_image_folder, decompress_files, find_images
+    from data_tools.convert import check_val_fraction, convert_image_folder, decompress_files, find_images
 
     if args.decompress:
         bars = []
@@ -149,9 +152,21 @@ def convert(args) -> int:
         return 0
     if len(args.sources) != 1:
         raise DataError("convert takes one IMAGE_DIR (or several files with --decompress)")
+    check_val_fraction(args.val_fraction)
     _, images = find_images(args.sources[0])
     with Progress(total=len(images), desc="convert", unit="img") as bar:
         paths = convert_image_folder(args.sources[0], args.out, shards=args.shards, prefix=args.prefix,
-                                     seed=args.seed, progress=bar.update)
+                                     seed=args.seed, progress=bar.update, val_fraction=args.val_fraction)
     print(f"{len(images)} images -> {len(paths)} shards in {args.out}")
+    if args.val_fraction:
+        from appliance.manifest import read_manifest
+
+        split = read_manifest(args.out)["params"]["split"]
+        counts = split["counts"]
+        width = max(len(name) for name in counts["train"])
+        print(f"  {'class':{width}s}  train    val")
+        for name in counts["train"]:
+            print(f"  {name:{width}s}  {counts['train'][name]:5d}  {counts['val'][name]:5d}")
+        print(f"  {'total':{width}s}  {sum(counts['train'].values()):5d}  {sum(counts['val'].values()):5d}"
+              f"  ({len(split['groups_kept_together'])} groups of near-duplicate images kept on one side)")
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -57,19 +58,50 @@ def convert_image_folder(
     prefix: str = "data",
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    val_fraction: float = 0.0,
+    near_distance: int = 4,
 ) -> list[Path]:
     """Write shuffled, sharded TFRecords with image/encoded, image/format, image/class/label, image/class/text.
 
     Images are shuffled with `seed` and dealt round-robin, so every shard mixes every class.
+    With val_fraction > 0 the images are first split (split_images: seeded, stratified, near
+    duplicates on one side) into `train-*` shards (`shards` of them) and `val-*` shards
+    (round(shards * val_fraction), at least one); prefix is then not used.
     Each shard gets its index; out_dir gets labels.txt and manifest.json. Returns the shard paths.
     """
     if shards < 1:
         raise DataError(f"--shards must be at least 1, not {shards}")
+    check_val_fraction(val_fraction)
     classes, images = find_images(image_dir)
-    shards = min(shards, len(images))
-    random.Random(seed).shuffle(images)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    params = {"image_dir": str(image_dir), "shards": shards, "prefix": prefix, "seed": seed, "classes": classes,
+              "made_by": "appliance data convert"}
+    if val_fraction > 0:
+        split = split_images(images, len(classes), val_fraction, seed, near_distance)
+        params.pop("prefix")
+        params["split"] = {"val_fraction": val_fraction, "near_distance": near_distance,
+                           "groups_kept_together": split.groups_kept_together,
+                           "counts": split_counts(split, classes)}
+        paths = [*_write_shards(split.train, classes, out, "train", shards, seed, progress),
+                 *_write_shards(split.val, classes, out, "val", max(1, round(shards * val_fraction)), seed, progress)]
+    else:
+        paths = _write_shards(images, classes, out, prefix, shards, seed, progress)
+    atomic_write_text(out / "labels.txt", "".join(f"{name}\n" for name in classes))
+    write_manifest(out, "convert", inputs=[p for p, _ in sorted(images)], params=params)
+    return paths
+
+
+def check_val_fraction(val_fraction: float) -> None:
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"--val-fraction must be in [0, 1), not {val_fraction}")
+
+
+def _write_shards(images: list[tuple[Path, int]], classes: list[str], out: Path, prefix: str, shards: int,
+                  seed: int, progress: Callable[[int], None] | None) -> list[Path]:
+    images = list(images)
+    shards = max(1, min(shards, len(images)))
+    random.Random(seed).shuffle(images)
     paths = [out / shard_name(prefix, s, shards) for s in range(shards)]
     writers = [TFRecordWriter(p) for p in paths]
     try:
@@ -94,11 +126,77 @@ def convert_image_folder(
         w.close()
     for p in paths:
         build_index(p)
-    atomic_write_text(out / "labels.txt", "".join(f"{name}\n" for name in classes))
-    write_manifest(out, "convert", inputs=[p for p, _ in sorted(images)],
-                   params={"image_dir": str(image_dir), "shards": shards, "prefix": prefix, "seed": seed,
-                           "classes": classes, "made_by": "appliance data convert"})
     return paths
+
+
+@dataclass(frozen=True)
+class Split:
+    train: list[tuple[Path, int]]
+    val: list[tuple[Path, int]]
+    groups_kept_together: list[list[str]]  # near or exact duplicates (2+ images), each on one side
+
+
+def split_images(images: list[tuple[Path, int]], num_classes: int, val_fraction: float, seed: int = 0,
+                 near_distance: int = 4) -> Split:
+    """A seeded, stratified train/val split that never puts two near duplicates on different sides.
+
+    Near duplicates are found with the data check's own perceptual hash and distance
+    (data_tools.check), so `appliance data check` finds no leakage between the two splits it
+    makes. Each group of duplicates (usually one image) joins its class's validation side while
+    it fits round(n_class * val_fraction), so each class is within one image of exact unless
+    groups of duplicates are too large to fit.
+    """
+    from data_tools.check.duplicates import exact_groups, near_groups
+    from data_tools.check.image_probe import ImageProblem, content_hash, probe_image
+
+    images = sorted(images)
+    hashes = []
+    for i, (path, _) in enumerate(images):
+        encoded = path.read_bytes()
+        digest = content_hash(encoded)
+        try:
+            hashes.append((i, probe_image(encoded).phash, digest))
+        except ImageProblem:
+            hashes.append((i, None, digest))  # the data check will quarantine it; no near duplicate
+    parent = list(range(len(images)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    near = near_groups([h for h in hashes if h[1] is not None], max_distance=near_distance)
+    for group in [*near, *exact_groups((i, digest) for i, _, digest in hashes)]:
+        for member in group[1:]:
+            parent[find(member)] = find(group[0])
+    groups: dict[int, list[int]] = {}
+    for i in range(len(images)):
+        groups.setdefault(find(i), []).append(i)
+    # A group belongs to the class of its first image (a group spanning classes is mislabelled data).
+    by_class: dict[int, list[list[int]]] = {c: [] for c in range(num_classes)}
+    for members in groups.values():
+        by_class[images[members[0]][1]].append(members)
+    rng = random.Random(seed)
+    train, val = [], []
+    for label in range(num_classes):
+        class_groups = sorted(by_class[label])
+        rng.shuffle(class_groups)
+        target = round(sum(len(g) for g in class_groups) * val_fraction)
+        taken = 0
+        for members in class_groups:
+            side = train
+            if taken + len(members) <= target:
+                side, taken = val, taken + len(members)
+            side.extend(images[i] for i in members)
+    together = sorted(sorted(str(images[i][0]) for i in g) for g in groups.values() if len(g) > 1)
+    return Split(train=sorted(train), val=sorted(val), groups_kept_together=together)
+
+
+def split_counts(split: Split, classes: list[str]) -> dict[str, dict[str, int]]:
+    """{"train": {class: images}, "val": {class: images}}."""
+    return {side: {name: sum(1 for _, label in getattr(split, side) if label == c) for c, name in enumerate(classes)}
+            for side in ("train", "val")}
 
 
 def decompressed_name(path: Path) -> str:

@@ -148,7 +148,6 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     import tvm
     import tvm.support.cc
 
-    from appliance.deploy.lineage import lineage_from
     from appliance.deploy.onnx_model import default_tolerance, image_input, load_onnx, metadata, precision
     from appliance.manifest import atomic_write_text, write_manifest
 
@@ -200,7 +199,6 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         inputs += [Path(tuning["database"]) / name for name in (HEADER, WORKLOADS, RECORDS)]
     write_manifest(out_dir, "compile", inputs, {"target": target_name, "tvm_target": target,
                                                  "input_shape": shape, "tolerance": tolerance,
-                                                 "lineage": lineage_from(model_path.parent),
                                                  **({"tuning": tuning} if tuning else {})})
     if not cross and not info["check"]["passed"]:
         raise DataError(f"{library}: TVM output differs from onnxruntime by {info['check']['max_abs_diff']:.3g} "

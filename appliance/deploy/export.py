@@ -38,7 +38,6 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
     import onnx
     import torch
 
-    from appliance.deploy.lineage import lineage_from
     from appliance.deploy.onnx_model import load_onnx, ort_session, run_ort
     from data_tools.preprocessing import preprocessing_of
     from appliance.deploy.samples import load_samples
@@ -93,8 +92,7 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
     atomic_write_text(out_dir / CARD_NAME, card.to_json())
     write_manifest(out_dir, "export", [model_dir / WEIGHTS_NAME, model_dir / CARD_NAME, *samples.files],
                    {"opset": opset, "batch": batch or "dynamic", "max_rel_error": max_rel_error,
-                    "preprocessing": preprocessing, "class_names": list(card.class_names),
-                    "lineage": lineage_from(model_dir, model_dir.parent)})
+                    "preprocessing": preprocessing, "class_names": list(card.class_names)})
     if not parity["passed"]:
         raise DataError(f"{onnx_path}: ONNX differs from PyTorch: max relative error "
                         f"{parity['max_rel_error']:.3g} > {max_rel_error:g} (see {out_dir / 'parity.json'}; "

@@ -268,7 +268,6 @@ def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, toleranc
     import numpy as np
 
     from appliance.deploy.accuracy_report import write_reports
-    from appliance.deploy.lineage import lineage_from
     from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, precision, run_ort
     from appliance.deploy.samples import check_input_shape, load_samples
     from appliance.manifest import atomic_write_text, write_manifest
@@ -357,8 +356,7 @@ def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, toleranc
     atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2, default=float) + "\n")
     write_manifest(out_dir, "compile", inputs, {"target": target, "input_shape": ["batch", *chw],
                                                 "tolerance": tolerance, "max_drop": max_drop,
-                                                "builds": [b["precision"] for b in results],
-                                                "lineage": lineage_from(model_path.parent)})
+                                                "builds": [b["precision"] for b in results]})
     for build in results:
         if not build["passed"]:
             c = build["check"]

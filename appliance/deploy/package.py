@@ -140,13 +140,13 @@ def golden_samples(compiled: Path, sample_files, preprocessing: dict, shape: lis
     """Real validation samples for the self-test: those given, else the ones export checked parity on
     (from the lineage, when the files are still there unchanged), else seeded synthetic images."""
     from appliance.deploy.export import synthetic_samples
-    from appliance.deploy.lineage import lineage_from
     from appliance.deploy.samples import load_samples
-    from appliance.manifest import sha256_file
+    from appliance.manifest import read_manifest, sha256_file
 
     if sample_files:
         return load_samples(sample_files, preprocessing, limit=count)
-    for step in lineage_from(compiled):
+    manifest = read_manifest(compiled)
+    for step in manifest.get("lineage") or manifest.get("params", {}).get("lineage", []):
         if step["stage"] != "export":
             continue
         # Its inputs are the trained model's files (weights, card) and then the samples.
@@ -211,7 +211,6 @@ def python_runner_wheels(wheels: list[Path], into: Path) -> list[Path]:
 
 def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_floor=DEFAULT_GLIBC_FLOOR,
                   sample_files=None, golden_count=GOLDEN_SAMPLES) -> dict:
-    from appliance.deploy.lineage import lineage_from
     from appliance.deploy.samples import check_input_shape
     from appliance.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs, write_manifest
 
@@ -272,8 +271,7 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
                                          *samples.files],
                        {"target": info["target"], "glibc_floor": glibc_floor, "elf_needs": elf_needs,
                         "with_python": with_python, "wheels": [w.name for w in shipped_wheels],
-                        "selftest": {k: selftest[k] for k in ("samples", "source", "max_abs_diff")},
-                        "lineage": lineage_from(compiled)})
+                        "selftest": {k: selftest[k] for k in ("samples", "source", "max_abs_diff")}})
         # Written last and over everything else (manifest.json too): what install.sh checks on the device.
         files = sorted(p for p in root.rglob("*") if p.is_file())
         atomic_write_text(root / "SHA256SUMS", "".join(

@@ -71,7 +71,6 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     import onnx
 
     from appliance.deploy.accuracy_report import compare, evaluate, write_reports
-    from appliance.deploy.lineage import lineage_from
     from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
     from appliance.deploy.samples import check_input_shape, load_samples
     from appliance.manifest import write_manifest
@@ -111,6 +110,5 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     write_reports(out_dir, report)
     write_manifest(out_dir, "quantize", [model_path, *calib.files, *(val.files if val_files else [])],
                    {"mode": mode, "method": method, "per_channel": per_channel, "scheme": scheme, "calib_samples": calib_samples,
-                    "max_drop": max_drop, "gate_passed": report["gate_passed"],
-                    "lineage": lineage_from(model_path.parent)})
+                    "max_drop": max_drop, "gate_passed": report["gate_passed"]})
     return report

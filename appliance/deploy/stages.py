@@ -140,8 +140,7 @@ def package_file_name(target: str) -> str:
 
 def package_stage(compiled: CompileResult, out_dir: Path, *, sample_files=None) -> PackageResult:
     """The edge package of a compiled model (its self-test samples from sample_files), with a stage
-    manifest carrying the lineage."""
-    from appliance.deploy.lineage import lineage_from
+    manifest (its lineage assembled by write_manifest)."""
     from appliance.deploy.package import build_package
     from appliance.manifest import atomic_write_text, write_manifest
 
@@ -152,7 +151,7 @@ def package_stage(compiled: CompileResult, out_dir: Path, *, sample_files=None) 
     atomic_write_text(out_dir / PACKAGE_RESULT_JSON, json.dumps(record, indent=2) + "\n")
     # The package carries its own manifest inside; this one describes the stage directory.
     write_manifest(out_dir, "package", [compiled.library, compiled.out_dir / COMPILE_JSON],
-                   {"target": compiled.target, "lineage": lineage_from(compiled.out_dir)})
+                   {"target": compiled.target})
     return PackageResult.load(out_dir)
 
 

@@ -1,4 +1,4 @@
-"""`appliance pipeline PIPELINE.toml`: check -> train -> export -> quantize -> compile -> package -> verify.
+"""`appliance pipeline PIPELINE.toml`: check -> train -> gate -> export -> quantize -> compile -> package -> verify.
 
 Each stage is a typed library function (data_tools.check.stage, appliance.train.stage,
 appliance.deploy.stages) that writes OUT/<stage>/ with its manifest.json and returns a result
@@ -27,7 +27,7 @@ from appliance.manifest import atomic_write_text, read_manifest, sha256_file, ve
 from appliance.pipeline.config import PipelineConfig, load_pipeline_config
 
 RECORDS_DIR = ".pipeline"  # OUT/.pipeline/<stage>.json, outside the stage directories and their manifests
-STAGES = ("check", "train", "export", "quantize", "compile", "package", "verify")
+STAGES = ("check", "train", "gate", "export", "quantize", "compile", "package", "verify")
 
 
 def say(message: str) -> None:
@@ -156,12 +156,22 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
                            nproc_per_node=cfg.pipeline.nproc_per_node, max_restarts=cfg.pipeline.max_restarts)
 
     # Training reads the data files; their content is in its fingerprint whether or not a check ran.
-    computed = {k: v for k, v in cfg.training.items() if k != "distributed"}  # not where processes talk
-    train_params = {"training": computed, "nproc_per_node": cfg.pipeline.nproc_per_node,
+    # Neither where the processes talk ([distributed]) nor the gate's thresholds decide the weights:
+    # changing a threshold reruns the gate only.
+    from appliance.train.quality import GATE_KEYS, GateResult, Thresholds, gate_stage
+
+    weights_deciding = {**{k: v for k, v in cfg.training.items() if k != "distributed"},
+                        "train": {k: v for k, v in cfg.training.get("train", {}).items() if k not in GATE_KEYS}}
+    train_params = {"training": weights_deciding, "nproc_per_node": cfg.pipeline.nproc_per_node,
                     "checked": cfg.check.enabled}
     stages.append(Stage("train", out / "train", train_params,
                         lambda r: [*clean(r, "train"), *clean(r, "val")], train, TrainResult.from_run_dir,
                         resumable=True))
+
+    thresholds = Thresholds.of(cfg.training.get("train", {}))
+    stages.append(Stage("gate", out / "gate", asdict(thresholds),
+                        lambda r: [r["train"].metrics_path, *_files_in(r["train"].model_dir)],
+                        lambda d, r: gate_stage(r["train"], thresholds, d), GateResult.load))
 
     stages.append(Stage(
         "export", out / "export", asdict(cfg.export),
@@ -255,6 +265,11 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
                             "val_acc": train.val_acc}
         if train.val_acc is not None:
             summary["accuracy"]["train_val_top1"] = train.val_acc
+    gate = results.get("gate")
+    if gate is not None and "val_acc" in gate.quality:
+        summary["accuracy"]["val_majority_baseline_top1"] = gate.quality["majority_baseline"]
+        summary["accuracy"]["quality_gate_required_top1"] = gate.quality["required_val_acc"]
+        summary["quality_gate"] = {"passed": gate.quality["passed"], "line": gate.quality.get("line", "")}
     quantized = results.get("quantize")
     if quantized is not None:
         q = quantized.report
@@ -295,7 +310,8 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
 
 def lineage(package_dir: Path, check) -> list[dict]:
     """The edge package's lineage, from the raw data files the check stage read to the compiled model."""
-    steps = read_manifest(package_dir)["params"].get("lineage", [])
+    manifest = read_manifest(package_dir)
+    steps = manifest.get("lineage") or manifest["params"].get("lineage", [])  # params: older manifests
     if check is not None and not any(s.get("stage") == "check" for s in steps):
         manifest = read_manifest(check.out_dir)
         steps = [{"stage": "check", "dir": str(check.out_dir), "inputs": manifest["inputs"]}, *steps]

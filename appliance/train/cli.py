@@ -22,6 +22,14 @@ def run(args) -> int:
                                         resume=args.resume, iface=args.iface), dry_run=args.dry_run)
     if isinstance(result, str):
         print(result)
+        return 0
+    from appliance.train.quality import require_quality, summary_line
+
+    if result.quality is None:
+        print(f"run {result.run_dir}: no validation pass recorded ([data] val): quality gate not applied")
+        return 0
+    require_quality(str(result.run_dir), result.quality)  # GateFailed: exit 3, the same line
+    print(summary_line(str(result.run_dir), result.quality))
     return 0
 
 

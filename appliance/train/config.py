@@ -19,6 +19,7 @@ from appliance.errors import ConfigError
 from appliance.tomlconfig import parse_section, read_toml
 from appliance.models import ARCHITECTURES
 from appliance.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, Range
+from appliance.train.quality import GATE_KEYS, check_thresholds
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -80,6 +81,11 @@ class TrainSection:
     grad_accum: Annotated[int, AT_LEAST_ONE] = 1
     precision: str = "auto"
     grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # 0 disables clipping
+    # The quality gate on the trained model (appliance/train/quality.py); they judge, not train.
+    min_val_acc: Annotated[float, FRACTION] = 0.0
+    min_class_recall: Annotated[float, FRACTION] = 0.0
+    baseline_margin: Annotated[float, FRACTION] = 0.1  # fraction of the gap from the majority baseline to 100 % to close
+    max_predicted_share: Annotated[float, FRACTION] = 0.95  # one class predicted this often is a collapsed model
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,7 @@ class Config:
         d.pop("checkpoint")
         d.pop("distributed")  # where the processes talk, not what they compute
         d["run"] = {"seed": self.run.seed, "deterministic": self.run.deterministic}
-        d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps")}
+        d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps", *GATE_KEYS)}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict:
@@ -235,6 +241,7 @@ def config_from_dict(raw: dict, path: str | Path) -> Config:
         raise ConfigError(f"{source}: [run] name {run.name!r} must be a plain directory name")
     cfg = Config(**sections, source=str(path.resolve()))
     _check_values(cfg, source)
+    check_thresholds(cfg.train, source)
     return cfg
 
 

@@ -136,6 +136,20 @@ class TrainResult:
     steps: int
     val_acc: float | None  # top-1 on the validation set at the last evaluation (None without [data] val)
     val_loss: float | None
+    val_confusion: tuple | None = None  # [true][predicted] counts at the last evaluation
+    class_names: tuple[str, ...] = ()
+    quality: dict | None = None  # the quality gate's figures (appliance.train.quality), once judged
+
+    def judged(self, thresholds) -> "TrainResult":
+        """This result with the quality gate's figures for thresholds (a Thresholds); quality stays
+        None without a validation pass that recorded its confusion counts."""
+        from dataclasses import replace
+
+        from appliance.train.quality import quality_figures
+
+        if self.val_confusion is None:
+            return self
+        return replace(self, quality=quality_figures(self.val_confusion, self.class_names, thresholds))
 
     @classmethod
     def from_run_dir(cls, run_dir: Path) -> "TrainResult":
@@ -153,10 +167,17 @@ class TrainResult:
                 if isinstance(record, dict) and "val_acc" in record:
                     evals.append(record)
         last = evals[-1] if evals else {}
+        confusion = last.get("val_confusion")
+        try:
+            names = json.loads((run_dir / MODEL_DIR_NAME / "model.json").read_text()).get("class_names", [])
+        except (OSError, ValueError, AttributeError):
+            names = []
         return cls(run_dir=run_dir, model_dir=run_dir / MODEL_DIR_NAME, checkpoints_dir=run_dir / "checkpoints",
                    metrics_path=metrics_path, manifest_path=run_dir / MANIFEST_NAME,
                    steps=int(read_manifest(run_dir)["params"].get("steps", 0)),
-                   val_acc=last.get("val_acc"), val_loss=last.get("val_loss"))
+                   val_acc=last.get("val_acc"), val_loss=last.get("val_loss"),
+                   val_confusion=tuple(map(tuple, confusion)) if isinstance(confusion, list) else None,
+                   class_names=tuple(map(str, names or ())))
 
 
 METRICS_NAME = "metrics.jsonl"
@@ -224,7 +245,19 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
             raise ApplianceError(line)
         raise ApplianceError(f"training failed (torchrun exit status {returncode}); the log above names the "
                              f"failing rank. Checkpoints: {cfg.run_dir / 'checkpoints'}")
-    return TrainResult.from_run_dir(cfg.run_dir)
+    result = TrainResult.from_run_dir(cfg.run_dir)
+    return judge(result, cfg.train)
+
+
+def judge(result: TrainResult, train_section) -> TrainResult:
+    """The result with its quality-gate figures, also written to RUN_DIR/quality.json (the training
+    report of the gate); raising GateFailed is the caller's choice (`appliance train`, the pipeline)."""
+    from appliance.train.quality import QUALITY_JSON, Thresholds, write_quality
+
+    result = result.judged(Thresholds.of(train_section))
+    if result.quality is not None:
+        write_quality(result.run_dir / QUALITY_JSON, str(result.run_dir), result.quality)
+    return result
 
 
 class Interrupted(ApplianceError):

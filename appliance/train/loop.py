@@ -73,8 +73,9 @@ def peak_memory_mb(device) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, autocast) -> dict:
-    """Loss and top-1 over the whole validation set (each record counted once across ranks).
+def evaluate(model, loader, device, autocast, num_classes: int = 0) -> dict:
+    """Loss and top-1 over the whole validation set (each record counted once across ranks), and
+    with num_classes the confusion counts val_confusion[true][predicted] (for the quality gate).
 
     Takes the unwrapped model: shares may differ by a batch between ranks, and DDP's forward
     would run collectives. Rank 0's buffers (BatchNorm statistics) are what gets saved, so
@@ -83,6 +84,7 @@ def evaluate(model, loader, device, autocast) -> dict:
         dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with autocast():
@@ -90,10 +92,18 @@ def evaluate(model, loader, device, autocast) -> dict:
         totals[0] += nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += labels.numel()
+        if num_classes:
+            # On the CPU: CUDA's bincount has no deterministic kernel (use_deterministic_algorithms refuses it).
+            pairs = (labels * num_classes + logits.argmax(1)).cpu()
+            confusion += torch.bincount(pairs, minlength=num_classes ** 2).to(device)
     dist.all_reduce(totals)
     model.train()
     count = max(totals[2].item(), 1)
-    return {"val_loss": totals[0].item() / count, "val_acc": totals[1].item() / count}
+    metrics = {"val_loss": totals[0].item() / count, "val_acc": totals[1].item() / count}
+    if num_classes:
+        dist.all_reduce(confusion)
+        metrics["val_confusion"] = confusion.view(num_classes, num_classes).tolist()
+    return metrics
 
 
 def write_run_manifest(cfg: Config, run_dir: Path, step: int) -> None:
@@ -285,9 +295,10 @@ def train(cfg: Config, resume: str = "auto") -> int:
             epoch, batches_done = epoch + 1, 0
             if val_loader is not None:
                 loader_generator.manual_seed(cfg.run.seed)
-                metrics = evaluate(raw_model, val_loader, device, autocast)
+                metrics = evaluate(raw_model, val_loader, device, autocast, cfg.num_classes)
+                confusion = metrics.pop("val_confusion")  # in metrics.jsonl only, not in checkpoints
                 if rank == 0:
-                    _log_line(run_dir, {"step": step, "epoch": epoch - 1, **metrics})
+                    _log_line(run_dir, {"step": step, "epoch": epoch - 1, **metrics, "val_confusion": confusion})
                     for key, value in metrics.items():
                         writer.add_scalar(f"val/{key[4:]}", value, step)
                     log(f"epoch {epoch - 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)

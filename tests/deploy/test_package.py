@@ -73,8 +73,8 @@ def test_package_contents_checksums_and_lineage(unpacked, edge_package):
     assert (top2[:, 1] - top2[:, 0]).min() > 2 * info["selftest"]["max_abs_diff"]
     assert info["class_names"][3] == "south-east" and info["preprocessing"]["image_size"] == 16
     manifest = json.loads((unpacked / "manifest.json").read_text())
-    assert [s["stage"] for s in manifest["params"]["lineage"]] == ["export", "compile"]
-    assert any(i["path"].endswith("val.tfrecord") for i in manifest["params"]["lineage"][0]["inputs"])
+    assert [s["stage"] for s in manifest["lineage"]] == ["export", "compile"]
+    assert any(i["path"].endswith("val.tfrecord") for i in manifest["lineage"][0]["inputs"])
     assert manifest["params"]["glibc_floor"] == "2.28" and manifest["params"]["with_python"] is False
 
 
@@ -237,8 +237,8 @@ def test_int8_model_through_compile_package_and_verify(tmp_path, exported, calib
     assert report["passed"] and report["routes"][0]["top1_agreement"] == 1.0 and report["selftest"]["passed"]
     with tarfile.open(tmp_path / "int8.tar") as tar:
         manifest = json.load(tar.extractfile("edge-package/manifest.json"))
-    assert [s["stage"] for s in manifest["params"]["lineage"]] == ["export", "quantize", "compile"]
-    assert any(i["path"] == str(calib_tfrecord) for i in manifest["params"]["lineage"][1]["inputs"])
+    assert [s["stage"] for s in manifest["lineage"]] == ["export", "quantize", "compile"]
+    assert any(i["path"] == str(calib_tfrecord) for i in manifest["lineage"][1]["inputs"])
 
 
 def test_sysroot_fetch_offline_and_missing_debs_are_one_line(tmp_path, python_package):
@@ -249,34 +249,3 @@ def test_sysroot_fetch_offline_and_missing_debs_are_one_line(tmp_path, python_pa
     proc = run_appliance("edge", "verify", str(python_package), "--python", "--sysroot-debs", str(tmp_path / "none"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert f"{tmp_path / 'none'}: no arm64 sysroot .debs (run `appliance edge sysroot" in proc.stderr
-
-
-def test_a_damaged_upstream_manifest_is_named_not_skipped(tmp_path):
-    from appliance.deploy.lineage import lineage_from
-    from appliance.errors import DataError
-
-    (tmp_path / "manifest.json").write_text('{"stage": "export", "inputs": [')
-    with pytest.raises(DataError, match=r"manifest.json: damaged stage manifest"):
-        lineage_from(tmp_path)
-
-
-def test_edge_verify_fails_when_the_package_selftest_fails(edge_package, tmp_path):
-    """Golden outputs that the model does not reproduce (re-summed, so the checksums pass): the
-    comparison with the host still agrees, the package's own self-test does not, and verify fails."""
-    import hashlib
-
-    root = tmp_path / "edge-package"
-    with tarfile.open(edge_package) as tar:
-        tar.extractall(tmp_path, filter="data")
-    expected = np.load(root / "selftest/expected.npy")
-    np.save(root / "selftest/expected.npy", expected[::-1].copy())
-    (root / "SHA256SUMS").write_text("".join(
-        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(root)}\n"
-        for p in sorted(root.rglob("*")) if p.is_file() and p.name != "SHA256SUMS"))
-    with tarfile.open(tmp_path / "bad-golden.tar", "w") as tar:
-        tar.add(root, arcname="edge-package")
-    proc = run_appliance("edge", "verify", str(tmp_path / "bad-golden.tar"), "--bench-runs", "0")
-    assert proc.returncode == 1, proc.stderr
-    native, selftest = proc.stdout.strip().splitlines()
-    assert native.endswith("PASS") and "bin/run --selftest (qemu-aarch64): 8 golden samples" in selftest
-    assert selftest.endswith("FAIL")

@@ -41,7 +41,7 @@ def test_quantize_passes_the_gate_with_a_report(tmp_path, exported, calib_tfreco
     assert "<svg" in page and "PASS" in page and "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     manifest = read_manifest(out)
     assert {i["path"] for i in manifest["inputs"]} >= {str(calib_tfrecord), str(val_tfrecord)}
-    assert manifest["params"]["gate_passed"] and manifest["params"]["lineage"][-1]["stage"] == "export"
+    assert manifest["params"]["gate_passed"] and manifest["lineage"][-1]["stage"] == "export"
 
 
 def test_gate_fails_when_calibration_misses_the_signal(tmp_path, exported, val_tfrecord):

@@ -45,13 +45,26 @@ def test_demo_offline_meets_the_accuracy_and_agreement_bars(demo):
     assert acc["fp32_top1"] - acc["int8_top1"] <= 0.01, acc
     assert acc["edge_agreement_with_host"] >= 0.995, acc
     assert summary["verified_samples"] >= 300  # the whole validation split, not a handful
+    # The model beat the majority-class baseline by the gate's margin.
+    assert summary["quality_gate"]["passed"] and acc["fp32_top1"] > acc["val_majority_baseline_top1"] + 0.5, acc
     # The figures are printed for the user too.
     assert f"{100 * acc['fp32_top1']:.2f} %" in proc.stdout
     # Lineage reaches back to the TFRecord files the demo wrote.
     data_files = {str(p) for p in (out / "data").glob("*.tfrecord")}
     lineage_inputs = {i["path"] for step in summary["lineage"] for i in step["inputs"]}
     assert data_files <= lineage_inputs
-    for stage in ("check", "train", "export", "quantize", "compile-x86_64", "compile-aarch64", "package", "verify"):
+    # The edge package's own manifest says what made it and how to remake it: `appliance demo`.
+    import shlex
+    import tarfile
+    with tarfile.open(summary["artifacts"]["package"] + "/edge-package-aarch64.tar") as tar:
+        manifest = json.load(tar.extractfile("edge-package/manifest.json"))
+    made_by = shlex.join(["appliance", "demo", "--out", str(out)])
+    assert manifest["command"] == made_by and manifest["appliance_version"]
+    assert [s["stage"] for s in manifest["lineage"]] == ["check", "train", "export", "quantize", "compile"]
+    assert all(s["command"] == made_by for s in manifest["lineage"])
+    assert data_files <= {i["path"] for i in manifest["lineage"][0]["inputs"]}
+    print("demo figures:", json.dumps(acc))
+    for stage in ("check", "train", "gate", "export", "quantize", "compile-x86_64", "compile-aarch64", "package", "verify"):
         assert (out / "out" / stage / "manifest.json").is_file(), stage
 
 
@@ -71,7 +84,7 @@ def test_changing_a_training_parameter_redoes_train_and_later_only(demo, tmp_pat
     proc = run_offline("pipeline", str(config))
     assert stage_lines(proc.stderr, "unchanged") == {"check"}
     assert stage_lines(proc.stderr, "running") == {
-        "train", "export", "quantize", "compile-x86_64", "compile-aarch64", "package", "verify"}
+        "train", "gate", "export", "quantize", "compile-x86_64", "compile-aarch64", "package", "verify"}
 
 
 def test_pipeline_killed_during_training_finishes_with_the_same_model(demo, tmp_path):

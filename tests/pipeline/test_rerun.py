@@ -40,6 +40,7 @@ std = [0.25]
 lr = {lr}
 [train]
 epochs = 1
+{train_extra}
 [compile]
 targets = ["aarch64"]
 """
@@ -63,7 +64,9 @@ def fake_train(cfg):
         (d / "model").mkdir(parents=True, exist_ok=True)
         (d / "model" / "weights.bin").write_text(_digest(json.dumps(cfg.training, sort_keys=True),
                                                           _inputs_digest(files)))
-        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "epoch": 0, "val_loss": 0.5, "val_acc": 0.875}) + "\n")
+        # 7 of 8 right: the confusion counts [true][predicted] the real loop writes with val_acc.
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "epoch": 0, "val_loss": 0.5, "val_acc": 0.875,
+                                                     "val_confusion": [[3, 0, 0], [0, 2, 0], [0, 1, 2]]}) + "\n")
         write_manifest(d, "train", files, {"steps": 1}, outputs=[d / "model" / "weights.bin", d / "metrics.jsonl"])
         return TrainResult.from_run_dir(d)
     return action
@@ -125,9 +128,9 @@ def site(tmp_path):
     return tmp_path
 
 
-def run(site: Path, check: bool = True, lr: float = 0.003):
+def run(site: Path, check: bool = True, lr: float = 0.003, train_extra: str = ""):
     path = site / "pipeline.toml"
-    path.write_text(CONFIG.format(check="true" if check else "false", lr=lr))
+    path.write_text(CONFIG.format(check="true" if check else "false", lr=lr, train_extra=train_extra))
     cfg = load_pipeline_config(path)
     stages = plan(cfg)
     fakes = {"train": fake_train(cfg), "export": fake_export, "quantize": fake_quantize,
@@ -139,7 +142,7 @@ def run(site: Path, check: bool = True, lr: float = 0.003):
     return cfg, results, ran
 
 
-ALL = ["check", "train", "export", "quantize", "compile-aarch64", "package", "verify"]
+ALL = ["check", "train", "gate", "export", "quantize", "compile-aarch64", "package", "verify"]
 AFTER_CHECK = ALL[1:]
 
 
@@ -173,6 +176,24 @@ def test_a_changed_training_parameter_reruns_train_and_later_only(site):
     run(site)
     _, _, ran = run(site, lr=0.01)
     assert ran == AFTER_CHECK
+
+
+def test_a_changed_gate_threshold_reruns_the_gate_only_and_can_stop_the_pipeline(site):
+    from appliance.errors import GateFailed
+
+    run(site)
+    _, _, ran = run(site, train_extra="baseline_margin = 0.5")  # 87.5 % top-1 still closes 0.5 of the gap
+    assert ran == ["gate"]
+    with pytest.raises(GateFailed, match=r"run .*/out/train: val top-1 87.5 % vs majority-class baseline 37.5 %"):
+        run(site, train_extra="min_val_acc = 0.9")
+    assert json.loads((site / "out" / "gate" / "quality.json").read_text())["passed"] is False
+
+
+def test_the_summary_carries_the_quality_gate_figures(site):
+    cfg, results, ran = run(site)
+    summary = build_summary(cfg, results, ran, 1.0)
+    assert summary["accuracy"]["val_majority_baseline_top1"] == 3 / 8
+    assert summary["stages"]["gate"]["passed"] is True and summary["quality_gate"]["passed"] is True
 
 
 def test_summary_carries_the_training_accuracy(site):
