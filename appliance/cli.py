@@ -20,10 +20,8 @@ VERB_MODULES = [  # in the order of the pipeline, as `appliance --help` lists th
     "appliance.doctor",
     "data_tools.cli",
     "appliance.train.cli",
-    "appliance.deploy.cli",  # export, quantize
+    "appliance.deploy.cli",  # export, quantize, package, edge
     "appliance.deploy.compile",
-    "appliance.deploy.package",
-    "appliance.deploy.edge_verify",
     "appliance.pipeline.cli",
     "appliance.bundle.cli",
 ]
@@ -59,10 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     if argv[:2] == ["train", "slurm"]:  # a sub-verb of `train`, whose own first argument is a file
-        from appliance.train.cli import SLURM_VERB
+        from appliance.train.cli import slurm_parser
 
-        argv = [SLURM_VERB, *argv[2:]]
-    args = parser.parse_args(argv)
+        args = slurm_parser().parse_args(argv[2:])
+    else:
+        args = parser.parse_args(argv)
     args.debug = debug
     from appliance.manifest import remember_command
 

@@ -1,5 +1,5 @@
-"""Thin handlers for the deploy verbs: `appliance export`, `quantize` (and, as their modules
-move here, `compile`, `package`, `edge ...`). The work is in appliance.deploy.<stage>; a failed
+"""Thin handlers for the deploy verbs: `appliance export`, `quantize`, `package`, `edge verify`,
+`edge sysroot` (and `compile`). The work is in appliance.deploy.<stage>; a failed
 gate raises GateFailed (exit status 3) after its report is written."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from appliance import values
-from appliance.deploy import quantize
+from appliance.deploy import edge_sysroot, edge_verify, glibc_floor, qemu, quantize
 from appliance.deploy.export import DEFAULT_MAX_REL_ERROR
 from appliance.errors import GateFailed
 
@@ -16,6 +16,8 @@ from appliance.errors import GateFailed
 def register(subparsers) -> None:
     register_export(subparsers)
     register_quantize(subparsers)
+    register_package(subparsers)
+    register_edge(subparsers)
 
 
 def register_export(subparsers) -> None:
@@ -89,4 +91,115 @@ def quantize_command(args) -> int:
     if not report["gate_passed"]:
         raise GateFailed(f"{q['model']}: top-1 dropped {report['top1_drop_points']:.2f} points, more than "
                          f"--max-drop {args.max_drop:g} (see {Path(args.out) / 'accuracy.html'})")
+    return 0
+
+
+def register_package(subparsers) -> None:
+    p = subparsers.add_parser(
+        "package", help="build an edge package tar (native runner, TVM runtime, golden samples, checksums)",
+        description="Package COMPILE_DIR (from `appliance compile --target aarch64`) into one tar a device "
+        "installs with no network. Refuses when any shipped ELF file needs a glibc above --glibc-floor.")
+    p.add_argument("compiled", metavar="COMPILE_DIR")
+    p.add_argument("--target", default="aarch64", choices=["aarch64"])
+    p.add_argument("--out", required=True, metavar="edge-package.tar")
+    p.add_argument("--glibc-floor", default=glibc_floor.DEFAULT_GLIBC_FLOOR, metavar="2.X",
+                   help=f"oldest glibc the device may have (default {glibc_floor.DEFAULT_GLIBC_FLOOR}: Debian 10+, "
+                   "Ubuntu 18.10+, RHEL 8+, JetPack 5+)")
+    p.add_argument("--with-python", action="store_true",
+                   help="also ship python/run.py and the aarch64 wheels it needs (about 100 MB more)")
+    p.add_argument("--samples", nargs="+", metavar="FILE",
+                   help="validation TFRecord files or a .npz of tensors for the golden self-test samples "
+                   "(default: the samples `appliance export` checked parity on, when still present)")
+    p.add_argument("--wheelhouse", metavar="DIR",
+                   help="aarch64 wheels (default: the project's or installed bundle's wheelhouse/edge-aarch64)")
+    p.set_defaults(func=package_command)
+
+
+def package_command(args) -> int:
+    from appliance.deploy.package import build_package
+
+    info = build_package(args.compiled, args.out, wheelhouse=args.wheelhouse, with_python=args.with_python,
+                         glibc_floor=args.glibc_floor, sample_files=args.samples)
+    print(f"wrote {args.out} ({info['bytes'] / 1e6:.1f} MB, {info['files']} files, glibc >= {info['glibc_floor']}, "
+          f"{info['selftest_samples']} golden samples ({info['selftest_source']})"
+          f"{', ' + str(len(info['wheels'])) + ' wheels' if info['wheels'] else ''}); "
+          f"check it with `appliance edge verify {args.out}`")
+    return 0
+
+
+def register_edge(subparsers) -> None:
+    edge = subparsers.add_parser("edge", help="edge package checks (verify) and the arm64 sysroot for them")
+    verbs = edge.add_subparsers(dest="edge_verb", metavar="VERB", required=True)
+    p = verbs.add_parser(
+        "verify", help="run the package under qemu-aarch64 and compare with host onnxruntime",
+        description="Check the package's SHA256SUMS, run its native runner under qemu-aarch64 on "
+        "samples and compare with onnxruntime on the host: top-1 agreement and max logit difference, gated "
+        "(exit status 3 when the gate or the on-device self-test fails).")
+    p.add_argument("package", metavar="edge-package.tar")
+    p.add_argument("--samples", nargs="+", metavar="FILE",
+                   help="validation TFRecord files or a .npz of tensors (default: 16 seeded random images)")
+    p.add_argument("--num-samples", type=values.positive_int, default=32)
+    p.add_argument("--min-agreement", type=values.fraction_float, default=1.0, help="required top-1 agreement (default 1.0)")
+    p.add_argument("--max-logit-diff", type=values.non_negative_float,
+                   help="allowed max |edge - host| logit, times max(1, max |host logit|) "
+                   "(default 1e-4; 1e-2 for FP16 models)")
+    p.add_argument("--sysroot", default=qemu.DEFAULT_SYSROOT, help="aarch64 libc for qemu -L")
+    p.add_argument("--python", action="store_true",
+                   help="also run python/run.py inside an arm64 Python sysroot under qemu (about 15 s more)")
+    p.add_argument("--sysroot-debs", metavar="DIR",
+                   help="arm64 .debs from `appliance edge sysroot` (default: wheelhouse/edge-sysroot-arm64)")
+    p.add_argument("--bench-runs", type=values.non_negative_int, default=edge_verify.BENCH_RUNS, metavar="N",
+                   help=f"timed runs of `bin/run --bench` under qemu (default {edge_verify.BENCH_RUNS}; 0 skips it); "
+                   "emulated latency, reported and not gated")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
+    p.add_argument("--out", metavar="DIR", type=values.output_dir, help="also write verify.json and manifest.json here")
+    p.set_defaults(func=verify_command)
+    register_sysroot(verbs)
+
+
+def verify_command(args) -> int:
+    from appliance.deploy.edge_verify import selftest_line, verify_package
+
+    report = verify_package(args.package, sample_files=args.samples, num_samples=args.num_samples,
+                            min_agreement=args.min_agreement, max_logit_diff=args.max_logit_diff,
+                            sysroot=args.sysroot, out_dir=args.out, python=args.python,
+                            sysroot_debs=args.sysroot_debs, bench_runs=args.bench_runs)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for route in report["routes"]:
+            print(f"{args.package}: {route['runner']}: {report['samples']} samples: top-1 agreement "
+                  f"{route['top1_agreement']:.4f} (need {args.min_agreement:g}), max logit diff "
+                  f"{route['max_logit_diff']:.3g} (allowed {route['allowed_logit_diff']:.3g}), "
+                  f"{route['seconds']:.1f} s: {'PASS' if route['passed'] else 'FAIL'}")
+        print(f"{args.package}: {selftest_line(report['selftest'])}")
+        if report.get("bench"):
+            b = report["bench"]
+            print(f"{args.package}: bin/run --bench (emulated, not gated): {b['runs']} runs: median "
+                  f"{b['median_ms']:.2f} ms, p90 {b['p90_ms']:.2f} ms, p99 {b['p99_ms']:.2f} ms, "
+                  f"fluctuation {b['fluctuation']:.3f}")
+    if not report["passed"]:
+        failed = [r["runner"] for r in report["routes"] if not r["passed"]]
+        if report.get("selftest") and not report["selftest"].get("passed", False):
+            failed.append("the on-device self-test")
+        raise GateFailed(f"{args.package}: edge verification failed: {', '.join(failed) or 'see the report'}")
+    return 0
+
+
+def register_sysroot(verbs) -> None:
+    p = verbs.add_parser(
+        "sysroot", help="fetch Debian arm64 python3.11 .debs for `edge verify --python` (connected host)",
+        description="Download the arm64 .debs of python3.11 and its dependencies into DIR with a private apt "
+        "configuration (the host's packages are not touched). Needs a network; the result works offline.")
+    p.add_argument("--out", default=str(edge_sysroot.default_debs_dir()), metavar="DIR")
+    p.add_argument("--mirror", default=edge_sysroot.MIRROR)
+    p.add_argument("--suite", default=edge_sysroot.SUITE)
+    p.set_defaults(func=sysroot_command)
+
+
+def sysroot_command(args) -> int:
+    from appliance.deploy.edge_sysroot import fetch_sysroot_debs
+
+    debs = fetch_sysroot_debs(args.out, mirror=args.mirror, suite=args.suite)
+    print(f"wrote {len(debs)} arm64 .debs to {args.out}; `appliance edge verify --python` uses them offline")
     return 0

@@ -29,28 +29,11 @@ RUNNER_WHEELS = ("apache_tvm-", "apache_tvm_ffi-", "numpy-", "ml_dtypes-", "pill
 PROJECT = Path(__file__).resolve().parents[2]
 
 
-def register_sysroot(verbs) -> None:
-    p = verbs.add_parser(
-        "sysroot", help="fetch Debian arm64 python3.11 .debs for `edge verify --python` (connected host)",
-        description="Download the arm64 .debs of python3.11 and its dependencies into DIR with a private apt "
-        "configuration (the host's packages are not touched). Needs a network; the result works offline.")
-    p.add_argument("--out", default=str(default_debs_dir()), metavar="DIR")
-    p.add_argument("--mirror", default=MIRROR)
-    p.add_argument("--suite", default=SUITE)
-    p.set_defaults(func=_run_fetch)
-
-
 def default_debs_dir() -> Path:
     for c in (PROJECT / "wheelhouse" / "edge-sysroot-arm64", Path(sys.prefix).parent / "wheelhouse" / "edge-sysroot-arm64"):
         if (c / "manifest.json").is_file():
             return c
     return PROJECT / "wheelhouse" / "edge-sysroot-arm64"
-
-
-def _run_fetch(args) -> int:
-    debs = fetch_sysroot_debs(args.out, mirror=args.mirror, suite=args.suite)
-    print(f"wrote {len(debs)} arm64 .debs to {args.out}; `appliance edge verify --python` uses them offline")
-    return 0
 
 
 def fetch_sysroot_debs(out_dir, *, mirror=MIRROR, suite=SUITE) -> list[Path]:

@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance import values
-from appliance.deploy.edge_sysroot import register_sysroot
 from appliance.deploy.qemu import DEFAULT_SYSROOT, check_sysroot, find_qemu, run_counting_samples, run_json
 from appliance.errors import DataError
 
@@ -23,57 +21,6 @@ if TYPE_CHECKING:
     import numpy as np
 
 BENCH_RUNS, BENCH_WARMUP = 20, 3
-
-
-def register(subparsers) -> None:
-    edge = subparsers.add_parser("edge", help="edge package checks (verify)")
-    verbs = edge.add_subparsers(dest="edge_verb", metavar="VERB", required=True)
-    p = verbs.add_parser(
-        "verify", help="run the package under qemu-aarch64 and compare with host onnxruntime",
-        description="Check the package's SHA256SUMS, run its native runner under qemu-aarch64 on "
-        "samples and compare with onnxruntime on the host: top-1 agreement and max logit difference, gated.")
-    p.add_argument("package", metavar="edge-package.tar")
-    p.add_argument("--samples", nargs="+", metavar="FILE",
-                   help="validation TFRecord files or a .npz of tensors (default: 16 seeded random images)")
-    p.add_argument("--num-samples", type=values.positive_int, default=32)
-    p.add_argument("--min-agreement", type=values.fraction_float, default=1.0, help="required top-1 agreement (default 1.0)")
-    p.add_argument("--max-logit-diff", type=values.non_negative_float,
-                   help="allowed max |edge - host| logit, times max(1, max |host logit|) "
-                   "(default 1e-4; 1e-2 for FP16 models)")
-    p.add_argument("--sysroot", default=DEFAULT_SYSROOT, help="aarch64 libc for qemu -L")
-    p.add_argument("--python", action="store_true",
-                   help="also run python/run.py inside an arm64 Python sysroot under qemu (about 15 s more)")
-    p.add_argument("--sysroot-debs", metavar="DIR",
-                   help="arm64 .debs from `appliance edge sysroot` (default: wheelhouse/edge-sysroot-arm64)")
-    p.add_argument("--bench-runs", type=values.non_negative_int, default=BENCH_RUNS, metavar="N",
-                   help=f"timed runs of `bin/run --bench` under qemu (default {BENCH_RUNS}; 0 skips it); "
-                   "emulated latency, reported and not gated")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
-    p.add_argument("--out", metavar="DIR", type=values.output_dir, help="also write verify.json and manifest.json here")
-    p.set_defaults(func=run)
-    register_sysroot(verbs)
-
-
-def run(args) -> int:
-    report = verify_package(args.package, sample_files=args.samples, num_samples=args.num_samples,
-                            min_agreement=args.min_agreement, max_logit_diff=args.max_logit_diff,
-                            sysroot=args.sysroot, out_dir=args.out, python=args.python,
-                            sysroot_debs=args.sysroot_debs, bench_runs=args.bench_runs)
-    if args.json:
-        print(json.dumps(report))
-        return 0 if report["passed"] else 1
-    for route in report["routes"]:
-        print(f"{args.package}: {route['runner']}: {report['samples']} samples: top-1 agreement "
-              f"{route['top1_agreement']:.4f} (need {args.min_agreement:g}), max logit diff "
-              f"{route['max_logit_diff']:.3g} (allowed {route['allowed_logit_diff']:.3g}), "
-              f"{route['seconds']:.1f} s: {'PASS' if route['passed'] else 'FAIL'}")
-    print(f"{args.package}: {selftest_line(report['selftest'])}")
-    if report.get("bench"):
-        b = report["bench"]
-        print(f"{args.package}: bin/run --bench (emulated, not gated): {b['runs']} runs: median "
-              f"{b['median_ms']:.2f} ms, p90 {b['p90_ms']:.2f} ms, p99 {b['p99_ms']:.2f} ms, "
-              f"fluctuation {b['fluctuation']:.3f}")
-    return 0 if report["passed"] else 1
 
 
 def selftest_line(t: dict) -> str:

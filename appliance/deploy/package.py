@@ -36,37 +36,6 @@ RUNTIME_LIBS = {"apache_tvm-": "tvm/lib/libtvm_runtime.so", "apache_tvm_ffi-": "
 GOLDEN_SAMPLES = 8
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "package", help="build an edge package tar (native runner, TVM runtime, golden samples, checksums)",
-        description="Package COMPILE_DIR (from `appliance compile --target aarch64`) into one tar a device "
-        "installs with no network. Refuses when any shipped ELF file needs a glibc above --glibc-floor.")
-    p.add_argument("compiled", metavar="COMPILE_DIR")
-    p.add_argument("--target", default="aarch64", choices=["aarch64"])
-    p.add_argument("--out", required=True, metavar="edge-package.tar")
-    p.add_argument("--glibc-floor", default=DEFAULT_GLIBC_FLOOR, metavar="2.X",
-                   help=f"oldest glibc the device may have (default {DEFAULT_GLIBC_FLOOR}: Debian 10+, "
-                   "Ubuntu 18.10+, RHEL 8+, JetPack 5+)")
-    p.add_argument("--with-python", action="store_true",
-                   help="also ship python/run.py and the aarch64 wheels it needs (about 100 MB more)")
-    p.add_argument("--samples", nargs="+", metavar="FILE",
-                   help="validation TFRecord files or a .npz of tensors for the golden self-test samples "
-                   "(default: the samples `appliance export` checked parity on, when still present)")
-    p.add_argument("--wheelhouse", metavar="DIR",
-                   help="aarch64 wheels (default: the project's or installed bundle's wheelhouse/edge-aarch64)")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    info = build_package(args.compiled, args.out, wheelhouse=args.wheelhouse, with_python=args.with_python,
-                         glibc_floor=args.glibc_floor, sample_files=args.samples)
-    print(f"wrote {args.out} ({info['bytes'] / 1e6:.1f} MB, {info['files']} files, glibc >= {info['glibc_floor']}, "
-          f"{info['selftest_samples']} golden samples ({info['selftest_source']})"
-          f"{', ' + str(len(info['wheels'])) + ' wheels' if info['wheels'] else ''}); "
-          f"check it with `appliance edge verify {args.out}`")
-    return 0
-
-
 def default_wheelhouse() -> Path:
     """The project checkout's wheelhouse, else the one next to the installed bundle's venv."""
     candidates = [PROJECT / "wheelhouse" / "edge-aarch64", Path(sys.prefix).parent / "wheelhouse" / "edge-aarch64"]

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from appliance import values
 
-SLURM_VERB = "train-slurm"  # `appliance train slurm ...` is parsed by this parser (see appliance.cli)
 
 
 def run(args) -> int:
@@ -84,15 +83,19 @@ def register(subparsers) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress output (results and errors still print)")
     p.set_defaults(func=run)
 
-    s = subparsers.add_parser(
-        SLURM_VERB, prog="appliance train slurm", help=argparse.SUPPRESS,
+def slurm_parser() -> argparse.ArgumentParser:
+    """`appliance train slurm ...`: its own parser (appliance.cli hands it the rest of the line),
+    since `train`'s first argument is a file, not a sub-verb."""
+    s = argparse.ArgumentParser(
+        prog="appliance train slurm",
         description="Write an sbatch script that runs `appliance train`'s torchrun command on N nodes under srun.")
     s.add_argument("config", metavar="CONFIG.toml", help="the training config")
     s.add_argument("--nodes", type=values.positive_int, required=True, help="number of nodes")
     s.add_argument("--gpus-per-node", type=values.non_negative_int, default=0, help="GPUs per node (0: CPU)")
     s.add_argument("--out", default="", help="script path (default RUN_DIR/train.sbatch)")
     _add_nproc_and_restarts(s)
-    s.set_defaults(func=write_slurm, verb_label="train slurm")
+    s.set_defaults(func=write_slurm, verb="train", verb_label="train slurm")
+    return s
 
 
 def _add_nproc_and_restarts(p) -> None:
