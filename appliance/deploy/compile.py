@@ -140,7 +140,10 @@ def import_relax(model, path, shape: list):
         raise DataError(f"{path}: TVM cannot import operator {', '.join(unsupported[:3])}"
                         f"{' and more' if len(unsupported) > 3 else ''}; compile the FP32 model or the "
                         "FP16/QDQ one from `appliance quantize` instead")
-    name = model.graph.input[0].name
+    from appliance.deploy.shape_fold import fold_shapes
+
+    name = next(i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer})
+    model = fold_shapes(model, name, shape)
     try:
         mod = from_onnx(model, shape_dict={name: shape}, keep_params_in_input=False)
     except Exception as err:
