@@ -20,7 +20,10 @@ TARGETS = {
 }
 ELF_MACHINE = {"aarch64": 183, "x86_64": 62}
 INT8_COMPUTE = ("int8", "simulated")
-QDQ_UNITS = 4  # default check of a QDQ model: output quantization steps allowed (float rounding propagates)
+# Default check of a QDQ model: output quantization steps allowed. The float32 reference's rounding
+# moves values across quantization boundaries and deep nets carry that on (measured up to 7 steps on
+# an untrained MobileNetV2, 98 % of logits within 2); real errors (a wrong scale) are tens of steps.
+QDQ_UNITS = 8
 
 
 def register(subparsers) -> None:
