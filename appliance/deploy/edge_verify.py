@@ -100,13 +100,14 @@ def run_selftest_and_bench(root: Path, sysroot: str, bench_runs: int) -> tuple[d
 
 
 def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: float, package,
-                      min_agreement: float, max_logit_diff: float, labels: np.ndarray | None = None) -> dict:
+                      min_agreement: float, max_logit_diff: float, labels: np.ndarray | None = None,
+                      min_allowed: float = 0.0) -> dict:
     import numpy as np
 
     if edge.shape != host.shape:
         raise DataError(f"{package}: {runner} returned logits {edge.shape}, host {host.shape}")
     diff = float(np.abs(edge.astype(np.float64) - host).max())
-    allowed = max_logit_diff * max(1.0, float(np.abs(host).max()))
+    allowed = max(max_logit_diff * max(1.0, float(np.abs(host).max())), min_allowed)
     agreement = float((edge.argmax(1) == host.argmax(1)).mean())
     return {"runner": runner, "seconds": round(seconds, 2), "top1_agreement": agreement, "max_logit_diff": diff,
             "allowed_logit_diff": allowed,
@@ -116,6 +117,18 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
             # With labelled samples, the accuracy on ARM beside the host's on the same samples.
             **({"top1": float((edge.argmax(1) == labels).mean()), "host_top1": float((host.argmax(1) == labels).mean())}
                if labels is not None else {})}
+
+
+def qdq_allowance(reference) -> float:
+    """For a QDQ model, the output steps `appliance compile` allows between its int8 build and
+    onnxruntime's float reference (float rounding carried through the layers); 0 otherwise."""
+    import onnx
+
+    from appliance.deploy.compile import QDQ_UNITS
+    from appliance.deploy.int8_rewrite import output_scale
+
+    step = output_scale(onnx.load(str(reference)))
+    return QDQ_UNITS * step * (1 + 1e-5) if step else 0.0
 
 
 def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=1.0,
@@ -139,8 +152,10 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
             raise DataError(f"{package}: has no Python runner (packaged without --with-python); "
                             "verify it without --python, or repackage with --with-python")
         shape, preprocessing = info["input"]["shape"], info["preprocessing"]
+        min_allowed = 0.0
         if max_logit_diff is None:
             max_logit_diff = default_tolerance(info.get("precision", "fp32"))
+            min_allowed = qdq_allowance(root / "reference" / "model.onnx")
         if sample_files:
             samples = load_samples(sample_files, preprocessing, limit=num_samples)
         else:
@@ -149,7 +164,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         host = run_ort(ort_session(root / "reference" / "model.onnx", optimize=False), samples.x)
         edge, seconds = run_native(root, samples.x, sysroot)
         routes = [compare_with_host("native runner (qemu-aarch64)", edge, host, seconds, package,
-                                    min_agreement, max_logit_diff, samples.y)]
+                                    min_agreement, max_logit_diff, samples.y, min_allowed)]
         selftest, bench = run_selftest_and_bench(root, sysroot, bench_runs)
         if python:
             debs = Path(sysroot_debs) if sysroot_debs else default_debs_dir()
@@ -160,7 +175,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
             routes.append(compare_with_host("Python runner (arm64 python3.11 under qemu-aarch64)",
                                             np.load(root / "verify-python.npy"), host,
                                             time.perf_counter() - start, package, min_agreement, max_logit_diff,
-                                            samples.y))
+                                            samples.y, min_allowed))
     report = {"made_by": "appliance edge verify", "package": str(package.resolve()), "samples": int(len(host)),
               "sample_source": samples.source, "min_agreement": min_agreement, "routes": routes,
               "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": bench,

@@ -125,3 +125,37 @@ def test_dotprod_target_builds_an_arm_elf(tmp_path, exported):
     assert proc.returncode == 0, proc.stderr
     assert machine_of(tmp_path / "model.so") == "AArch64"
     assert "+dotprod" in json.loads((tmp_path / "compile.json").read_text())["tvm_target"]["mattr"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", __import__("appliance.train.models", fromlist=["ARCHITECTURES"]).ARCHITECTURES)
+def test_every_trainable_architecture_compiles(tmp_path, architecture):
+    """What `appliance train` can make, `appliance compile` can build (exported with the dynamic
+    batch axis users get; shufflenet_v2's channel shuffle needs the shape folding before import)."""
+    from appliance.deploy.compile import compile_model
+    from appliance.deploy.export import export_model
+    from appliance.train.models import ModelCard, build_model, save_trained_model
+
+    card = ModelCard(architecture, 10, 3, 32, class_names=tuple(map(str, range(10))))
+    save_trained_model(tmp_path / "model", build_model(architecture, 10), card)
+    export_model(tmp_path, tmp_path / "export", max_rel_error=1e-4)
+    info = compile_model(tmp_path / "export" / "model.onnx", "x86_64", tmp_path / "x86", log=lambda line: None)
+    assert info["check"]["passed"] and info["check"]["top1_agreement"] == 1.0
+    assert info["layers"]["fp32"] > 0 and info["layers"]["simulated"] == 0
+    assert machine_of(tmp_path / "x86" / "model.so") == "Advanced Micro Devices X86-64"
+
+
+def test_shufflenet_int8_compiles_for_aarch64_with_int8_layers(tmp_path):
+    from appliance.deploy.compile import compile_model
+    from appliance.deploy.export import export_model
+    from appliance.deploy.quantize import quantize_int8
+    from appliance.train.models import ModelCard, build_model, save_trained_model
+
+    card = ModelCard("shufflenet_v2_x1_0", 10, 3, 32, class_names=tuple(map(str, range(10))))
+    save_trained_model(tmp_path / "model", build_model("shufflenet_v2_x1_0", 10), card)
+    export_model(tmp_path, tmp_path / "export", max_rel_error=1e-4)
+    calib = np.random.default_rng(0).standard_normal((8, 3, 32, 32)).astype(np.float32)
+    quantize_int8(tmp_path / "export" / "model.onnx", tmp_path / "q.onnx", calib, "input", "minmax", per_channel=True)
+    info = compile_model(tmp_path / "q.onnx", "aarch64", tmp_path / "arm", log=lambda line: None)
+    assert info["layers"]["int8"] == 57 and info["layers"]["simulated"] == 0
+    assert machine_of(tmp_path / "arm" / "model.so") == "AArch64"

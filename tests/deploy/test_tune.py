@@ -82,3 +82,21 @@ def test_damaged_record_file_is_named(tmp_path, exported):
                          "--tuning-db", str(db))
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert f"{db / 'database_tuning_record.json'}: line 1: not a MetaSchedule JSON record" in proc.stderr
+
+
+def test_int8_build_tunes_and_says_so(tmp_path, exported, val_npz):
+    """The default int8 compute of a QDQ model goes through MetaSchedule like FP32 does."""
+    import numpy as np
+
+    from appliance.deploy.quantize import quantize_int8
+
+    model = tmp_path / "model.int8.onnx"
+    quantize_int8(exported / "model.onnx", model, np.load(val_npz)["x"][:16], "input", "minmax", per_channel=True)
+    proc = run_appliance("compile", str(model), "--target", "x86_64", "--out", str(tmp_path / "tuned"),
+                         "--tune", str(TRIALS), "--samples", str(val_npz))
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((tmp_path / "tuned" / "compile.json").read_text())
+    header = json.loads((tmp_path / "tuned" / "tuning" / "tuning.json").read_text())
+    assert info["layers"]["int8"] == 6 and info["layers"]["simulated"] == 0
+    assert info["tuned_tasks"] == header["tasks"] > 0 and info["check"]["passed"]
+    assert info["check"]["max_quantized_units"] <= 1 and info["host_latency_ms"] > 0
