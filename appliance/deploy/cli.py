@@ -1,5 +1,5 @@
 """Thin handlers for the deploy verbs: `appliance export`, `quantize`, `package`, `edge verify`,
-`edge sysroot` (and `compile`). The work is in appliance.deploy.<stage>; a failed
+`edge sysroot`, `compile` (TVM, or the GPU routes of appliance.deploy.gpu_routes). The work is in appliance.deploy.<stage>; a failed
 gate raises GateFailed (exit status 3) after its report is written."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from appliance import values
-from appliance.deploy import edge_sysroot, edge_verify, glibc_floor, qemu, quantize
+from appliance.deploy import compile as tvm_compile, edge_sysroot, edge_verify, glibc_floor, gpu_routes, qemu, quantize
 from appliance.deploy.export import DEFAULT_MAX_REL_ERROR
 from appliance.errors import GateFailed
 
@@ -16,6 +16,7 @@ from appliance.errors import GateFailed
 def register(subparsers) -> None:
     register_export(subparsers)
     register_quantize(subparsers)
+    register_compile(subparsers)
     register_package(subparsers)
     register_edge(subparsers)
 
@@ -91,6 +92,68 @@ def quantize_command(args) -> int:
     if not report["gate_passed"]:
         raise GateFailed(f"{q['model']}: top-1 dropped {report['top1_drop_points']:.2f} points, more than "
                          f"--max-drop {args.max_drop:g} (see {Path(args.out) / 'accuracy.html'})")
+    return 0
+
+
+def register_compile(subparsers) -> None:
+    p = subparsers.add_parser(
+        "compile", help="compile an ONNX model with TVM for aarch64 (or the x86_64 host, checked vs onnxruntime)",
+        description="Compile MODEL.onnx with TVM Relax into DIR/model.so for the target. ARM targets "
+        f"need {tvm_compile.CROSS_COMPILER}; the x86_64 build is compared with onnxruntime.")
+    p.add_argument("model", metavar="MODEL.onnx")
+    p.add_argument("--target", required=True, choices=[*sorted(tvm_compile.TARGETS), *gpu_routes.GPU_TARGETS])
+    p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
+    p.add_argument("--samples", nargs="+", metavar="FILE",
+                   help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
+    p.add_argument("--tolerance", type=values.non_negative_float,
+                   help="x86_64 check: max |tvm - onnxruntime| allowed, times max(1, max |logit|) "
+                   "(default 1e-4; 1e-2 for FP16 models)")
+    p.add_argument("--allow-failed-gate", action="store_true",
+                   help="compile a quantized model even though `appliance quantize` failed its accuracy gate")
+    p.add_argument("--tune", type=values.positive_int, metavar="N",
+                   help="MetaSchedule-tune every kernel with N measured trials on this CPU (x86_64 target), "
+                   "keeping the records as a reusable database (default DIR/tuning)")
+    p.add_argument("--int8-compute", choices=tvm_compile.INT8_COMPUTE, default="int8",
+                   help="QDQ models: int8 (default) runs each quantized conv/matmul on int8 with int32 sums; "
+                   "simulated keeps TVM's float32 arithmetic between dequantize and quantize")
+    p.add_argument("--tuning-db", metavar="DIR",
+                   help="tuning database to apply; made by --tune (into DIR when it does not exist yet), "
+                   "reused without tuning when it does")
+    gpu_routes.add_arguments(p)
+    p.set_defaults(func=compile_command)
+
+
+def compile_command(args) -> int:
+    from appliance.deploy.compile import compile_model, refuse_failed_gate
+
+    if args.target in gpu_routes.GPU_TARGETS:
+        return gpu_routes.run(args)
+    if not args.allow_failed_gate:
+        refuse_failed_gate(args.model)
+    info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
+                         tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute)
+    if "tuning" in info:
+        t = info["tuning"]
+        if t["reused"]:
+            print(f"reused tuning database {t['database']} ({t['records']} records, {t['trials_per_task']} trials x "
+                  f"{t['tasks']} tasks, tuned in {t['tuned_in_seconds']:.0f} s); no new measurements")
+        else:
+            print(f"tuned {t['tasks']} tasks x {t['trials_per_task']} trials in {t['tuned_in_seconds']:.0f} s; "
+                  f"{t['records']} records in {t['database']}")
+    line = f"wrote {info['library']} for {args.target} ({info['library_bytes'] / 1e6:.2f} MB) in {info['compile_seconds']:.1f} s"
+    layers = info["layers"]
+    line += f"; layers: {layers['int8']} int8, {layers['simulated']} simulated, {layers['fp32']} fp32"
+    if "check" in info:
+        c = info["check"]
+        line += f"; vs onnxruntime on {c['samples']} samples: max abs diff {c['max_abs_diff']:.3g}"
+        if c.get("max_quantized_units") is not None:
+            line += f" ({c['max_quantized_units']:.2f} output steps)"
+        line += f", top-1 agreement {c['top1_agreement']:.4f}"
+    if info.get("host_latency_ms") is not None:
+        line += f"; host latency {info['host_latency_ms']:.2f} ms"
+    print(line)
+    if layers["simulated_layers"]:
+        print(f"simulated (float32 between dequantize/quantize): {', '.join(layers['simulated_layers'])}")
     return 0
 
 

@@ -10,8 +10,6 @@ import json
 import shutil
 from pathlib import Path
 
-from appliance import values
-from appliance.deploy import gpu_routes
 from appliance.errors import DataError, EnvironmentProblem
 
 CROSS_COMPILER = "aarch64-linux-gnu-g++"
@@ -26,74 +24,6 @@ INT8_COMPUTE = ("int8", "simulated")
 # moves values across quantization boundaries and deep nets carry that on (measured up to 7 steps on
 # an untrained MobileNetV2, 98 % of logits within 2); real errors (a wrong scale) are tens of steps.
 QDQ_UNITS = 8
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "compile", help="compile an ONNX model with TVM for aarch64 (or the x86_64 host, checked vs onnxruntime)",
-        description="Compile MODEL.onnx with TVM Relax into DIR/model.so for the target. ARM targets "
-        f"need {CROSS_COMPILER}; the x86_64 build is compared with onnxruntime.")
-    p.add_argument("model", metavar="MODEL.onnx")
-    p.add_argument("--target", required=True, choices=[*sorted(TARGETS), *gpu_routes.GPU_TARGETS])
-    p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
-    p.add_argument("--samples", nargs="+", metavar="FILE",
-                   help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
-    p.add_argument("--tolerance", type=values.non_negative_float,
-                   help="x86_64 check: max |tvm - onnxruntime| allowed, times max(1, max |logit|) "
-                   "(default 1e-4; 1e-2 for FP16 models)")
-    p.add_argument("--allow-failed-gate", action="store_true",
-                   help="compile a quantized model even though `appliance quantize` failed its accuracy gate")
-    p.add_argument("--tune", type=_positive, metavar="N",
-                   help="MetaSchedule-tune every kernel with N measured trials on this CPU (x86_64 target), "
-                   "keeping the records as a reusable database (default DIR/tuning)")
-    p.add_argument("--int8-compute", choices=INT8_COMPUTE, default="int8",
-                   help="QDQ models: int8 (default) runs each quantized conv/matmul on int8 with int32 sums; "
-                   "simulated keeps TVM's float32 arithmetic between dequantize and quantize")
-    p.add_argument("--tuning-db", metavar="DIR",
-                   help="tuning database to apply; made by --tune (into DIR when it does not exist yet), "
-                   "reused without tuning when it does")
-    gpu_routes.add_arguments(p)
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    if args.target in gpu_routes.GPU_TARGETS:
-        return gpu_routes.run(args)
-    if not args.allow_failed_gate:
-        refuse_failed_gate(args.model)
-    info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
-                         tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute)
-    if "tuning" in info:
-        t = info["tuning"]
-        if t["reused"]:
-            print(f"reused tuning database {t['database']} ({t['records']} records, {t['trials_per_task']} trials x "
-                  f"{t['tasks']} tasks, tuned in {t['tuned_in_seconds']:.0f} s); no new measurements")
-        else:
-            print(f"tuned {t['tasks']} tasks x {t['trials_per_task']} trials in {t['tuned_in_seconds']:.0f} s; "
-                  f"{t['records']} records in {t['database']}")
-    line = f"wrote {info['library']} for {args.target} ({info['library_bytes'] / 1e6:.2f} MB) in {info['compile_seconds']:.1f} s"
-    layers = info["layers"]
-    line += f"; layers: {layers['int8']} int8, {layers['simulated']} simulated, {layers['fp32']} fp32"
-    if "check" in info:
-        c = info["check"]
-        line += f"; vs onnxruntime on {c['samples']} samples: max abs diff {c['max_abs_diff']:.3g}"
-        if c.get("max_quantized_units") is not None:
-            line += f" ({c['max_quantized_units']:.2f} output steps)"
-        line += f", top-1 agreement {c['top1_agreement']:.4f}"
-    if info.get("host_latency_ms") is not None:
-        line += f"; host latency {info['host_latency_ms']:.2f} ms"
-    print(line)
-    if layers["simulated_layers"]:
-        print(f"simulated (float32 between dequantize/quantize): {', '.join(layers['simulated_layers'])}")
-    return 0
-
-
-def _positive(text: str) -> int:
-    import argparse
-
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of trials, got {text!r}")
-    return int(text)
 
 
 def target_for(name: str) -> dict:
