@@ -299,6 +299,11 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
             summary["latency_ms"]["edge_bench_median_emulated"] = bench["median_ms"]
             summary["latency_ms"]["edge_bench_p99_emulated"] = bench["p99_ms"]
             summary["edge_bench_fluctuation_emulated"] = bench["fluctuation"]
+    for name, result in results.items():
+        if name.startswith("compile-"):  # what each build computes: int8 or simulated layers, size, host speed
+            info = result.info
+            summary.setdefault("builds", {})[result.target] = {
+                k: info.get(k) for k in ("int8_compute", "layers", "tuned_tasks", "library_bytes", "host_latency_ms")}
     package = results.get("package")
     if package is not None:
         summary["sizes_bytes"]["edge_package"] = package.bytes
