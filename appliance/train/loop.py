@@ -116,29 +116,33 @@ class TrainWindow:
     the accuracy counts are summed across ranks when the window is logged."""
 
     def __init__(self, device):
-        self.counts = torch.zeros(5, dtype=torch.float64, device=device)  # norm sum, max, clipped, correct, seen
+        # norm sum, max, clipped steps, steps with a non-finite norm, correct, seen
+        self.counts = torch.zeros(6, dtype=torch.float64, device=device)
         self.steps = 0
 
     def count_predictions(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        self.counts[3] += (logits.detach().argmax(1) == labels).sum()
-        self.counts[4] += labels.numel()
+        self.counts[4] += (logits.detach().argmax(1) == labels).sum()
+        self.counts[5] += labels.numel()
 
     def count_step(self, grad_norm: torch.Tensor, clip: float) -> None:
         norm = grad_norm.detach().to(self.counts)
         self.steps += 1
-        self.counts[0] += norm
-        self.counts[1] = torch.maximum(self.counts[1], norm)
+        finite = torch.isfinite(norm)  # not finite: an fp16 step the scaler skips (or a divergence)
+        self.counts[0] += torch.where(finite, norm, 0.0)
+        self.counts[1] = torch.maximum(self.counts[1], torch.where(finite, norm, 0.0))
+        self.counts[3] += ~finite
         if clip > 0:
-            self.counts[2] += norm > clip  # clip_grad_norm_ scales the gradients down exactly then
+            self.counts[2] += finite & (norm > clip)  # clip_grad_norm_ scales the gradients down exactly then
 
     def figures(self) -> dict:
-        """grad_norm (mean over the window's steps), grad_norm_max, clipped_fraction, train_acc; a collective."""
-        hits = self.counts[3:].clone()
+        """grad_norm (mean over the window's steps with a finite norm), grad_norm_max, clipped_fraction,
+        nonfinite_grad_steps, train_acc; a collective."""
+        hits = self.counts[4:].clone()
         dist.all_reduce(hits)
-        norm_sum, norm_max, clipped = self.counts[:3].tolist()
+        norm_sum, norm_max, clipped, nonfinite = self.counts[:4].tolist()
         correct, seen = hits.tolist()
-        steps = max(self.steps, 1)
-        return {"grad_norm": norm_sum / steps, "grad_norm_max": norm_max, "clipped_fraction": clipped / steps,
+        return {"grad_norm": norm_sum / max(self.steps - nonfinite, 1), "grad_norm_max": norm_max,
+                "clipped_fraction": clipped / max(self.steps, 1), "nonfinite_grad_steps": int(nonfinite),
                 "train_acc": correct / max(seen, 1)}
 
 

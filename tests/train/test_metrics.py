@@ -43,6 +43,36 @@ def test_report_counts_a_step_logged_twice_once(tmp_path):
     assert 'id="confusion"' in (tmp_path / "report.html").read_text()
 
 
+def test_train_window_leaves_out_non_finite_norms_and_counts_clipped_steps(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    from appliance.train.loop import TrainWindow
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        window = TrainWindow(torch.device("cpu"))
+        for norm in (3.0, float("inf"), 0.5, 1.5):  # inf: an fp16 step the scaler skipped
+            window.count_step(torch.tensor(norm), clip=1.0)
+        window.count_predictions(torch.tensor([[2.0, 1.0], [0.0, 1.0], [5.0, 0.0]]), torch.tensor([0, 0, 0]))
+        assert window.figures() == {"grad_norm": 5.0 / 3, "grad_norm_max": 3.0, "clipped_fraction": 0.5,
+                                    "nonfinite_grad_steps": 1, "train_acc": 2 / 3}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_without_clipping_the_norm_is_still_measured(tmp_path):
+    config = make_config(tmp_path, name="unclipped", train={"epochs": 1, "grad_clip": 0.0})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(offline_cmd(appliance_cmd("train", str(config), "--nproc-per-node", "1"), loopback=True),
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    windows = [r for r in map(json.loads, (tmp_path / "runs" / "unclipped" / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r]
+    assert len(windows) == 4 and all(w["clipped_fraction"] == 0.0 and w["grad_norm"] > 0 for w in windows)
+    assert windows[0]["grad_norm_max"] > 1.0  # as large as with clipping on: measured before any clipping
+
+
 def _tensorboard_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in the run's event files, as TensorBoard reads them.
 
@@ -85,6 +115,7 @@ def test_metrics_jsonl_has_gradient_norm_train_accuracy_and_per_class_figures(fi
     assert [w["step"] for w in windows] == list(range(4, 33, 4)) and len(evals) == 2
     for w in windows:
         assert 0 < w["grad_norm"] <= w["grad_norm_max"]
+        assert w["nonfinite_grad_steps"] == 0
         assert w["clipped_fraction"] in (0.0, 0.25, 0.5, 0.75, 1.0)  # 4 steps a window
         if w["clipped_fraction"] == 1.0:  # every step's norm was above the clip, so their mean is too
             assert w["grad_norm"] > 0.5
