@@ -33,7 +33,9 @@ from appliance.train.config import Config, check_data_report, load_config
 from appliance.train.determinism import rng_state, set_determinism, set_rng_state
 from appliance.models import ModelCard, save_trained_model
 from appliance.train.ddp import build_training_model, pick_precision
+from appliance.train.metrics import per_class
 from appliance.train.optimizer import build_optimizer, build_scheduler
+from appliance.train.report import REPORT_HTML, REPORT_JSON, write_training_report
 
 
 class TrainingDiverged(ApplianceError):
@@ -106,11 +108,50 @@ def evaluate(model, loader, device, autocast, num_classes: int = 0) -> dict:
     return metrics
 
 
+class TrainWindow:
+    """Counts of one logging window, kept on the device so a step adds no host sync: gradient
+    norms (before clipping), clipped steps, and top-1 hits of the training batches' own logits.
+
+    The gradients are already averaged across ranks, so the norm is the same on every rank;
+    the accuracy counts are summed across ranks when the window is logged."""
+
+    def __init__(self, device):
+        # norm sum, max, clipped steps, steps with a non-finite norm, correct, seen
+        self.counts = torch.zeros(6, dtype=torch.float64, device=device)
+        self.steps = 0
+
+    def count_predictions(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.counts[4] += (logits.detach().argmax(1) == labels).sum()
+        self.counts[5] += labels.numel()
+
+    def count_step(self, grad_norm: torch.Tensor, clip: float) -> None:
+        norm = grad_norm.detach().to(self.counts)
+        self.steps += 1
+        finite = torch.isfinite(norm)  # not finite: an fp16 step the scaler skips (or a divergence)
+        self.counts[0] += torch.where(finite, norm, 0.0)
+        self.counts[1] = torch.maximum(self.counts[1], torch.where(finite, norm, 0.0))
+        self.counts[3] += ~finite
+        if clip > 0:
+            self.counts[2] += finite & (norm > clip)  # clip_grad_norm_ scales the gradients down exactly then
+
+    def figures(self) -> dict:
+        """grad_norm (mean over the window's steps with a finite norm), grad_norm_max, clipped_fraction,
+        nonfinite_grad_steps, train_acc; a collective."""
+        hits = self.counts[4:].clone()
+        dist.all_reduce(hits)
+        norm_sum, norm_max, clipped, nonfinite = self.counts[:4].tolist()
+        correct, seen = hits.tolist()
+        return {"grad_norm": norm_sum / max(self.steps - nonfinite, 1), "grad_norm_max": norm_max,
+                "clipped_fraction": clipped / max(self.steps, 1), "nonfinite_grad_steps": int(nonfinite),
+                "train_acc": correct / max(seen, 1)}
+
+
 def write_run_manifest(cfg: Config, run_dir: Path, step: int) -> None:
     """runs/<name>/manifest.json: the data files (sha256) in, the model and metrics out."""
     from appliance.manifest import write_manifest
 
     outputs = sorted((run_dir / "model").iterdir()) + [run_dir / "metrics.jsonl"]
+    outputs += [path for path in (run_dir / REPORT_JSON, run_dir / REPORT_HTML) if path.exists()]
     inputs = [cfg.source, *cfg.data.train, *cfg.data.val] + ([cfg.data.check_report] if cfg.data.check_report else [])
     write_manifest(run_dir, "train", inputs, {"config": cfg.to_dict(), "steps": step,
                                               "config_hash": cfg.training_hash()}, outputs=outputs)
@@ -234,6 +275,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
         loader_generator.manual_seed(cfg.run.seed * 100_003 + epoch * 1009 + rank)
         batches = iter(train_loader)
         window_start, data_wait, window_steps, loss_sum = time.perf_counter(), 0.0, 0, torch.zeros((), device=device)
+        window = TrainWindow(device)
         while batches_done + cfg.train.grad_accum <= len(train_loader) and step < total_steps:
             step_loss = torch.zeros((), device=device)
             for micro in range(cfg.train.grad_accum):
@@ -246,7 +288,9 @@ def train(cfg: Config, resume: str = "auto") -> int:
                 last = micro == cfg.train.grad_accum - 1
                 with contextlib.nullcontext() if last else model.no_sync():
                     with autocast():
-                        loss = criterion(model(images), labels) / cfg.train.grad_accum
+                        logits = model(images)
+                        loss = criterion(logits, labels) / cfg.train.grad_accum
+                    window.count_predictions(logits, labels)
                     if faults.armed("nan-loss", step + 1, rank):
                         loss = loss * float("nan")
                     scaler.scale(loss).backward()
@@ -255,7 +299,11 @@ def train(cfg: Config, resume: str = "auto") -> int:
             batches_done += cfg.train.grad_accum
             if cfg.train.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.train.grad_clip)
+                grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.train.grad_clip)
+            else:  # measured only: the gradients stay untouched (and scaled, with fp16)
+                grad_norm = nn.utils.get_total_norm([p.grad for p in raw_model.parameters() if p.grad is not None])
+                grad_norm = grad_norm / scaler.get_scale() if scaler.is_enabled() else grad_norm
+            window.count_step(grad_norm, cfg.train.grad_clip)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -270,15 +318,17 @@ def train(cfg: Config, resume: str = "auto") -> int:
                 record = {"step": step, "epoch": epoch, "loss": loss_sum.item() / (window_steps * world),
                           "lr": scheduler.get_last_lr()[0],
                           "samples_per_s": window_steps * cfg.train.batch_size * cfg.train.grad_accum * world / elapsed,
-                          "data_wait_pct": 100 * data_wait / elapsed, "peak_memory_mb": peak_memory_mb(device)}
+                          "data_wait_pct": 100 * data_wait / elapsed, "peak_memory_mb": peak_memory_mb(device),
+                          **window.figures()}
                 if rank == 0:
                     _log_line(run_dir, record)
                     for key, value in record.items():
                         if key not in ("step", "epoch"):
-                            writer.add_scalar(f"train/{key}", value, step)
+                            writer.add_scalar(f"train/{'acc' if key == 'train_acc' else key}", value, step)
                     bar.set_postfix(f"loss {record['loss']:.4f}, lr {record['lr']:.2e}")
                 window_start, data_wait, window_steps = time.perf_counter(), 0.0, 0
                 loss_sum.zero_()
+                window = TrainWindow(device)
             if rank == 0:
                 bar.update(1)
             stopped, diverged_on = stop.agreed(device, step_loss, rank)
@@ -298,9 +348,14 @@ def train(cfg: Config, resume: str = "auto") -> int:
                 metrics = evaluate(raw_model, val_loader, device, autocast, cfg.num_classes)
                 confusion = metrics.pop("val_confusion")  # in metrics.jsonl only, not in checkpoints
                 if rank == 0:
-                    _log_line(run_dir, {"step": step, "epoch": epoch - 1, **metrics, "val_confusion": confusion})
+                    classes = per_class(confusion, cfg.data.classes)
+                    _log_line(run_dir, {"step": step, "epoch": epoch - 1, **metrics, "val_confusion": confusion,
+                                        "val_precision": classes["precision"], "val_recall": classes["recall"]})
                     for key, value in metrics.items():
                         writer.add_scalar(f"val/{key[4:]}", value, step)
+                    for figure in ("precision", "recall"):
+                        for name, value in classes[figure].items():
+                            writer.add_scalar(f"val/{figure}/{name}", value, step)
                     log(f"epoch {epoch - 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
             save(metrics)
 
@@ -310,6 +365,8 @@ def train(cfg: Config, resume: str = "auto") -> int:
         if rank == 0:
             bar.close()
             save_trained_model(run_dir / "model", raw_model, card)
+            writer.flush()
+            write_training_report(run_dir, cfg.data.classes)
             write_run_manifest(cfg, run_dir, step)
             log(f"trained {step} steps; model: {run_dir / 'model'}", flush=True)
     if writer is not None:
