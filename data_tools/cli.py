@@ -50,7 +50,7 @@ def register(subparsers) -> None:
     p.add_argument("--shards", type=values.positive_int, default=1, help="number of output files (default 1)")
     p.add_argument("--prefix", default="data", help="shard file name prefix (default data)")
     p.add_argument("--seed", type=values.non_negative_int, default=0, help="shuffle seed for dealing images to shards")
-    p.add_argument("--val-fraction", type=values.fraction_float, default=0.0, metavar="F",
+    p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                    help="split IMAGE_DIR into train-* and val-* shards: F of each class to validation, "
                    "seeded by --seed, near-duplicate images kept on one side (default 0: no split)")
     p.add_argument("--decompress", action="store_true", help="SOURCE files are GZIP/ZLIB TFRecords")

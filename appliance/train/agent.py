@@ -16,6 +16,7 @@ from appliance.train.worker_error import LAUNCHER_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as err:
         _, failure = err.get_first_failure()
         return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
+    except SignalException as err:  # SIGTERM/SIGINT: torchrun has already stopped the workers (they checkpointed)
+        return 128 + int(err.sigval)
     return 0
 
 

@@ -82,10 +82,11 @@ class TrainSection:
     precision: str = "auto"
     grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # 0 disables clipping
     # The quality gate on the trained model (appliance/train/quality.py); they judge, not train.
-    min_val_acc: Annotated[float, FRACTION] = 0.0
-    min_class_recall: Annotated[float, FRACTION] = 0.0
-    baseline_margin: Annotated[float, FRACTION] = 0.1  # fraction of the gap from the majority baseline to 100 % to close
-    max_predicted_share: Annotated[float, FRACTION] = 0.95  # one class predicted this often is a collapsed model
+    # (ranges checked by quality.check_thresholds, which names them as the gate's)
+    min_val_acc: float = 0.0
+    min_class_recall: float = 0.0
+    baseline_margin: float = 0.1  # fraction of the gap from the majority baseline to 100 % to close
+    max_predicted_share: float = 0.95  # one class predicted this often is a collapsed model
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ exec {bundle_kit.BASE_PYTHON} "$@"
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
         f"refused: {fake}: CPython 3.10 on x86_64; profile test of {tar.name} serves CPython 3.11, 3.12 on "
-        "x86_64-manylinux_2_28 (pass --python PATH to one of those)")
+        "x86_64-manylinux_2_28 (pass --python PATH to one of those); the bundle holds "
+        "test (x86_64-manylinux_2_28, CPython 3.11/3.12)")
     assert not (tmp_path / "p" / "releases").exists()
 
 
