@@ -52,7 +52,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensor_bytes, save_file
 
-from appliance.errors import EnvironmentProblem
+from appliance.errors import ConfigError, EnvironmentProblem
 from appliance.values import human_bytes
 from appliance.manifest import sha256_file
 from appliance.train import faults
@@ -440,9 +440,7 @@ class CheckpointManager:
             if not isinstance(trainer.get(key), kind) or isinstance(trainer.get(key), bool) and kind is int:
                 raise CheckpointDamaged(f"trainer.json: {key!r} is missing or not {kind.__name__}")
         if trainer["world_size"] != self.world_size:
-            raise CheckpointDamaged(
-                f"made by {trainer['world_size']} processes, this run has {self.world_size} "
-                "(resume with the same number of processes)")
+            raise _other_world(path, trainer["world_size"], self.world_size)
         rng = _parse_json(f"rng-rank{self.rank}.json", get(f"rng-rank{self.rank}.json"), dict)
         model_state = _parse_tensors("model.safetensors", get("model.safetensors"))
         name = f"optimizer-rank{self.rank}" if trainer["optimizer_sharded"] else "optimizer"
@@ -459,9 +457,7 @@ class CheckpointManager:
         if marker.get("step") != int(path.name.rsplit("-", 1)[1]):
             raise CheckpointDamaged(f"{COMMIT_MARKER} names step {marker.get('step')!r}, not this directory's")
         if isinstance(marker.get("world_size"), int) and marker["world_size"] != self.world_size:
-            raise CheckpointDamaged(
-                f"made by {marker['world_size']} processes, this run has {self.world_size} "
-                "(resume with the same number of processes)")
+            raise _other_world(path, marker["world_size"], self.world_size)
         listed = _read_sums(path)
         present = {p.name for p in path.iterdir() if p.is_file()} - {CHECKSUMS, COMMIT_MARKER}
         if present - set(listed):
@@ -602,6 +598,13 @@ class CheckpointManager:
 # trainer.json keys the loop reads, with their JSON types
 _TRAINER_KEYS = {"step": int, "epoch": int, "batches_done": int, "world_size": int, "optimizer_sharded": bool,
                  "sampler": dict, "scheduler": dict, "scaler": dict, "metrics": dict, "config_hash": str}
+
+
+def _other_world(path: Path, made_by: int, now: int) -> ConfigError:
+    # Not damage: the checkpoint is good for a run of its own size, so it is never moved aside
+    # (an elastic run that lost a node must not discard the checkpoints the full run resumes from).
+    return ConfigError(f"{path}: made by {made_by} processes, this run has {now}; resume with the same number "
+                       "of processes (with --nnodes MIN:MAX, once every node is back)")
 
 
 def _read_bytes(path: Path) -> bytes:

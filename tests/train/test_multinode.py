@@ -168,3 +168,14 @@ def test_shared_directory_is_detected_and_behaves_as_one_machine(workdir):
     assert json.loads((newest / "COMMITTED").read_text())["storage"] == "shared"
     assert {"model.safetensors", "optimizer-rank0.safetensors", "optimizer-rank1.safetensors"} <= {
         p.name for p in newest.iterdir()}
+
+
+def test_nnodes_min_max_reaches_torchrun_as_an_elastic_range(tmp_path):
+    config = make_config(tmp_path, name="elastic")
+    proc = subprocess.run(appliance_cmd("train", str(config), "--dry-run", "--nnodes", "1:2", "--max-restarts", "3",
+                                        "--rdzv-endpoint", "10.0.0.5:29400"), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(proc.stdout)
+    assert words[words.index("--nnodes") + 1] == "1:2" and words[words.index("--max-restarts") + 1] == "3"
+    bad = subprocess.run(appliance_cmd("train", str(config), "--dry-run", "--nnodes", "2:1"), capture_output=True, text=True)
+    assert bad.returncode != 0 and "--nnodes: must be N or MIN:MAX with 1 <= MIN <= MAX, got '2:1'" in bad.stderr
