@@ -16,7 +16,7 @@ def run(args) -> int:
     if args.preflight:
         return preflight(args)
     result = launch_training(LaunchSpec(config=Path(args.config), nproc_per_node=args.nproc_per_node,
-                                        nnodes=args.nnodes, node_rank=args.node_rank,
+                                        nnodes=args.nnodes[1], min_nnodes=args.nnodes[0], node_rank=args.node_rank,
                                         rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                                         resume=args.resume, iface=args.iface), dry_run=args.dry_run)
     if isinstance(result, str):
@@ -39,14 +39,26 @@ def preflight(args) -> int:
     from appliance.train.preflight import run_preflight
 
     cfg = load_config(args.config)
-    problems = run_preflight(cfg, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+    problems = run_preflight(cfg, nnodes=args.nnodes[1], node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                              timeout=args.preflight_timeout, expected_gpus=args.expect_gpus)
     for line in problems:
         print(f"appliance train: preflight: {line}", file=sys.stderr)
     if problems:
         return 1
-    print(f"preflight: node {args.node_rank} of {args.nnodes} ready ({cfg.source})")
+    print(f"preflight: node {args.node_rank} of {args.nnodes[1]} ready ({cfg.source})")
     return 0
+
+
+def nnodes_range(text: str) -> tuple[int, int]:
+    """--nnodes N or MIN:MAX (torchrun's elastic form) as (min, max)."""
+    low, _, high = text.partition(":")
+    try:
+        low, high = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be N or MIN:MAX (integers), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"must be N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return low, high
 
 
 def write_slurm(args) -> int:
@@ -67,7 +79,9 @@ def register(subparsers) -> None:
         "(see `appliance train slurm --help`).")
     p.add_argument("config", metavar="CONFIG.toml", help="the training config")
     _add_nproc_and_restarts(p)
-    p.add_argument("--nnodes", type=values.positive_int, default=1, help="number of machines (default 1: standalone)")
+    p.add_argument("--nnodes", type=nnodes_range, default=(1, 1), metavar="N|MIN:MAX",
+                   help="number of machines (default 1: standalone); MIN:MAX lets a run go on with as few as MIN "
+                   "after a node fails, or take back a replacement (with --max-restarts)")
     p.add_argument("--node-rank", type=values.non_negative_int, default=0, help="this machine's rank; rank 0 hosts the rendezvous")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of node rank 0 (c10d rendezvous)")
     p.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint directory")

@@ -50,9 +50,11 @@ def resolve_nproc(value: str) -> int:
 
 def torchrun_command(config: str, *, nproc: int | str, nnodes: int = 1, node_rank: int | None = 0,
                      rdzv_endpoint: str = "", rdzv_id: str = "appliance", max_restarts: int = 0,
-                     resume: str = "auto", python: str = sys.executable, local_addr: str = "") -> list[str]:
+                     resume: str = "auto", python: str = sys.executable, local_addr: str = "",
+                     min_nnodes: int = 0) -> list[str]:
     """The torchrun argv. node_rank None leaves the rendezvous host to c10d (Slurm); local_addr is
-    the address this node binds and advertises (from --iface), instead of its hostname's."""
+    the address this node binds and advertises (from --iface), instead of its hostname's;
+    min_nnodes below nnodes is torchrun's elastic --nnodes MIN:MAX."""
     cmd = [python, "-m", "appliance.train.agent"]  # torchrun, without its traceback
     if nnodes == 1 and not rdzv_endpoint:
         # --standalone: a private c10d store on a free localhost port; nothing listens outside.
@@ -60,7 +62,8 @@ def torchrun_command(config: str, *, nproc: int | str, nnodes: int = 1, node_ran
     else:
         if not rdzv_endpoint:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the node with --node-rank 0)")
-        cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+        span = f"{min_nnodes}:{nnodes}" if 0 < min_nnodes < nnodes else str(nnodes)
+        cmd += ["--nnodes", span, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
                 "--rdzv-id", rdzv_id]
         if node_rank is not None:
             cmd += ["--rdzv-conf", f"is_host={int(node_rank == 0)}"]
@@ -117,6 +120,7 @@ class LaunchSpec:
     config: Path
     nproc_per_node: str = "auto"
     nnodes: int = 1
+    min_nnodes: int = 0  # below nnodes: elastic, torchrun's --nnodes MIN:MAX
     node_rank: int = 0
     rdzv_endpoint: str = ""
     max_restarts: int = 0
@@ -214,7 +218,7 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     iface = spec.iface or cfg.distributed.iface
     cmd = torchrun_command(str(config.resolve()), nproc=nproc, nnodes=spec.nnodes, node_rank=spec.node_rank,
                            rdzv_endpoint=spec.rdzv_endpoint, rdzv_id=cfg.run.name,
-                           max_restarts=spec.max_restarts, resume=spec.resume,
+                           max_restarts=spec.max_restarts, resume=spec.resume, min_nnodes=spec.min_nnodes,
                            local_addr=interface_address(iface) if iface else "")
     env = launch_env(cmd, nproc, network_env(iface, cfg.distributed.env))
     printable = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])

@@ -146,15 +146,22 @@ class TrainWindow:
                 "train_acc": correct / max(seen, 1)}
 
 
-def write_run_manifest(cfg: Config, run_dir: Path, step: int) -> None:
+STORAGE_WORDS = {"shared": "one directory shared by every node (a shared filesystem was detected)",
+                 "per-node": "each node writes its own directory (no shared filesystem was detected)"}
+
+
+def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage: str = "shared") -> None:
     """runs/<name>/manifest.json: the data files (sha256) in, the model and metrics out."""
     from appliance.manifest import write_manifest
 
-    outputs = sorted((run_dir / "model").iterdir()) + [run_dir / "metrics.jsonl"]
-    outputs += [path for path in (run_dir / REPORT_JSON, run_dir / REPORT_HTML) if path.exists()]
+    outputs = sorted((run_dir / "model").iterdir())
+    # metrics.jsonl and the training report are on rank 0's node only, with per-node storage.
+    outputs += [path for path in (run_dir / "metrics.jsonl", run_dir / REPORT_JSON, run_dir / REPORT_HTML)
+                if path.is_file()]
     inputs = [cfg.source, *cfg.data.train, *cfg.data.val] + ([cfg.data.check_report] if cfg.data.check_report else [])
     write_manifest(run_dir, "train", inputs, {"config": cfg.to_dict(), "steps": step,
-                                              "config_hash": cfg.training_hash()}, outputs=outputs)
+                                              "config_hash": cfg.training_hash(),
+                                              "checkpoint_storage": checkpoint_storage}, outputs=outputs)
 
 
 def train(cfg: Config, resume: str = "auto") -> int:
@@ -208,19 +215,21 @@ def train(cfg: Config, resume: str = "auto") -> int:
     checkpoints = CheckpointManager(
         run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best,
         monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode,
-        min_free_bytes=int(cfg.checkpoint.min_free_gb * 2**30), rank=rank, world_size=world, log=log)
+        min_free_bytes=int(cfg.checkpoint.min_free_gb * 2**30), rank=rank, world_size=world,
+        local_rank=local_rank, node=int(os.environ.get("GROUP_RANK", 0)), log=log)
+    if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # several machines: say where checkpoints live
+        log(f"checkpoints: {STORAGE_WORDS[checkpoints.storage]} ({checkpoints.directory})", flush=True)
 
     # --- resume: weights, optimizer, schedule, scaler, RNG streams, data position -----------------
     step, epoch, batches_done, metrics = 0, 0, 0, {}
     ckpt = None
     if resume == "auto":
         ckpt = checkpoints.load_latest()
-        set_aside = [*checkpoints.directory.glob("damaged-step-*"), *checkpoints.directory.glob("uncommitted-step-*")]
-        if ckpt is None and set_aside:
+        if ckpt is None and checkpoints.any_set_aside():
             raise ConfigError(f"{checkpoints.directory}: no checkpoint verifies (see the warnings above); "
                               "refusing to start over on top of them: use a new [run] name")
     elif resume == "none":
-        if checkpoints.committed():
+        if checkpoints.any_committed():
             raise ConfigError(f"{run_dir / 'checkpoints'} already holds checkpoints of an earlier run; "
                               "use --resume auto to continue it, or a new [run] name to start over")
     else:
@@ -362,12 +371,19 @@ def train(cfg: Config, resume: str = "auto") -> int:
     # --- finish: last checkpoint, the trained-model directory, the run manifest --------------------
     if not stopped:
         save(metrics)
-        if rank == 0:
-            bar.close()
+        if not checkpoints.shared:
+            # Every node gets the trained model and a manifest: rank 0's weights and buffers (the
+            # other ranks' BatchNorm statistics differ from rank 0's until DDP's next forward).
+            for tensor in raw_model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        if rank == 0 or local_rank == 0 and not checkpoints.shared:
+            if bar is not None:
+                bar.close()
             save_trained_model(run_dir / "model", raw_model, card)
-            writer.flush()
-            write_training_report(run_dir, cfg.data.classes)
-            write_run_manifest(cfg, run_dir, step)
+            if writer is not None:  # rank 0: its metrics.jsonl and TensorBoard events
+                writer.flush()
+                write_training_report(run_dir, cfg.data.classes)
+            write_run_manifest(cfg, run_dir, step, checkpoints.storage)
             log(f"trained {step} steps; model: {run_dir / 'model'}", flush=True)
     if writer is not None:
         writer.close()
