@@ -128,13 +128,13 @@ def test_dotprod_target_builds_an_arm_elf(tmp_path, exported):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("architecture", __import__("appliance.train.models", fromlist=["ARCHITECTURES"]).ARCHITECTURES)
+@pytest.mark.parametrize("architecture", __import__("appliance.models", fromlist=["ARCHITECTURES"]).ARCHITECTURES)
 def test_every_trainable_architecture_compiles(tmp_path, architecture):
     """What `appliance train` can make, `appliance compile` can build (exported with the dynamic
     batch axis users get; shufflenet_v2's channel shuffle needs the shape folding before import)."""
     from appliance.deploy.compile import compile_model
     from appliance.deploy.export import export_model
-    from appliance.train.models import ModelCard, build_model, save_trained_model
+    from appliance.models import ModelCard, build_model, save_trained_model
 
     card = ModelCard(architecture, 10, 3, 32, class_names=tuple(map(str, range(10))))
     save_trained_model(tmp_path / "model", build_model(architecture, 10), card)
@@ -149,7 +149,7 @@ def test_shufflenet_int8_compiles_for_aarch64_with_int8_layers(tmp_path):
     from appliance.deploy.compile import compile_model
     from appliance.deploy.export import export_model
     from appliance.deploy.quantize import quantize_int8
-    from appliance.train.models import ModelCard, build_model, save_trained_model
+    from appliance.models import ModelCard, build_model, save_trained_model
 
     card = ModelCard("shufflenet_v2_x1_0", 10, 3, 32, class_names=tuple(map(str, range(10))))
     save_trained_model(tmp_path / "model", build_model("shufflenet_v2_x1_0", 10), card)
