@@ -112,17 +112,37 @@ def val_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool
     return _loader(cfg, dataset, sampler, generator, pin)
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _worker_ignores_stop_signals(worker_id: int) -> None:
     # SIGINT/SIGTERM (Ctrl-C, a scheduler's preemption) reach the whole process group. The
     # training process stops at the next step boundary and saves; a loader worker killed by the
-    # same signal first would turn that clean stop into a crash.
+    # same signal first would turn that clean stop into a crash. The worker starts with them
+    # blocked (see _Loader), so none can arrive before they are ignored; a pending one is dropped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class _Loader(torch.utils.data.DataLoader):
+    """Starts its worker processes with the stop signals blocked: a signal between a worker's fork
+    and its worker_init_fn would kill it (the validation loader starts workers every epoch, so a
+    Ctrl-C during evaluation hit that window). The trainer gets a blocked signal on unblocking."""
+
+    def __iter__(self):
+        if not self.num_workers:
+            return super().__iter__()
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _loader(cfg, dataset, sampler, generator, pin):
     workers = cfg.data.num_workers
-    return torch.utils.data.DataLoader(
+    return _Loader(
         dataset, batch_size=cfg.train.batch_size, sampler=sampler, num_workers=workers, pin_memory=pin,
         generator=generator, prefetch_factor=4 if workers else None,
         worker_init_fn=_worker_ignores_stop_signals if workers else None)
