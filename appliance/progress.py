@@ -54,6 +54,7 @@ class Progress:
         self._enabled = enabled and not quiet()
         self._start = self._last = time.monotonic()
         self._bar = None
+        self._postfix = ""
         if self._enabled and getattr(self._stream, "isatty", lambda: False)():
             from tqdm import tqdm
 
@@ -105,9 +106,8 @@ class Progress:
             parts.append(f", ETA {_duration((self.total - self.n) / rate)}")
         elif self.total and self.n >= self.total:
             parts.append(f", done in {_duration(elapsed)}")
-        postfix = getattr(self, "_postfix", "")
-        if postfix:
-            parts.append(f", {postfix}")
+        if self._postfix:
+            parts.append(f", {self._postfix}")
         print("".join(parts), file=self._stream, flush=True)
 
     def close(self) -> None:

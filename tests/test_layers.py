@@ -113,7 +113,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         for nxt in sorted(graph.get(node, ())):
             if nxt == node or (node, nxt) in EXCEPTIONS:
                 continue
-            # A package's __init__ is imported with its modules; only module-to-module edges count.
             if state.get(nxt) == "open":
                 found.append(stack[stack.index(nxt):] + [nxt])
             elif nxt not in state:

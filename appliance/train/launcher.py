@@ -188,7 +188,7 @@ METRICS_NAME = "metrics.jsonl"
 MODEL_DIR_NAME = "model"
 
 
-def preflight(cfg) -> None:
+def check_before_start(cfg) -> None:
     """Everything that can be checked before a process starts: the data-check gate, and every data
     file opened and frame-checked (its index built, which the workers reuse)."""
     from appliance.train.config import check_data_report
@@ -224,7 +224,7 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     printable = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
     if dry_run:
         return printable
-    preflight(cfg)
+    check_before_start(cfg)
     from appliance.dirlock import directory_lock
 
     # One run per run directory, for the run's life: two would kill each other mid-save and mix

@@ -13,7 +13,6 @@ address torchrun binds (--local-addr) and the interface NCCL and Gloo use.
 from __future__ import annotations
 
 import fcntl
-import ipaddress
 import json
 import shutil
 import socket
@@ -55,14 +54,6 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     if not host or not 0 < number < 65536:
         raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.5:29400")
     return host, number
-
-
-def is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
