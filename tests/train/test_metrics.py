@@ -74,24 +74,18 @@ def test_without_clipping_the_norm_is_still_measured(tmp_path):
 
 
 def _tensorboard_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in the run's event files, as TensorBoard reads them.
+    """Every scalar in the run's event files, as TensorBoard itself loads them (its EventAccumulator,
+    the reader behind `tensorboard --logdir`), so a file TensorBoard cannot read fails here."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    The tensorboard package is not in the venv (only the writer, tensorboardX), so this reads
-    the files as TensorBoard does: TFRecord framing (our checked reader, CRCs verified) around
-    Event protos (tensorboardX's copy of TensorBoard's event.proto)."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    from data_tools.tfrecord import read_records
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
     files = sorted(tb_dir.glob("events.out.tfevents.*"))
     assert files, f"no event files in {tb_dir}"
+    scalars: dict[str, list[tuple[int, float]]] = {}
     for path in files:
-        for data in read_records(path, strict=True, compression=None):
-            event = Event.FromString(bytes(data))
-            for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+        accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})  # 0: keep every point
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in accumulator.Scalars(tag))
     return scalars
 
 
