@@ -373,6 +373,9 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
     for w in profile["wheels"]:
         os.link(root / w["file"], find_links / Path(w["file"]).name)
     (release_dir / "bundle").mkdir(parents=True)
+    listed = {n: d for d, _, n in (line.partition("  ") for line in (root / "SHA256SUMS").read_text().splitlines())}
+    # Before the venv (a bad index costs nothing) and the self-test (doctor.json lists them).
+    weights = place_weights(root, release_dir, listed)
     # Outside the release, so the output of a failed install outlives its removal.
     log_file = prefix / "logs" / f"install-{release_dir.name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     log_file.parent.mkdir(exist_ok=True)
@@ -393,8 +396,6 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
                 shutil.move(root / w["file"], dest / Path(w["file"]).name)
     for f in ("bundle.json", "SHA256SUMS", profile["lock"], profile["sbom"]):
         shutil.copy2(root / f, release_dir / "bundle" / Path(f).name)
-    listed = {n: d for d, _, n in (line.partition("  ") for line in (root / "SHA256SUMS").read_text().splitlines())}
-    weights = place_weights(root, release_dir, listed)  # before the self-test: doctor.json lists them
     t0 = time.monotonic()
     checks = self_test(release_dir / "venv", profile.get("self_test", {}), log_file, prefix)
     if weights:
