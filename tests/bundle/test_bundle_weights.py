@@ -17,7 +17,7 @@ import pytest
 
 import bundle_kit
 from appliance.bundle import weights
-from conftest import offline_cmd
+from conftest import offline_cmd, run_appliance
 
 # Runs `appliance` with a tiny model registered in torchvision's registry, its weights at URL (argv[1]).
 REGISTERED = """
@@ -175,6 +175,10 @@ def test_the_bundle_carries_the_file_with_its_sha256_in_sums_index_and_a_valid_s
         assert model["externalReferences"][0]["url"] == mirror["url"]
         root = sbom["metadata"]["component"]["bom-ref"]
         assert model["bom-ref"] in next(d["dependsOn"] for d in sbom["dependencies"] if d["ref"] == root)
+    # `bundle audit` counts packages; the weights are not one.
+    audit = run_appliance("bundle", "audit", str(weights_bundle), offline=True, timeout=120)
+    assert audit.returncode in (0, 1), audit.stderr
+    assert "  profile test, CPython 3.11: 8 packages" in audit.stdout
 
 
 def test_installed_offline_the_venvs_find_weights_finds_and_verifies_the_file(weights_bundle, mirror, tmp_path,
