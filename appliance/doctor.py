@@ -295,6 +295,36 @@ def network_state() -> dict:
             else f"a route leaves this box via {', '.join(interfaces) or 'an interface'}"}
 
 
+def pretrained_weights() -> dict:
+    """The pretrained weight files this install carries (appliance.pretrained's search order), by name.
+
+    Sizes are checked here; the sha256 is checked whenever training loads one (find_weights).
+    """
+    from appliance.errors import ApplianceError
+    from appliance.pretrained import weights_dirs, read_index
+
+    found, problems = {}, []
+    for directory in weights_dirs():
+        try:
+            index = read_index(directory)
+        except ApplianceError as err:
+            problems.append(str(err))
+            continue
+        for name, entry in index.items():
+            if name in found:
+                continue  # an earlier directory wins, as in find_weights
+            path = directory / str(entry.get("file", ""))
+            size = path.stat().st_size if path.is_file() else None
+            found[name] = {"file": str(path), "weights": entry.get("weights", ""), "bytes": size,
+                           "num_classes": entry.get("num_classes")}
+            if size is None:
+                problems.append(f"{path}: listed in {directory / 'index.json'} for {name} but missing")
+            elif entry.get("bytes") not in (None, size):
+                problems.append(f"{path}: {size} bytes, {directory / 'index.json'} says {entry['bytes']}; "
+                                "the file is damaged")
+    return {"dirs": [str(d) for d in weights_dirs()], "models": found, "problems": problems}
+
+
 def collect() -> Report:
     report = Report()
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
@@ -312,6 +342,7 @@ def collect() -> Report:
             "cross_compiler": _tool("aarch64-linux-gnu-g++"),
             "qemu_aarch64": _tool("qemu-aarch64"),
             "network": network_state(),
+            "pretrained": pretrained_weights(),
         })
         for name, fut in futures.items():
             report.facts[name] = fut.result()
@@ -355,6 +386,7 @@ def collect() -> Report:
         report.problems.append(f"only {report.facts['disk']['free_gib']} GiB free in {os.getcwd()}: "
                                "checkpoints need space; free at least 2 GiB")
 
+    report.warnings += [f"pretrained weights: {p}" for p in report.facts["pretrained"]["problems"]]
     for name in ("onnxruntime", "tvm"):
         if "error" in report.facts[name]:
             report.warnings.append(f"{name} is not usable ({report.facts[name]['error']}): "
@@ -395,6 +427,9 @@ def format_table(report: Report) -> str:
         ("aarch64 g++", tool(f["cross_compiler"])),
         ("qemu-aarch64", tool(f["qemu_aarch64"])),
         ("Network", f["network"]["summary"]),
+        ("Pretrained", ", ".join(f"{n} ({m['weights'] or '?'}, {m['bytes'] / 1e6:.1f} MB)" if m["bytes"] is not None
+                                 else f"{n} (missing)" for n, m in f["pretrained"]["models"].items())
+         or "none (`appliance bundle build --weights NAME,...` carries them)"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {val}" for k, val in rows]

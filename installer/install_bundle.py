@@ -7,6 +7,7 @@ bundle when it carries one, else pip), self-test, then `current` is switched ato
 
 PREFIX/
   releases/<version>-<sha12>/  venv/, bundle/ (bundle.json, lock, SBOM), wheelhouse/<carried profile>/,
+                               weights/ (pretrained weight files and index.json, when the bundle has them),
                                doctor.json (the `appliance doctor --json` report of the self-test),
                                install.json (written last: a release without it is incomplete)
   logs/                        full output of pip/uv and the self-test, one file per install
@@ -234,6 +235,49 @@ def self_test(venv: Path, spec: dict, log_file: Path, cwd: Path) -> list[str]:
     return done
 
 
+WEIGHTS_PROBE = """
+import json, sys
+from appliance.pretrained import find_weights
+found = {n: find_weights(n) for n in sys.argv[1:]}
+print(json.dumps({n: [str(f.path), f.sha256] for n, f in found.items()}))
+"""
+
+
+def place_weights(root: Path, release_dir: Path, listed: dict[str, str]) -> dict:
+    """Move the bundle's weights/ next to the venv; every file index.json names must be one SHA256SUMS
+    verified, with the same sha256 (so the index cannot point training at anything unchecked)."""
+    index_path = root / "weights" / "index.json"
+    if not index_path.exists():
+        return {}
+    try:
+        index = json.loads(index_path.read_text())
+        files = {name: (entry["file"], entry["sha256"]) for name, entry in index.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise Refusal(f"weights/index.json: not a weights index ({err})") from None
+    for name, (file, digest) in files.items():
+        member = f"weights/{file}"
+        if "/" in file or member not in listed:
+            raise Refusal(f"weights/index.json: {name} names {file}, which is not a file of the bundle")
+        if listed[member] != digest:
+            raise Refusal(f"weights/index.json: {name}: sha256 {digest[:12]}... differs from SHA256SUMS "
+                          f"({listed[member][:12]}...) for {member}")
+    shutil.move(root / "weights", release_dir / "weights")
+    return index
+
+
+def check_weights(venv: Path, index: dict, log_file: Path, cwd: Path) -> str:
+    """The new venv's own lookup (appliance.pretrained.find_weights) finds and re-hashes every placed file."""
+    env = {k: v for k, v in clean_env(venv).items() if k != "APPLIANCE_WEIGHTS_DIR"}
+    proc = run([venv / "bin" / "python", "-c", WEIGHTS_PROBE, *index], "self-test `find_weights`", log_file, env,
+               SELF_TEST_TIMEOUT_S, cwd)
+    found = json.loads(proc.stdout)
+    for name, (path, digest) in found.items():
+        expected = venv.parent / "weights" / index[name]["file"]
+        if Path(path) != expected or digest != index[name]["sha256"]:
+            raise Refusal(f"self-test `find_weights`: {name} resolved to {path}, not {expected}")
+    return f"pretrained weights found and verified: {', '.join(index)}"
+
+
 def flip(prefix: Path, link: str, release: str) -> None:
     """Point PREFIX/link at releases/<release> atomically: new symlink under a temp name, then rename."""
     tmp = prefix / f".{link}.tmp-{os.getpid()}"
@@ -329,6 +373,9 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
     for w in profile["wheels"]:
         os.link(root / w["file"], find_links / Path(w["file"]).name)
     (release_dir / "bundle").mkdir(parents=True)
+    listed = {n: d for d, _, n in (line.partition("  ") for line in (root / "SHA256SUMS").read_text().splitlines())}
+    # Before the venv (a bad index costs nothing) and the self-test (doctor.json lists them).
+    weights = place_weights(root, release_dir, listed)
     # Outside the release, so the output of a failed install outlives its removal.
     log_file = prefix / "logs" / f"install-{release_dir.name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     log_file.parent.mkdir(exist_ok=True)
@@ -351,6 +398,8 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
         shutil.copy2(root / f, release_dir / "bundle" / Path(f).name)
     t0 = time.monotonic()
     checks = self_test(release_dir / "venv", profile.get("self_test", {}), log_file, prefix)
+    if weights:
+        checks.append(check_weights(release_dir / "venv", weights, log_file, prefix))
     timings["self_test_s"] = round(time.monotonic() - t0, 2)
     log("self-test passed: " + "; ".join(checks))
     # bundle_sha256: of the private copy that was verified and extracted, i.e. of what was installed.
@@ -358,6 +407,7 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
             "bundle_bytes": copy.size, "signature": comment, "version": manifest["version"], "profile": name, "installer": used,
             "bytecode_compiled": not args.no_compile, "python": python,
             "installed": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "weights": {n: e["file"] for n, e in weights.items()},
             "self_test": checks, "timings": timings, "log": str(log_file)}
 
 

@@ -7,6 +7,7 @@ Layout of appliance-bundle-<version>.tar (one top directory of the same name):
   profiles/<P>/py<X.Y>/requirements.lock   the lock for CPython X.Y plus the project's wheel and its hash
   profiles/<P>/py<X.Y>/sbom.cdx.json       CycloneDX SBOM of those wheels
   installer/                       install.sh and its standard-library helpers
+  weights/<file>, weights/index.json   with --weights: torchvision's published weight files (weights.py)
 Beside the tar: <tar>.minisig when signed (stock `minisign -V` verifies it), manifest.json.
 """
 
@@ -28,7 +29,7 @@ import tomllib
 from pathlib import Path
 
 from appliance import __version__
-from appliance.bundle import minisign, vulnerabilities
+from appliance.bundle import minisign, vulnerabilities, weights as pretrained
 from appliance.bundle.profiles import Profile, load_profiles
 from appliance.bundle.sbom import build_sbom
 from appliance.bundle.wheelhouse import Target, Wheel, configured_index, fetch
@@ -95,8 +96,10 @@ def _tar_add(tar: tarfile.TarFile, arcname: str, path: Path | None = None, data:
 
 
 def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key: Path | None,
-                 cache: Path, vulnerability_source: str | None = None) -> Path:
-    """vulnerability_source: base of the PyPI-style JSON API (default: the one beside the index)."""
+                 cache: Path, vulnerability_source: str | None = None, weight_names: list[str] = (),
+                 weights_mirror: str | None = None) -> Path:
+    """vulnerability_source: base of the PyPI-style JSON API (default: the one beside the index);
+    weight_names: torchvision models whose published weights the bundle carries (weights.py)."""
     started = time.monotonic()
     manifests = source / "manifests"
     profiles = load_profiles(manifests)
@@ -109,6 +112,8 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
     if sign_key is not None:
         minisign.read_secret_key(str(sign_key))  # a bad key fails now, not after the downloads
     index = configured_index()
+    weight_names = list(dict.fromkeys(weight_names))
+    published = pretrained.resolve_all(weight_names)  # a bad name fails before any download
     targets = [Target(profile, python) for profile in chosen for python in profile.pythons]
 
     # 1. Every locked file of every (profile, Python), fetched and hash-checked before anything is written.
@@ -124,6 +129,8 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
         raise BundleError(f"{len(problems)} locked wheel(s) missing or mismatched ({', '.join(names)}; listed above); "
                           f"nothing was written to {out_dir}")
     files = {w.filename: (w.path, w.sha256) for ws in planned.values() for w in ws}
+    fetched = [pretrained.fetch(p, cache / "weights", weights_mirror) for p in published]
+    weights_index = {f.published.name: f.index_entry() for f in fetched}
     vulns = vulnerabilities.fetch(vulnerability_source or vulnerabilities.default_source(index),
                                   [(w.name, w.version) for ws in planned.values() for w in ws])
     if vulns.offered:
@@ -169,7 +176,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
                 sbom = build_sbom(profile.name, python, profile.arch, version, MADE_BY, wheels,
                                   {n: p for n, (p, _) in files.items()},
                                   {"platform": profile.platform, "python": python, "glibc_floor": profile.glibc_floor,
-                                   "cuda_major": profile.cuda_major}, vulns)
+                                   "cuda_major": profile.cuda_major}, vulns, weights_index)
                 generated[f"{where}/sbom.cdx.json"] = sbom.encode()
                 by_python[python] = {"python": python, "lock": f"{where}/requirements.lock",
                                      "sbom": f"{where}/sbom.cdx.json", "wheels": wheels,
@@ -183,7 +190,8 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
             }
         manifest = {
             "format": "appliance-bundle/1",
-            "made_by": f"{MADE_BY}: appliance bundle build " + " ".join(f"--profile {p.name}" for p in chosen),
+            "made_by": f"{MADE_BY}: appliance bundle build " + " ".join(f"--profile {p.name}" for p in chosen)
+            + (f" --weights {','.join(weight_names)}" if weight_names else ""),
             "version": version,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "platforms": sorted({p.platform for p in chosen}),
@@ -191,8 +199,12 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
             "python": sorted({v for p in chosen for v in p.pythons}, key=lambda v: tuple(map(int, v.split(".")))),
             "cuda_major": sorted({p.cuda_major for p in chosen if p.cuda_major is not None}),
             "profiles": bundle_profiles,
+            "weights": weights_index,
         }
         generated["bundle.json"] = (json.dumps(manifest, indent=2) + "\n").encode()
+        weight_files = {f"weights/{f.published.file}": (f.path, f.sha256) for f in fetched}
+        if fetched:
+            generated["weights/index.json"] = (json.dumps(weights_index, indent=2) + "\n").encode()
         installer = {f"installer/{Path(f).name}": source / f for f in INSTALLER_FILES}
         for path in installer.values():
             if not path.exists():
@@ -201,6 +213,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
         sums = {name: hashlib.sha256(data).hexdigest() for name, data in generated.items()}
         sums.update({f"wheelhouse/{n}": digest for n, (_, digest) in files.items()})
         sums.update({name: sha256_file(p) for name, p in installer.items()})
+        sums.update({name: digest for name, (_, digest) in weight_files.items()})
         generated["SHA256SUMS"] = "".join(f"{sums[n]}  {n}\n" for n in sorted(sums)).encode()
 
         # 4. The tar, written beside its final name and renamed only when complete.
@@ -214,6 +227,8 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
                          mode=0o755 if name.endswith(".sh") else 0o644)
             for n in sorted(files):
                 _tar_add(tar, f"{top}/wheelhouse/{n}", path=files[n][0], mtime=mtime)
+            for name in sorted(weight_files):
+                _tar_add(tar, f"{top}/{name}", path=weight_files[name][0], mtime=mtime)
         with open(partial, "rb+") as f:
             os.fsync(f.fileno())
         signature = out_dir / f"{top}.tar.minisig"
@@ -229,6 +244,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
     outputs = [tar_path] + ([signature] if sign_key is not None else [])
     write_manifest(out_dir, "bundle", inputs=[manifests / "profiles.toml"] + [t.lock_file for t in targets],
                    params={"profiles": [p.name for p in chosen], "signed": sign_key is not None,
+                           "weights": {n: {"url": e["url"], "sha256": e["sha256"]} for n, e in weights_index.items()},
                            "index": index, "vulnerability_data": {"source": vulns.source, "taken": vulns.taken,
                                                                   "offered": vulns.offered}},
                    outputs=outputs)

@@ -10,9 +10,12 @@ from pathlib import Path
 def _build(args) -> int:
     from appliance.bundle.build import build_bundle, default_source
 
+    from appliance.bundle.weights import MIRROR_ENV, parse_names
+
     source = Path(args.source) if args.source else default_source()
     tar = build_bundle(args.profile, Path(args.out), source, Path(args.sign_key) if args.sign_key else None,
-                       Path(args.cache), args.vulnerability_data)
+                       Path(args.cache), args.vulnerability_data, parse_names(",".join(args.weights or [])),
+                       args.weights_mirror or os.environ.get(MIRROR_ENV) or None)
     print(tar)
     return 0
 
@@ -87,6 +90,15 @@ def register(subparsers) -> None:
     build.add_argument("--vulnerability-data", metavar="URL",
                        help="base of the PyPI-style JSON API whose `vulnerabilities` field the SBOM records "
                        "(default: beside the index, e.g. https://pypi.org/pypi for https://pypi.org/simple)")
+    build.add_argument("--weights", action="append", metavar="NAME,...",
+                       help="torchvision models whose published pretrained weights the bundle carries, e.g. "
+                       "resnet18,mobilenet_v2 (NAME:ENTRY for another entry than DEFAULT, e.g. "
+                       "resnet50:IMAGENET1K_V2); URL and hash from torchvision's weights registry, checked "
+                       "after download, cached in CACHE/weights")
+    build.add_argument("--weights-mirror", metavar="URL",
+                       help="fetch the weights from this mirror of https://download.pytorch.org instead "
+                       "(the published path is kept: URL/models/resnet18-f37072fd.pth; default "
+                       "$APPLIANCE_WEIGHTS_MIRROR)")
     build.set_defaults(func=_build)
 
     audit = verbs.add_parser("audit", help="print the known vulnerabilities recorded in a bundle (offline)",

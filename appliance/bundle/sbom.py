@@ -5,6 +5,8 @@ one (License-Expression, an SPDX id in License, or an unambiguous classifier; el
 and its dependencies from Requires-Dist, evaluated for the target Python and platform. Known
 vulnerabilities of the pinned versions come from the index's data (vulnerabilities.py), with the source
 and the time they were taken in the metadata properties; `appliance bundle audit` prints them offline.
+Pretrained weight files the bundle carries (--weights) are `machine-learning-model` components with
+their sha256 and the published URL as a distribution reference.
 """
 
 from __future__ import annotations
@@ -83,9 +85,12 @@ def requires(meta: email.message.Message | None, python: str, arch: str) -> list
 
 
 def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, made_by: str, wheels: list[dict],
-               paths: dict[str, Path], properties: dict, vulns: VulnerabilityData) -> str:
-    """wheels: [{"file", "name", "version", "sha256"}]; paths: filename -> local file. Returns the JSON text."""
-    from cyclonedx.model import HashAlgorithm, HashType, Property, XsUri
+               paths: dict[str, Path], properties: dict, vulns: VulnerabilityData,
+               weights: dict[str, dict] | None = None) -> str:
+    """wheels: [{"file", "name", "version", "sha256"}]; paths: filename -> local file; weights: the bundle's
+    weights/index.json. Returns the JSON text."""
+    from cyclonedx.model import (ExternalReference, ExternalReferenceType, HashAlgorithm, HashType, Property,
+                                 XsUri)
     from cyclonedx.model.bom import Bom
     from cyclonedx.model.component import Component, ComponentType
     from cyclonedx.model.impact_analysis import ImpactAnalysisAffectedStatus
@@ -134,8 +139,20 @@ def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, m
         deps = [components[d] for d in dict.fromkeys(requires(metas[name], python, arch)) if d in components]
         needed.update(d.name for d in deps)
         bom.register_dependency(component, deps)
+    models = []
+    for name, entry in sorted((weights or {}).items()):
+        models.append(Component(
+            type=ComponentType.MACHINE_LEARNING_MODEL, name=name, version=entry["weights"].rsplit(".", 1)[-1],
+            bom_ref=f"weights/{entry['file']}", description=f"torchvision {entry['weights']} ({entry['file']})",
+            hashes=[HashType(alg=HashAlgorithm.SHA_256, content=entry["sha256"])],
+            external_references=[ExternalReference(type=ExternalReferenceType.DISTRIBUTION, url=XsUri(entry["url"]),
+                                                   hashes=[HashType(alg=HashAlgorithm.SHA_256,
+                                                                    content=entry["sha256"])])],
+            properties=[Property(name="appliance:file", value=f"weights/{entry['file']}")]))
+        bom.components.add(models[-1])
+        bom.register_dependency(models[-1], [])
     # The bundle depends on what nothing else in it pulls in: the lock's top-level requirements.
-    bom.register_dependency(root, [c for c in components.values() if c.name not in needed])
+    bom.register_dependency(root, [c for c in components.values() if c.name not in needed] + models)
 
     for (name, version), advisories in sorted(vulns.advisories.items()):
         component = components.get(name)
