@@ -30,7 +30,7 @@ class PretrainedFile:
     name: str           # the model name, as in `torchvision:NAME`
     path: Path          # the weight file, verified
     sha256: str
-    url: str            # where it was fetched from on the connected host
+    url: str            # the published URL (a mirror that served it is in the index as fetched_from)
     weights: str        # torchvision's weights enum entry, e.g. ResNet18_Weights.IMAGENET1K_V1
 
 
