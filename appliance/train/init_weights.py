@@ -34,7 +34,10 @@ def resolve_init(spec: str, base: Path, source: str) -> InitSource:
     """The file behind `[model] init`, hashed; one line naming the config when it is not usable."""
     where = f"{source}: [model] init {spec!r}"
     if spec.startswith(TORCHVISION_PREFIX):
-        found = find_weights(spec[len(TORCHVISION_PREFIX):])
+        try:
+            found = find_weights(spec[len(TORCHVISION_PREFIX):])
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from None
         return InitSource(spec, "torchvision", found.path, found.sha256)
     path = Path(spec) if Path(spec).is_absolute() else base / spec
     path = path.resolve()
@@ -122,7 +125,7 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
         state = read_state(init)
         mismatched = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
         missing = [k for k in own if k not in state]
-        unexpected = [k for k in state if k not in own]
+        unexpected = sorted(k for k in state if k not in own)
     head_keys = [k for k in mismatched if head and _covered(k, [head]) and not _covered(k, reset)]
     reinit = [k for k in own if _covered(k, reset)] + head_keys
     params = {name for name, _ in model.named_parameters()}
