@@ -253,7 +253,8 @@ def train(cfg: Config, resume: str = "auto") -> int:
     if ckpt is not None:
         if ckpt.trainer["config_hash"] != cfg.training_hash():
             raise ConfigError(f"{cfg.source}: differs from the config that made {ckpt.path} in a setting that "
-                              "decides the weights; use a new [run] name to start a new run")
+                              "decides the weights; use a new [run] name to start a new run (with [model] init = "
+                              f"\"{ckpt.path}\" to start it from those weights)")
         raw_model.load_state_dict(ckpt.model_state)
         local_optimizer.load_state_dict(ckpt.optimizer_state)
         scheduler.load_state_dict(ckpt.trainer["scheduler"])

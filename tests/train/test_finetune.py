@@ -172,16 +172,18 @@ def test_a_killed_fine_tuning_run_resumes_bit_identical(work, finetuned):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (step, name)
 
 
-def test_other_init_weights_change_the_config_hash(work, pretrained, finetuned):
+def test_other_init_weights_change_the_config_hash(work, pretrained):
     from appliance.train.config import load_config
 
-    config, _ = finetuned
-    first = load_config(config)
-    other = config.parent / "ft-other.toml"
-    other.write_text(config.read_text().replace(f'init = "{first.model.init}"',
-                                                f'init = "{pretrained / "model"}"'))
-    second = load_config(other)
+    newest, older = sorted((pretrained / "checkpoints").glob("step-*"))[:-3:-1]
+    first, second = (load_config(write_config(work / f"hash-{i}.toml", f"hash-{i}", "digits-0-4", [0, 1, 2, 3, 4],
+                                              model={"init": str(path)}))
+                     for i, path in enumerate((newest, older)))
     assert second.init_sha256 != first.init_sha256 and second.training_hash() != first.training_hash()
+    # The same weights from another place (the final model is the newest checkpoint's): the same hash.
+    third = load_config(write_config(work / "hash-2.toml", "hash-2", "digits-0-4", [0, 1, 2, 3, 4],
+                                     model={"init": str(pretrained)}))
+    assert third.init_sha256 == first.init_sha256 and third.training_hash() == first.training_hash()
 
 
 def export_onnx(model, path, shape):

@@ -142,3 +142,17 @@ def test_an_lr_mult_prefix_that_matches_nothing_is_named(tmp_path):
     model, _ = prepare_model(cfg, lambda line: None)
     with pytest.raises(ApplianceError, match=r"\[optimizer\] lr_mult: 'fc' matches no parameter"):
         build_optimizer(cfg, model)
+
+
+def test_the_pipeline_writes_init_and_lr_mult_into_the_training_config(tmp_path):
+    import tomllib
+
+    from appliance.train.stage import train_sections, write_train_config
+
+    sections = train_sections({"model": {"init": "base/model.safetensors"}, "optimizer": {"lr_mult": {"fc": 10.0}}},
+                              tmp_path / "runs" / "r", [], [], None, tmp_path / "pipeline.toml")
+    write_train_config(tmp_path / "config.toml", sections, "pipeline.toml")
+    written = tomllib.loads((tmp_path / "config.toml").read_text())
+    # The training config lives in the run directory; a relative init was the pipeline config's.
+    assert written["model"]["init"] == str(tmp_path / "base" / "model.safetensors")
+    assert written["optimizer"]["lr_mult"] == {"fc": 10.0}
