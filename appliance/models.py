@@ -8,6 +8,7 @@ take preprocessing from the card, so it is stated once, where training decided i
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,9 @@ CARD_NAME = "model.json"
 WEIGHTS_NAME = "model.safetensors"
 TORCHVISION_ARCHITECTURES = ("resnet18", "resnet34", "resnet50", "mobilenet_v2", "mobilenet_v3_small",
                              "efficientnet_b0", "shufflenet_v2_x1_0")
-ARCHITECTURES = ("small_cnn", *TORCHVISION_ARCHITECTURES)
+ONNX_ARCHITECTURE = "onnx"  # the graph of `[model] init = "x.onnx"`, converted by onnx2torch
+ONNX_GRAPH_NAME = "source.onnx"  # the imported graph, kept in the trained-model directory to rebuild the module
+ARCHITECTURES = ("small_cnn", *TORCHVISION_ARCHITECTURES, ONNX_ARCHITECTURE)
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,73 @@ def small_cnn(num_classes: int, in_channels: int = 3):
     )
 
 
-def build_model(architecture: str, num_classes: int, in_channels: int = 3):
-    """A freshly initialised model (never downloads weights: the appliance is offline)."""
+def classifier_head(model) -> str:
+    """The name of the model's classifier head: its last Linear layer (fc, classifier.1, 9, ...)."""
+    from torch import nn
+
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    return names[-1] if names else ""
+
+
+def _inline_initializer_identities(proto) -> None:
+    """Identity nodes that only rename an initializer (torch's exporter writes them for shared
+    constants) become initializers of their own: onnx2torch reads Conv/Gemm weights from initializers."""
+    from onnx import numpy_helper
+
+    inits = {init.name: init for init in proto.graph.initializer}
+    for node in list(proto.graph.node):
+        if node.op_type == "Identity" and node.input[0] in inits and node.output[0] not in inits:
+            copy = numpy_helper.from_array(numpy_helper.to_array(inits[node.input[0]]), node.output[0])
+            proto.graph.initializer.append(copy)
+            inits[copy.name] = copy
+            proto.graph.node.remove(node)
+
+
+def onnx_module(path: str | Path, num_classes: int):
+    """A trainable torch module (a torch.fx GraphModule) from an ONNX graph, its weights included.
+
+    The head is replaced by a fresh Linear layer when the graph's class count is not num_classes.
+    An operator onnx2torch cannot convert is one line naming the operator and the node."""
+    import onnx
+    from onnx2torch import convert
+    from torch import nn
+
+    try:
+        proto = onnx.load(str(path))
+    except Exception as err:  # protobuf's DecodeError and onnx's own
+        raise DataError(f"{path}: not an ONNX model ({type(err).__name__}: {err})") from None
+    _inline_initializer_identities(proto)
+    from onnx2torch.node_converters.registry import get_converter
+
+    opsets = {opset.domain: opset.version for opset in proto.opset_import}
+    for node in proto.graph.node:
+        try:
+            get_converter(node.op_type, opsets.get(node.domain, 1), node.domain)
+        except NotImplementedError:
+            raise DataError(f"{path}: onnx2torch cannot convert operator {node.op_type} (opset "
+                            f"{opsets.get(node.domain, 1)}) of node {node.name or node.output[0]!r}; "
+                            "re-export the model without it") from None
+    try:
+        model = convert(proto)
+    except Exception as err:  # a converter that refuses an attribute of its operator, and the like
+        raise DataError(f"{path}: onnx2torch could not convert the graph "
+                        f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    head = classifier_head(model)
+    if head and model.get_submodule(head).out_features != num_classes:
+        old = model.get_submodule(head)
+        parent = model.get_submodule(head.rsplit(".", 1)[0]) if "." in head else model
+        setattr(parent, head.rsplit(".", 1)[-1], nn.Linear(old.in_features, num_classes, bias=old.bias is not None))
+        model.replaced_head = (head, old.out_features, num_classes)
+    return model
+
+
+def build_model(architecture: str, num_classes: int, in_channels: int = 3, onnx_graph: str | Path | None = None):
+    """A freshly initialised model (never downloads weights: the appliance is offline); architecture
+    "onnx" is the module converted from onnx_graph, with the graph's weights."""
+    if architecture == ONNX_ARCHITECTURE:
+        if onnx_graph is None:
+            raise ConfigError('architecture "onnx" needs the ONNX graph ([model] init = "model.onnx")')
+        return onnx_module(onnx_graph, num_classes)
     if architecture == "small_cnn":
         return small_cnn(num_classes, in_channels)
     if architecture not in TORCHVISION_ARCHITECTURES:
@@ -83,8 +151,8 @@ def build_model(architecture: str, num_classes: int, in_channels: int = 3):
     return model
 
 
-def save_trained_model(out_dir: str | Path, model, card: ModelCard) -> Path:
-    """Write weights + card into out_dir (created). Atomic per file."""
+def save_trained_model(out_dir: str | Path, model, card: ModelCard, onnx_graph: str | Path | None = None) -> Path:
+    """Write weights + card (+ the imported ONNX graph of an "onnx" model) into out_dir (created). Atomic per file."""
     from safetensors.torch import save_file
 
     from appliance.manifest import atomic_write_text
@@ -95,6 +163,10 @@ def save_trained_model(out_dir: str | Path, model, card: ModelCard) -> Path:
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(tmp))
     tmp.replace(out_dir / WEIGHTS_NAME)
+    if onnx_graph is not None:  # the module's structure: load_trained_model rebuilds it from this graph
+        tmp = out_dir / f".{ONNX_GRAPH_NAME}.tmp"
+        shutil.copyfile(onnx_graph, tmp)
+        tmp.replace(out_dir / ONNX_GRAPH_NAME)
     atomic_write_text(out_dir / CARD_NAME, card.to_json())
     return out_dir
 
@@ -108,7 +180,8 @@ def load_trained_model(model_dir: str | Path):
     if not card_path.exists() or not weights.exists():
         raise DataError(f"{model_dir}: not a trained-model directory (needs {CARD_NAME} and {WEIGHTS_NAME})")
     card = ModelCard.from_json(card_path.read_text(), str(card_path))
-    model = build_model(card.architecture, card.num_classes, card.in_channels)
+    graph = model_dir / card.extra.get("onnx_graph", ONNX_GRAPH_NAME)
+    model = build_model(card.architecture, card.num_classes, card.in_channels, onnx_graph=graph)
     try:
         state = load_file(str(weights))
     except Exception as err:  # safetensors raises its own error types for damaged files

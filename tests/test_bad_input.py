@@ -1,5 +1,6 @@
 """What a new user types by mistake: one line naming the file and the problem, exit 2, nothing written."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -48,3 +49,38 @@ def test_a_worker_error_is_the_workers_one_line(tmp_path):
     line = one_line(proc)
     assert line.startswith(f"appliance train: error: --resume {tmp_path / 'no-such-checkpoint'}")
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _pickle_that_runs_code(path, marker):
+    import torch
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    torch.save({"0.0.weight": Payload()}, path)
+
+
+@pytest.mark.parametrize("init, expected", [
+    ("cnn.safetensors", "cnn.safetensors: weights do not fit resnet18: first mismatched keys conv1.weight (missing)"),
+    ("model.pth", "model.pth: not a weights-only file (its pickle would run code, so it is not loaded)"),
+    ("torchvision:resnet50", "[model] init 'torchvision:resnet50': torchvision:resnet50: no such pretrained weights"),
+])
+def test_fine_tuning_weights_that_cannot_be_used_stop_before_torchrun(tmp_path, init, expected):
+    import torch
+    from safetensors.torch import save_file
+
+    from appliance.models import build_model
+
+    save_file(build_model("small_cnn", 3, 1).state_dict(), str(tmp_path / "cnn.safetensors"))
+    marker = tmp_path / "the-pickle-ran"
+    _pickle_that_runs_code(tmp_path / "model.pth", marker)
+    torch.manual_seed(0)
+    config = make_config(tmp_path, train_records=8, val_records=3,
+                         model={"architecture": "resnet18" if init.endswith(".safetensors") else "small_cnn",
+                                "init": init})
+    proc = run_appliance("train", str(config), env={**os.environ, "APPLIANCE_WEIGHTS_DIR": str(tmp_path / "no-weights")})
+    line = one_line(proc)
+    assert line.startswith("appliance train: error: ") and expected in line, line
+    assert "--weights resnet50" in line or not init.startswith("torchvision:")
+    assert not marker.exists() and not (tmp_path / "runs").exists()

@@ -52,8 +52,11 @@ class DataSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    architecture: str = "small_cnn"
+    architecture: str = "small_cnn"  # "onnx": the graph of an init = "x.onnx", converted to torch
+    init: str = ""  # where the starting weights come from (appliance/train/init_weights.py); "": random
+    reset: tuple[str, ...] = ()  # prefixes re-initialised instead of loaded from init (e.g. ["fc"])
     frozen_prefixes: tuple[str, ...] = ()
+    linear_probe: bool = False  # train the classifier head only (every other parameter frozen)
     activation_checkpointing: bool = False
 
 
@@ -65,6 +68,8 @@ class OptimizerSection:
     momentum: Annotated[float, Range(ge=0, lt=1)] = 0.9  # sgd only
     betas: tuple[Annotated[float, Range(ge=0, lt=1)], ...] = (0.9, 0.999)  # adamw only
     zero_redundancy: bool = False
+    no_decay_norm_and_bias: bool = True  # no weight decay on biases and norm weights (1-D parameters)
+    lr_mult: dict[str, Annotated[float, POSITIVE]] = field(default_factory=dict)  # {prefix = multiplier of lr}
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ class Config:
     augment: AugmentSection = field(default_factory=AugmentSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     source: str = ""
+    init_sha256: str = ""  # of [model] init's weights, hashed when the config is read: part of training_hash
 
     @property
     def run_dir(self) -> Path:
@@ -146,6 +152,7 @@ class Config:
         d.pop("source")
         d.pop("checkpoint")
         d.pop("distributed")  # where the processes talk, not what they compute
+        d["model"]["init"] = self.init_sha256  # the weights decide, not where the file lies
         d["run"] = {"seed": self.run.seed, "deterministic": self.run.deterministic}
         d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps", *GATE_KEYS)}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
@@ -184,6 +191,10 @@ def _check_values(cfg: Config, source: str) -> None:
         bad("[optimizer] betas", "needs exactly two values")
     # Single numbers were range-checked while parsing (the Annotated ranges above); here what
     # depends on several keys.
+    onnx_init = cfg.model.init.endswith(".onnx")
+    if (cfg.model.architecture == "onnx") != onnx_init:
+        bad("[model] architecture", '"onnx" goes with an ONNX init (init = "model.onnx"), and an ONNX init with '
+            f'architecture "onnx"; got architecture {cfg.model.architecture!r}, init {cfg.model.init!r}')
     if cfg.train.epochs < 1 and cfg.train.max_steps < 1:
         bad("[train]", "needs epochs >= 1 or max_steps >= 1")
     aug = cfg.augment
@@ -240,7 +251,16 @@ def config_from_dict(raw: dict, path: str | Path) -> Config:
         sections["run"] = dataclasses.replace(run, out_dir=str(base / run.out_dir))
     if not run.name or "/" in run.name or run.name.startswith("."):
         raise ConfigError(f"{source}: [run] name {run.name!r} must be a plain directory name")
-    cfg = Config(**sections, source=str(path.resolve()))
+    init_sha256 = ""
+    if sections["model"].init:
+        from appliance.train.init_weights import resolve_init
+
+        init = resolve_init(sections["model"].init, base, source)
+        if init.kind != "torchvision":  # absolute, as the data paths: the workers read the same file
+            spec = Path(init.spec)
+            sections["model"] = dataclasses.replace(sections["model"], init=str((base / spec).resolve()))
+        init_sha256 = init.sha256
+    cfg = Config(**sections, source=str(path.resolve()), init_sha256=init_sha256)
     _check_values(cfg, source)
     check_thresholds(cfg.train, source)
     return cfg

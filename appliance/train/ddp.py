@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import types
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from appliance.errors import ConfigError
-from appliance.models import build_model
+from appliance.models import ONNX_ARCHITECTURE, build_model, classifier_head
+from appliance.train.init_weights import apply_init, resolve_init
 
 # Blocks worth recomputing in backward: the repeated units of each architecture we build.
 _BLOCK_NAMES = {"BasicBlock", "Bottleneck", "InvertedResidual", "MBConv", "FusedMBConv"}
@@ -20,18 +24,61 @@ def _is_block(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and len(module) > 0 and isinstance(module[0], nn.Conv2d)
 
 
-def build_training_model(cfg, device: torch.device):
-    """(DDP-wrapped model for training, the plain model for saving and loading state)."""
-    model = build_model(cfg.model.architecture, cfg.num_classes, cfg.data.channels)
+def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
+    return nn.Module.train(module, False)
+
+
+def freeze(model: nn.Module, prefixes, linear_probe: bool, source: str, architecture: str) -> list[str]:
+    """requires_grad off for parameters under prefixes (every one but the head's in linear-probe
+    mode); BatchNorm layers left without a trainable parameter stay in eval mode, so their running
+    statistics do not move either (model.train() keeps them so). The names of the frozen parameters."""
     names = [name for name, _ in model.named_parameters()]
-    for prefix in cfg.model.frozen_prefixes:
-        matched = [n for n in names if n.startswith(prefix)]
-        if not matched:
-            raise ConfigError(f"{cfg.source}: [model] frozen_prefixes: {prefix!r} matches no parameter of "
-                              f"{cfg.model.architecture} (e.g. {', '.join(names[:3])})")
-        for name, param in model.named_parameters():
-            if name.startswith(prefix):
-                param.requires_grad_(False)
+    for prefix in prefixes:
+        if not any(n.startswith(prefix) for n in names):
+            raise ConfigError(f"{source}: [model] frozen_prefixes: {prefix!r} matches no parameter of "
+                              f"{architecture} (e.g. {', '.join(names[:3])})")
+    head = classifier_head(model)
+    if linear_probe and not head:
+        raise ConfigError(f"{source}: [model] linear_probe: {architecture} has no Linear classifier head")
+    frozen = [n for n in names if any(n.startswith(p) for p in prefixes)
+              or linear_probe and not n.startswith(head + ".")]
+    if len(frozen) == len(names):
+        raise ConfigError(f"{source}: [model] frozen_prefixes freeze every parameter of {architecture}: nothing to train")
+    params = dict(model.named_parameters())
+    for name in frozen:
+        params[name].requires_grad_(False)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            own = list(module.parameters())
+            if all(not p.requires_grad for p in own) and (own or any(name.startswith(p) for p in prefixes)
+                                                          or linear_probe):
+                module.train = types.MethodType(_stay_in_eval, module)
+                module.eval()
+    return frozen
+
+
+def prepare_model(cfg, log=print) -> tuple[nn.Module, dict | None]:
+    """The model on the CPU: built, given its [model] init weights, frozen; and the init report
+    (None without init). The launcher runs it once before any process starts, so a bad init is one line."""
+    init, report = None, None
+    if cfg.model.init:
+        init = resolve_init(cfg.model.init, Path(cfg.source).parent, cfg.source)
+    graph = init.path if init is not None and cfg.model.architecture == ONNX_ARCHITECTURE else None
+    model = build_model(cfg.model.architecture, cfg.num_classes, cfg.data.channels, onnx_graph=graph)
+    if init is not None:
+        try:
+            report = apply_init(model, init, cfg.model.reset, cfg.model.architecture, log)
+        except ConfigError as err:
+            raise ConfigError(f"{cfg.source}: {err}") from None
+    elif cfg.model.reset:
+        raise ConfigError(f"{cfg.source}: [model] reset needs [model] init (without it every weight is fresh)")
+    freeze(model, cfg.model.frozen_prefixes, cfg.model.linear_probe, cfg.source, cfg.model.architecture)
+    return model, report
+
+
+def build_training_model(cfg, device: torch.device, log=print):
+    """(DDP-wrapped model for training, the plain model for saving and loading state, the init report)."""
+    model, report = prepare_model(cfg, log)
     if cfg.model.activation_checkpointing:
         # Trades compute for memory. The wrapper keeps state_dict keys unchanged. BatchNorm
         # running statistics are updated again when a block is recomputed.
@@ -40,7 +87,7 @@ def build_training_model(cfg, device: torch.device):
         apply_activation_checkpointing(model, check_fn=_is_block)
     model.to(device)
     wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return wrapped, model
+    return wrapped, model, report
 
 
 def pick_precision(requested: str, device: torch.device, source: str = "config") -> str:

@@ -189,8 +189,9 @@ MODEL_DIR_NAME = "model"
 
 
 def check_before_start(cfg) -> None:
-    """Everything that can be checked before a process starts: the data-check gate, and every data
-    file opened and frame-checked (its index built, which the workers reuse)."""
+    """Everything that can be checked before a process starts: the data-check gate, every data
+    file opened and frame-checked (its index built, which the workers reuse), and [model] init's
+    weights matched against the model."""
     from appliance.train.config import check_data_report
     from data_tools.index import build_index, read_index_file
 
@@ -202,6 +203,10 @@ def check_before_start(cfg) -> None:
             if records == 0:
                 why = f"{damage[0].reason} at byte {damage[0].start}" if damage else "no record"
                 raise DataError(f"{path}: not a TFRecord file ({why}); listed in {cfg.source} [data] {key}")
+    if cfg.model.init:  # weights of another architecture, an unconvertible ONNX operator: one line, no process
+        from appliance.train.ddp import prepare_model
+
+        prepare_model(cfg, log=lambda line: None)
 
 
 def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult | str:

@@ -31,11 +31,15 @@ from appliance.train import data, faults, worker_error
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report, load_config
 from appliance.train.determinism import rng_state, set_determinism, set_rng_state
-from appliance.models import ModelCard, save_trained_model
+from appliance.manifest import atomic_write_text
+from appliance.models import ONNX_ARCHITECTURE, ONNX_GRAPH_NAME, ModelCard, save_trained_model
 from appliance.train.ddp import build_training_model, pick_precision
 from appliance.train.metrics import per_class
 from appliance.train.optimizer import build_optimizer, build_scheduler
 from appliance.train.report import REPORT_HTML, REPORT_JSON, write_training_report
+
+
+INIT_REPORT = "init.json"  # how [model] init's weights matched the model
 
 
 class TrainingDiverged(ApplianceError):
@@ -150,8 +154,9 @@ STORAGE_WORDS = {"shared": "one directory shared by every node (a shared filesys
                  "per-node": "each node writes its own directory (no shared filesystem was detected)"}
 
 
-def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage: str = "shared") -> None:
-    """runs/<name>/manifest.json: the data files (sha256) in, the model and metrics out."""
+def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage: str = "shared",
+                       init_report: dict | None = None) -> None:
+    """runs/<name>/manifest.json: the data files (sha256) and the init weights in, the model and metrics out."""
     from appliance.manifest import write_manifest
 
     outputs = sorted((run_dir / "model").iterdir())
@@ -159,8 +164,10 @@ def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage
     outputs += [path for path in (run_dir / "metrics.jsonl", run_dir / REPORT_JSON, run_dir / REPORT_HTML)
                 if path.is_file()]
     inputs = [cfg.source, *cfg.data.train, *cfg.data.val] + ([cfg.data.check_report] if cfg.data.check_report else [])
+    if init_report is not None:
+        inputs.append(init_report["path"])  # its sha256 then travels in the lineage to the edge package
     write_manifest(run_dir, "train", inputs, {"config": cfg.to_dict(), "steps": step,
-                                              "config_hash": cfg.training_hash(),
+                                              "config_hash": cfg.training_hash(), "init": init_report,
                                               "checkpoint_storage": checkpoint_storage}, outputs=outputs)
 
 
@@ -196,7 +203,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
         raise ConfigError(f"{cfg.source}: [train] batch_size x grad_accum x processes is larger than the data")
     total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
 
-    model, raw_model = build_training_model(cfg, device)
+    model, raw_model, init_report = build_training_model(cfg, device, log)
     optimizer = build_optimizer(cfg, raw_model)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     precision = pick_precision(cfg.train.precision, device, cfg.source)
@@ -212,6 +219,12 @@ def train(cfg: Config, resume: str = "auto") -> int:
                      in_channels=cfg.data.channels, image_size=cfg.data.image_size, mean=cfg.data.mean,
                      std=cfg.data.std, channel_order="RGB" if cfg.data.channels == 3 else "L",
                      class_names=cfg.data.classes, extra={"run": cfg.run.name, "made_by": "appliance train"})
+    onnx_graph = Path(cfg.model.init) if cfg.model.architecture == ONNX_ARCHITECTURE else None
+    if onnx_graph is not None:
+        card.extra["onnx_graph"] = ONNX_GRAPH_NAME
+    if init_report is not None and rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / INIT_REPORT, json.dumps(init_report, indent=2) + "\n")
     checkpoints = CheckpointManager(
         run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best,
         monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode,
@@ -240,7 +253,8 @@ def train(cfg: Config, resume: str = "auto") -> int:
     if ckpt is not None:
         if ckpt.trainer["config_hash"] != cfg.training_hash():
             raise ConfigError(f"{cfg.source}: differs from the config that made {ckpt.path} in a setting that "
-                              "decides the weights; use a new [run] name to start a new run")
+                              "decides the weights; use a new [run] name to start a new run (with [model] init = "
+                              f"\"{ckpt.path}\" to start it from those weights)")
         raw_model.load_state_dict(ckpt.model_state)
         local_optimizer.load_state_dict(ckpt.optimizer_state)
         scheduler.load_state_dict(ckpt.trainer["scheduler"])
@@ -379,11 +393,11 @@ def train(cfg: Config, resume: str = "auto") -> int:
         if rank == 0 or local_rank == 0 and not checkpoints.shared:
             if bar is not None:
                 bar.close()
-            save_trained_model(run_dir / "model", raw_model, card)
+            save_trained_model(run_dir / "model", raw_model, card, onnx_graph=onnx_graph)
             if writer is not None:  # rank 0: its metrics.jsonl and TensorBoard events
                 writer.flush()
                 write_training_report(run_dir, cfg.data.classes)
-            write_run_manifest(cfg, run_dir, step, checkpoints.storage)
+            write_run_manifest(cfg, run_dir, step, checkpoints.storage, init_report)
             log(f"trained {step} steps; model: {run_dir / 'model'}", flush=True)
     if writer is not None:
         writer.close()

@@ -6,10 +6,35 @@ import math
 
 import torch
 
+from appliance.errors import ConfigError
+
+
+def param_groups(cfg, model) -> list[dict]:
+    """The trainable parameters in groups by (lr multiplier, weight decay or not); each group names
+    itself ("name", "lr_mult"), so the groups are readable in the optimizer's state."""
+    opt = cfg.optimizer
+    names = [name for name, _ in model.named_parameters()]
+    for prefix in opt.lr_mult:
+        if not any(n.startswith(prefix) for n in names):
+            raise ConfigError(f"{cfg.source}: [optimizer] lr_mult: {prefix!r} matches no parameter "
+                              f"(e.g. {', '.join(names[:3])})")
+    longest_first = sorted(opt.lr_mult, key=len, reverse=True)
+    groups: dict[tuple[float, bool], list] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        mult = next((opt.lr_mult[p] for p in longest_first if name.startswith(p)), 1.0)
+        # Biases and norm scales are 1-D: decaying them towards 0 only hurts (the usual fine-tuning rule).
+        decay = not (opt.no_decay_norm_and_bias and param.ndim <= 1)
+        groups.setdefault((mult, decay), []).append(param)
+    return [{"params": params, "lr": opt.lr * mult, "weight_decay": opt.weight_decay if decay else 0.0,
+             "name": f"{'decay' if decay else 'no_decay'} lr_mult={mult:g}", "lr_mult": mult}
+            for (mult, decay), params in sorted(groups.items(), key=lambda kv: (kv[0][0] != 1.0, kv[0][0], not kv[0][1]))]
+
 
 def build_optimizer(cfg, model) -> torch.optim.Optimizer:
     opt = cfg.optimizer
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = param_groups(cfg, model)
     if opt.name == "sgd":
         cls, kwargs = torch.optim.SGD, {"lr": opt.lr, "momentum": opt.momentum, "weight_decay": opt.weight_decay}
     else:

@@ -22,6 +22,8 @@ def _toml_value(value) -> str:
         return json.dumps(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table: [optimizer] lr_mult, [distributed] env
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise ConfigError(f"cannot write {value!r} into the training config")
 
 
@@ -34,9 +36,14 @@ def write_train_config(path: Path, sections: dict, source: str) -> None:
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
-def train_sections(training: dict, run_dir: Path, train_files, val_files, check_report: Path | None) -> dict:
+def train_sections(training: dict, run_dir: Path, train_files, val_files, check_report: Path | None,
+                   source: str | Path = ".") -> dict:
     """The pipeline's training sections as `appliance train` reads them, for the files given."""
     sections = json.loads(json.dumps(training))  # a deep copy
+    init = sections.get("model", {}).get("init", "")
+    if isinstance(init, str) and init and not init.startswith("torchvision:") and not Path(init).is_absolute():
+        # The config is written into run_dir: a relative init is the pipeline config's, resolved here.
+        sections["model"]["init"] = str((Path(source).resolve().parent / init).resolve())
     sections.setdefault("data", {})
     sections["data"]["train"] = [str(p) for p in train_files]
     sections["data"]["val"] = [str(p) for p in val_files]
@@ -53,5 +60,5 @@ def train_stage(training: dict, source: Path, run_dir: Path, *, train_files, val
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / CONFIG_NAME
-    write_train_config(config, train_sections(training, run_dir, train_files, val_files, check_report), str(source))
+    write_train_config(config, train_sections(training, run_dir, train_files, val_files, check_report, source), str(source))
     return launch_training(LaunchSpec(config=config, nproc_per_node=nproc_per_node, max_restarts=max_restarts))
