@@ -41,7 +41,7 @@ def profile_report(summaries: list[dict], cfg, world: int) -> dict:
     slowest = max(r["total_s"] for r in ranks) or 1e-12
     samples = steps * cfg.train.batch_size * cfg.train.grad_accum * world
     report = {"made_by": MADE_BY, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "run": cfg.run.name, "world_size": world, "device": ranks[0]["device"],
+              "run": cfg.run.name, "run_dir": str(cfg.run_dir), "world_size": world, "device": ranks[0]["device"],
               "activities": ranks[0]["activities"], "steps": ranks[0]["steps"], "profiled_steps": steps,
               "samples_per_s": samples / slowest, "step_ms_median": _median(ranks[0]["step_s"]) * 1e3,
               "phases": list(PHASES), "share": share, "share_max_over_ranks": worst,
@@ -218,8 +218,8 @@ operator; <code>metrics.jsonl</code> has the unprofiled rate.</p>
 <table id="phases"><tr><th>phase</th>{head}<th>mean</th></tr>{phases_rows}
 <tr><th>profiled time</th>{totals}<td></td></tr></table>
 <p>Each phase is timed on the host clock{' and ends with a CUDA synchronisation, so it includes its kernels' if cuda else ''}.
-Gradient all-reduce counts only communication during which no compute ran (from the profiler's events); the part
-hidden behind backward stays in backward. Communication in all (hidden or not): {comm}. Other is the rest of the
+Gradient all-reduce counts only communication during which no compute ran (from the profiler's events): DDP's
+gradient all-reduce in backward and its buffer broadcast in forward; the part hidden behind compute stays in its phase. Communication in all (hidden or not): {comm}. Other is the rest of the
 step: logging, the per-step stop agreement (a small all-reduce that also waits for slower ranks), Python between
 phases. Validation and the epoch-end checkpoint count in the step that follows them.</p>
 {steps_svg(report)}
@@ -231,7 +231,7 @@ phases. Validation and the epoch-end checkpoint count in the step that follows t
 <h2>Traces</h2>
 <p>One Chrome trace per rank, relative to the run directory; open it in Perfetto (ui.perfetto.dev, or its offline
 build) or <code>chrome://tracing</code>, or with TensorBoard's profiler plugin:
-<code>tensorboard --logdir {html.escape(report['run'])}/tb</code> (run <code>{TRACE_DIR}</code>).</p>
+<code>tensorboard --logdir {html.escape(report['run_dir'])}/tb</code> (run <code>{TRACE_DIR}</code>).</p>
 <ul id="traces">{traces}</ul>"""
     return f"""<!DOCTYPE html>
 <!-- made by {html.escape(MADE_BY)}; data in {PROFILE_JSON} -->
