@@ -34,12 +34,14 @@ def _train(tmp_path: Path, config: Path, nproc: int, *extra: str, env: dict | No
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same config trained three ways: unprofiled, profiled with --profile (2 processes), and
-    profiled from [profile] with a planted slow decode (1 process)."""
+    """The same config trained two ways, unprofiled and profiled with --profile (2 processes, loader
+    workers); and one profiled from [profile], decoding in the training process with a planted slow
+    decode (1 process)."""
     base = tmp_path_factory.mktemp("profile")
-    plain = make_config(base, name="plain", **TINY)
-    profiled = make_config(base, name="profiled", profile=WINDOW, **TINY)
-    slow = make_config(base, name="slow", profile={**WINDOW, "steps": ACTIVE}, **TINY)
+    fed = {"num_workers": 2}  # decoding ahead of the steps
+    plain = make_config(base, name="plain", data=fed, **TINY)
+    profiled = make_config(base, name="profiled", profile=WINDOW, data=fed, **TINY)
+    slow = make_config(base, name="slow", profile={**WINDOW, "steps": ACTIVE}, data={"num_workers": 0}, **TINY)
     return {"plain": _train(base, plain, 2),
             "profiled": _train(base, profiled, 2, "--profile", str(ACTIVE)),
             "slow": _train(base, slow, 1, env={"APPLIANCE_TEST_SLOW_DECODE": "0.02"})}
@@ -88,7 +90,8 @@ def test_two_processes_show_gradient_communication(runs):
         # DDP's all-reduce and buffer broadcast ran; only their part not hidden behind compute is a phase.
         assert 0 < rank["phase_s"]["allreduce"] <= rank["communication_s"] + 1e-9
     assert not [r for r in report["recommendations"] if r["rule"] == "gpu_memory"]  # CPU run: no GPU advice
-    assert _profile(runs["slow"])["share"]["allreduce"] == 0.0  # one process: nothing to exchange
+    # One process: DDP still calls c10d (its buffer broadcast), with no peer to wait for.
+    assert _profile(runs["slow"])["share"]["allreduce"] < min(r["share"]["allreduce"] for r in report["ranks"])
 
 
 def test_a_slow_decode_asks_for_workers_and_a_well_fed_run_does_not(runs):
