@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from appliance.train.profile_report import DATA_WAIT_MAX
-from appliance.train.profiling import PHASES, _merge, _subtract, window
+from appliance.train.profiling import PHASES, _merge, _subtract, exposed_communication, window
 from conftest import appliance_cmd, offline_cmd, run_appliance
 from train_data import make_config
 
@@ -158,3 +158,25 @@ def test_exposed_time_is_what_compute_leaves_uncovered():
     comm = _merge([(0, 10), (20, 30)])
     compute = _merge([(2, 4), (3, 6), (25, 40)])
     assert _subtract(comm, compute) == [(0, 2), (6, 10), (20, 25)]
+
+
+def _event(name, start, end, device="CPU", thread=1):
+    import torch
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=thread,
+                           device_type=getattr(torch.autograd.DeviceType, device))
+
+
+def test_exposed_communication_on_cpu_and_on_cuda():
+    # The profiler's events as torch.profiler gives them (microseconds); CUDA cannot run on this machine.
+    cpu = [_event("appliance/backward", 0, 100), _event("aten::convolution_backward", 0, 50),
+           _event("gloo:all_reduce", 40, 90, thread=7), _event("autograd::engine::evaluate_function: X", 60, 70),
+           _event("appliance/forward", 100, 150), _event("c10d::broadcast_", 100, 110)]
+    exposed, total = exposed_communication(cpu, cuda=False)
+    assert exposed == {"backward": pytest.approx(30e-6), "forward": pytest.approx(10e-6)}  # 50-60, 70-90; 100-110
+    assert total == pytest.approx(60e-6)
+    gpu = [_event("appliance/backward", 0, 100), _event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 60, 100, "CUDA"),
+           _event("void cudnn::conv_bwd_kernel", 0, 80, "CUDA"), _event("nccl:all_reduce", 55, 56)]
+    exposed, total = exposed_communication(gpu, cuda=True)
+    assert exposed == {"backward": pytest.approx(20e-6)} and total == pytest.approx(40e-6)
