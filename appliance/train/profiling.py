@@ -18,6 +18,7 @@ same weights as an unprofiled one.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import time
 from pathlib import Path
@@ -87,6 +88,10 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
+        else:
+            # Without a GPU, Kineto logs "ERROR: gpuGetDeviceCount failed" for nothing; on a GPU its
+            # errors (CUPTI permissions) matter and stay. A user's own setting wins.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self.activities = [a.name for a in activities]
         self._prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
                              on_trace_ready=self._trace_ready, record_shapes=False, profile_memory=False,
