@@ -145,7 +145,7 @@ def shares_svg(report: dict) -> str:
         parts.append(f'<text x="0" y="{y + 17}" font-size="13">rank {r["rank"]}</text>')
         for p in PHASES:
             w = bar_w * r["share"][p]
-            if w <= 0:
+            if w < 0.1:  # nothing to see (and "0.0" wide)
                 continue
             parts.append(f'<rect class="phase" data-phase="{p}" x="{x:.1f}" y="{y}" width="{w:.1f}" height="24" '
                          f'fill="{COLORS[p]}"><title>{html.escape(PHASE_WORDS[p])}: {r["share"][p]:.1%}</title></rect>')

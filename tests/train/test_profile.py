@@ -5,6 +5,7 @@ train exactly the weights an unprofiled run trains."""
 
 import json
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -132,8 +133,10 @@ def test_profile_report_renders_in_chromium(runs, tmp_path):
     assert_readable(m, "profile.html")
     charts = {s["id"]: s for s in m["svgs"]}
     assert charts["chart-steps"]["marks"] == ACTIVE  # one column per profiled step
-    drawn = sum(1 for r in report["ranks"] for p in PHASES if r["share"][p] > 0)
-    assert charts["chart-phases"]["marks"] == drawn + len(PHASES)  # the stacked bars, and the legend's swatches
+    written = re.findall(r'<rect class="phase" data-phase="(\w+)"', page.read_text())
+    assert charts["chart-phases"]["marks"] == len(written) + len(PHASES)  # the stacked bars, and the legend's swatches
+    assert written.count("forward") == written.count("backward") == len(report["ranks"])  # one bar per rank
+    assert {p for r in report["ranks"] for p in PHASES if r["share"][p] >= 0.01} <= set(written)
     assert f"{report['samples_per_s']:.1f} samples/s" in m["text"] and "Top operators" in m["text"]
 
 
