@@ -183,3 +183,19 @@ def test_exposed_communication_on_cpu_and_on_cuda():
            _event("void cudnn::conv_bwd_kernel", 0, 80, "CUDA"), _event("nccl:all_reduce", 55, 56)]
     exposed, total = exposed_communication(gpu, cuda=True)
     assert exposed == {"backward": pytest.approx(20e-6)} and total == pytest.approx(40e-6)
+
+
+def test_a_profiled_run_killed_and_resumed_ends_with_the_same_weights(runs):
+    # Rank 1 is SIGKILLed after step 3, in the first attempt's profiler warm-up; torchrun restarts
+    # both ranks, which resume from step 2 and profile a window that fits the 6 steps left.
+    base = runs["plain"].parent.parent
+    config = make_config(base, name="resumed", profile=WINDOW, data={"num_workers": 2},
+                         **{**TINY, "checkpoint": {"every_steps": 2}})
+    run_dir = _train(base, config, 2, "--profile", str(ACTIVE), "--max-restarts", "1",
+                     env={"APPLIANCE_TEST_FAULT": "step:3:1"})
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("resumed_from", "").endswith("step-00000002") for r in records)
+    assert (run_dir / "model" / "model.safetensors").read_bytes() == \
+        (runs["plain"] / "model" / "model.safetensors").read_bytes()
+    report = _profile(run_dir)
+    assert report["steps"] == [8 - ACTIVE + 1, 8] and report["profiled_steps"] == ACTIVE
