@@ -123,9 +123,9 @@ def recommendations(report: dict, cfg) -> list[dict]:
 
 
 def write_profile_report(run_dir: Path, summaries: list[dict], cfg, world: int) -> tuple[Path, Path]:
+    """run_dir/profile.json and run_dir/profile.html; trace paths relative to the run directory."""
     report = profile_report(summaries, cfg, world)
-    for key in ("traces",):
-        report[key] = [os.path.relpath(t, run_dir) for t in report[key]]
+    report["traces"] = [os.path.relpath(t, run_dir) for t in report["traces"]]  # on each rank's node
     for r in report["ranks"]:
         r["trace"] = os.path.relpath(r["trace"], run_dir)
     json_path, html_path = run_dir / PROFILE_JSON, run_dir / PROFILE_HTML
