@@ -8,6 +8,7 @@ from pathlib import Path
 
 from appliance import values
 
+PROFILE_STEPS = 10  # `--profile` without a number
 
 
 def run(args) -> int:
@@ -18,7 +19,8 @@ def run(args) -> int:
     result = launch_training(LaunchSpec(config=Path(args.config), nproc_per_node=args.nproc_per_node,
                                         nnodes=args.nnodes[1], min_nnodes=args.nnodes[0], node_rank=args.node_rank,
                                         rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
-                                        resume=args.resume, iface=args.iface), dry_run=args.dry_run)
+                                        resume=args.resume, iface=args.iface, profile=args.profile),
+                             dry_run=args.dry_run)
     if isinstance(result, str):
         print(result)
         return 0
@@ -89,6 +91,9 @@ def register(subparsers) -> None:
                    help="network interface to use (e.g. eth1): torchrun binds its address, NCCL and Gloo use it "
                    "(default: [distributed] iface, else the hostname's address; loopback on one node)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    p.add_argument("--profile", type=values.positive_int, nargs="?", const=PROFILE_STEPS, default=None, metavar="STEPS",
+                   help=f"profile STEPS optimizer steps (default {PROFILE_STEPS}) after [profile] wait + warmup steps "
+                   "and write RUN_DIR/profile.html + profile.json and a trace per rank (default: [profile] steps, 0 = off)")
     p.add_argument("--preflight", action="store_true",
                    help="check this node and agree with the others (endpoint, config, versions, disk) and exit")
     p.add_argument("--preflight-timeout", type=values.positive_float, default=60.0, metavar="S",

@@ -125,6 +125,16 @@ class DistributedSection:
 
 
 @dataclass(frozen=True)
+class ProfileSection:
+    """torch.profiler over a window of steps (appliance/train/profiling.py); never changes the weights."""
+
+    steps: Annotated[int, COUNT] = 0  # optimizer steps profiled; 0: off (`--profile [STEPS]` overrides)
+    wait: Annotated[int, COUNT] = 5  # steps first left alone: start-up, loader workers, first batches
+    warmup: Annotated[int, COUNT] = 2  # steps traced and thrown away (the profiler's own start-up)
+    top_operators: Annotated[int, AT_LEAST_ONE] = 15  # rows of the report's operator table
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunSection
     data: DataSection
@@ -135,6 +145,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     augment: AugmentSection = field(default_factory=AugmentSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
     source: str = ""
     init_sha256: str = ""  # of [model] init's weights, hashed when the config is read: part of training_hash
 
@@ -153,6 +164,7 @@ class Config:
         d.pop("checkpoint")
         d.pop("distributed")  # where the processes talk, not what they compute
         d["model"]["init"] = self.init_sha256  # the weights decide, not where the file lies
+        d.pop("profile")  # measuring a run does not change it
         d["run"] = {"seed": self.run.seed, "deterministic": self.run.deterministic}
         d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps", *GATE_KEYS)}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
@@ -163,7 +175,8 @@ class Config:
 
 _SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
                   "schedule": ScheduleSection, "train": TrainSection, "checkpoint": CheckpointSection,
-                  "augment": AugmentSection, "distributed": DistributedSection}
+                  "augment": AugmentSection, "distributed": DistributedSection,
+                  "profile": ProfileSection}
 
 
 def _check_values(cfg: Config, source: str) -> None:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import functools
 import signal
+import time
 
 import torch
 
 from appliance.errors import DataError
+from appliance.train import faults
 
 
 def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> torch.Tensor:
@@ -53,6 +55,9 @@ def _dataset(cfg, files, augment: bool = False):
     else:
         transform = functools.partial(decode_image, image_size=cfg.data.image_size, channels=cfg.data.channels,
                                       mean=cfg.data.mean, std=cfg.data.std)
+    slow = faults.slow_decode_seconds()
+    if slow and files == cfg.data.train:
+        transform = functools.partial(_slowed, transform, slow)
     # "bytes": the image is decoded by decode_image above, the one preprocessing definition.
     dataset = TFRecordDataset(files, features={cfg.data.image_key: "bytes", cfg.data.label_key: "int"},
                               image_key=cfg.data.image_key, label_key=cfg.data.label_key, transform=transform)
@@ -67,6 +72,12 @@ def _dataset(cfg, files, augment: bool = False):
             value=a.value, scale=tuple(a.crop_scale), flip_probability=a.flip_probability,
             mean=cfg.data.mean, std=cfg.data.std, debug=a.debug))
     return dataset
+
+
+def _slowed(transform, seconds: float, encoded: bytes):
+    """The test hook's expensive decode (faults.SLOW_DECODE_ENV)."""
+    time.sleep(seconds)
+    return transform(encoded)
 
 
 class _CheckedLabels(torch.utils.data.Dataset):

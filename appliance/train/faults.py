@@ -7,6 +7,9 @@ follows runs clean. Points:
   checkpoint-write  SIGKILL with this rank's files written, the checkpoint not yet committed
   nan-loss          this rank's loss of that step becomes NaN (the non-finite loss guard)
 Unset or empty: does nothing. A malformed value is a ConfigError at start-up (`load()`).
+
+APPLIANCE_TEST_SLOW_DECODE="SECONDS" makes every training sample's decode sleep that long (an
+expensive decode, for the profiler's data-wait test), on every attempt.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import signal
 from appliance.errors import ConfigError
 
 ENV = "APPLIANCE_TEST_FAULT"
+SLOW_DECODE_ENV = "APPLIANCE_TEST_SLOW_DECODE"
 POINTS = ("step", "checkpoint-write", "nan-loss")
 
 _fault: tuple[str, int, int] | None = None
@@ -43,3 +47,14 @@ def armed(point: str, step: int, rank: int) -> bool:
 def maybe_die(point: str, step: int, rank: int) -> None:
     if armed(point, step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_decode_seconds() -> float:
+    spec = os.environ.get(SLOW_DECODE_ENV, "")
+    try:
+        seconds = float(spec or 0)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < 60:
+        raise ConfigError(f"{SLOW_DECODE_ENV}={spec!r} is not a number of seconds (a test hook: unset it)")
+    return seconds

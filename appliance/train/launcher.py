@@ -51,10 +51,10 @@ def resolve_nproc(value: str) -> int:
 def torchrun_command(config: str, *, nproc: int | str, nnodes: int = 1, node_rank: int | None = 0,
                      rdzv_endpoint: str = "", rdzv_id: str = "appliance", max_restarts: int = 0,
                      resume: str = "auto", python: str = sys.executable, local_addr: str = "",
-                     min_nnodes: int = 0) -> list[str]:
+                     min_nnodes: int = 0, profile: int | None = None) -> list[str]:
     """The torchrun argv. node_rank None leaves the rendezvous host to c10d (Slurm); local_addr is
     the address this node binds and advertises (from --iface), instead of its hostname's;
-    min_nnodes below nnodes is torchrun's elastic --nnodes MIN:MAX."""
+    min_nnodes below nnodes is torchrun's elastic --nnodes MIN:MAX; profile: --profile STEPS for the workers."""
     cmd = [python, "-m", "appliance.train.agent"]  # torchrun, without its traceback
     if nnodes == 1 and not rdzv_endpoint:
         # --standalone: a private c10d store on a free localhost port; nothing listens outside.
@@ -73,6 +73,8 @@ def torchrun_command(config: str, *, nproc: int | str, nnodes: int = 1, node_ran
             cmd += ["--local-addr", "127.0.0.1"]
     cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "-m", "appliance.train.loop", str(config), "--resume", resume]
+    if profile is not None:
+        cmd += ["--profile", str(profile)]
     return cmd
 
 
@@ -126,6 +128,7 @@ class LaunchSpec:
     max_restarts: int = 0
     resume: str = "auto"
     iface: str = ""  # overrides [distributed] iface
+    profile: int | None = None  # steps to profile; overrides [profile] steps
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,7 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     cmd = torchrun_command(str(config.resolve()), nproc=nproc, nnodes=spec.nnodes, node_rank=spec.node_rank,
                            rdzv_endpoint=spec.rdzv_endpoint, rdzv_id=cfg.run.name,
                            max_restarts=spec.max_restarts, resume=spec.resume, min_nnodes=spec.min_nnodes,
-                           local_addr=interface_address(iface) if iface else "")
+                           local_addr=interface_address(iface) if iface else "", profile=spec.profile)
     env = launch_env(cmd, nproc, network_env(iface, cfg.distributed.env))
     printable = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
     if dry_run:

@@ -36,6 +36,8 @@ from appliance.models import ONNX_ARCHITECTURE, ONNX_GRAPH_NAME, ModelCard, save
 from appliance.train.ddp import build_training_model, pick_precision
 from appliance.train.metrics import per_class
 from appliance.train.optimizer import build_optimizer, build_scheduler
+from appliance.train import profiling
+from appliance.train.profile_report import PROFILE_HTML, PROFILE_JSON
 from appliance.train.report import REPORT_HTML, REPORT_JSON, write_training_report
 
 
@@ -161,8 +163,8 @@ def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage
 
     outputs = sorted((run_dir / "model").iterdir())
     # metrics.jsonl and the training report are on rank 0's node only, with per-node storage.
-    outputs += [path for path in (run_dir / "metrics.jsonl", run_dir / REPORT_JSON, run_dir / REPORT_HTML)
-                if path.is_file()]
+    outputs += [path for path in (run_dir / "metrics.jsonl", run_dir / REPORT_JSON, run_dir / REPORT_HTML,
+                                  run_dir / PROFILE_JSON, run_dir / PROFILE_HTML) if path.is_file()]
     inputs = [cfg.source, *cfg.data.train, *cfg.data.val] + ([cfg.data.check_report] if cfg.data.check_report else [])
     if init_report is not None:
         inputs.append(init_report["path"])  # its sha256 then travels in the lineage to the edge package
@@ -288,6 +290,8 @@ def train(cfg: Config, resume: str = "auto") -> int:
     stop = StopFlag()
     criterion = nn.CrossEntropyLoss()
     model.train()
+    profiler = start_profiler(cfg, device, rank, step, total_steps, log)
+    phase = profiler.phase
 
     # --- the loop ------------------------------------------------------------------------------
     stopped = False
@@ -296,41 +300,47 @@ def train(cfg: Config, resume: str = "auto") -> int:
         if hasattr(train_loader.dataset, "set_epoch"):
             train_loader.dataset.set_epoch(epoch)  # augmentation is seeded by (seed, epoch, index)
         loader_generator.manual_seed(cfg.run.seed * 100_003 + epoch * 1009 + rank)
-        batches = iter(train_loader)
+        with phase("data_wait"):  # starts the loader's workers
+            batches = iter(train_loader)
         window_start, data_wait, window_steps, loss_sum = time.perf_counter(), 0.0, 0, torch.zeros((), device=device)
         window = TrainWindow(device)
         while batches_done + cfg.train.grad_accum <= len(train_loader) and step < total_steps:
             step_loss = torch.zeros((), device=device)
             for micro in range(cfg.train.grad_accum):
                 t0 = time.perf_counter()
-                images, labels = next(batches)
-                sampler.advance(len(labels))
-                images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+                with phase("data_wait"):
+                    images, labels = next(batches)
+                    sampler.advance(len(labels))
+                with phase("h2d_copy"):
+                    images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
                 data_wait += time.perf_counter() - t0
                 # Gradients are averaged across ranks only on the last micro-batch.
                 last = micro == cfg.train.grad_accum - 1
                 with contextlib.nullcontext() if last else model.no_sync():
-                    with autocast():
-                        logits = model(images)
-                        loss = criterion(logits, labels) / cfg.train.grad_accum
-                    window.count_predictions(logits, labels)
-                    if faults.armed("nan-loss", step + 1, rank):
-                        loss = loss * float("nan")
-                    scaler.scale(loss).backward()
+                    with phase("forward"):
+                        with autocast():
+                            logits = model(images)
+                            loss = criterion(logits, labels) / cfg.train.grad_accum
+                        window.count_predictions(logits, labels)
+                        if faults.armed("nan-loss", step + 1, rank):
+                            loss = loss * float("nan")
+                    with phase("backward"):
+                        scaler.scale(loss).backward()
                 step_loss += loss.detach()
             loss_sum += step_loss
             batches_done += cfg.train.grad_accum
-            if cfg.train.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.train.grad_clip)
-            else:  # measured only: the gradients stay untouched (and scaled, with fp16)
-                grad_norm = nn.utils.get_total_norm([p.grad for p in raw_model.parameters() if p.grad is not None])
-                grad_norm = grad_norm / scaler.get_scale() if scaler.is_enabled() else grad_norm
-            window.count_step(grad_norm, cfg.train.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            with phase("optimizer"):
+                if cfg.train.grad_clip > 0:
+                    scaler.unscale_(optimizer)
+                    grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.train.grad_clip)
+                else:  # measured only: the gradients stay untouched (and scaled, with fp16)
+                    grad_norm = nn.utils.get_total_norm([p.grad for p in raw_model.parameters() if p.grad is not None])
+                    grad_norm = grad_norm / scaler.get_scale() if scaler.is_enabled() else grad_norm
+                window.count_step(grad_norm, cfg.train.grad_clip)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
             step += 1
             window_steps += 1
             faults.maybe_die("step", step, rank)
@@ -358,7 +368,9 @@ def train(cfg: Config, resume: str = "auto") -> int:
             if diverged_on >= 0:
                 raise _diverged(cfg, checkpoints, step, diverged_on)
             if stopped or step % cfg.checkpoint.every_steps == 0:
-                save({})
+                with phase("checkpoint"):
+                    save({})
+            profile_done(profiler.step_done(step), cfg, rank, world, log)
             if stopped:
                 log(f"stopped by signal at step {step}; checkpoint saved, resume with the same command", flush=True)
                 break
@@ -368,7 +380,8 @@ def train(cfg: Config, resume: str = "auto") -> int:
             epoch, batches_done = epoch + 1, 0
             if val_loader is not None:
                 loader_generator.manual_seed(cfg.run.seed)
-                metrics = evaluate(raw_model, val_loader, device, autocast, cfg.num_classes)
+                with phase("validation"):
+                    metrics = evaluate(raw_model, val_loader, device, autocast, cfg.num_classes)
                 confusion = metrics.pop("val_confusion")  # in metrics.jsonl only, not in checkpoints
                 if rank == 0:
                     classes = per_class(confusion, cfg.data.classes)
@@ -380,9 +393,13 @@ def train(cfg: Config, resume: str = "auto") -> int:
                         for name, value in classes[figure].items():
                             writer.add_scalar(f"val/{figure}/{name}", value, step)
                     log(f"epoch {epoch - 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
-            save(metrics)
+            with phase("checkpoint"):
+                save(metrics)
 
     # --- finish: last checkpoint, the trained-model directory, the run manifest --------------------
+    if profiler.enabled and profiler.summary is None:
+        log("profile: the run ended before the profiling window did; no profile.html", flush=True)
+    profiler.close()
     if not stopped:
         save(metrics)
         if not checkpoints.shared:
@@ -406,6 +423,41 @@ def train(cfg: Config, resume: str = "auto") -> int:
     return 0
 
 
+def start_profiler(cfg: Config, device, rank: int, step: int, total_steps: int, log):
+    """profiling.OFF, or a StepProfiler whose window fits the steps this attempt has left. Every
+    rank takes rank 0's [profile] figures, so all of them reach the report's collective."""
+    from appliance.train.checkpoint import _broadcast_int
+
+    p = cfg.profile
+    steps, wait, warmup = (_broadcast_int(v) for v in (p.steps, p.wait, p.warmup))
+    if steps == 0:
+        return profiling.OFF
+    wait, warmup, active = profiling.window(steps, wait, warmup, total_steps - step)
+    if active == 0:
+        log("profile: no step left to profile", flush=True)
+        return profiling.OFF
+    if (wait, warmup, active) != (p.wait, p.warmup, steps):
+        log(f"profile: {total_steps - step} steps left: profiling {active} after wait {wait}, warmup {warmup}",
+            flush=True)
+    return profiling.StepProfiler(device, wait, warmup, active, first_step=step,
+                                  trace_dir=cfg.run_dir / "tb" / profiling.TRACE_DIR, rank=rank,
+                                  top_operators=p.top_operators)
+
+
+def profile_done(summary: dict | None, cfg: Config, rank: int, world: int, log) -> None:
+    """Right after the window (the same step on every rank): gather every rank's summary; rank 0
+    writes profile.json and profile.html."""
+    if summary is None:
+        return
+    from appliance.train.checkpoint import _all_gather_json
+    from appliance.train.profile_report import write_profile_report
+
+    summaries = _all_gather_json(summary)
+    if rank == 0:
+        _, html_path = write_profile_report(cfg.run_dir, summaries, cfg, world)
+        log(f"profile of steps {summary['steps'][0]}-{summary['steps'][1]}: {html_path}", flush=True)
+
+
 def _diverged(cfg: Config, checkpoints: CheckpointManager, step: int, on_rank: int) -> TrainingDiverged:
     from appliance.train.checkpoint import _broadcast_int
 
@@ -425,12 +477,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="appliance.train.loop", description="one training process (under torchrun)")
     parser.add_argument("config")
     parser.add_argument("--resume", default="auto")
+    parser.add_argument("--profile", type=int, default=None, metavar="STEPS")
     args = parser.parse_args(argv)
     die_with_launcher()
     rank = os.environ.get("RANK", "0")
     run_dir = None
     try:
         cfg = load_config(args.config)
+        if args.profile is not None:
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, profile=dataclasses.replace(cfg.profile, steps=args.profile))
         run_dir = cfg.run_dir
         try:
             return train(cfg, args.resume)
