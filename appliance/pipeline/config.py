@@ -16,7 +16,7 @@ from appliance.errors import ConfigError
 from appliance.tomlconfig import parse_section, read_toml
 from appliance.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, Range
 
-TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment", "distributed")
+TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment", "distributed", "profile")
 
 
 @dataclass(frozen=True)
