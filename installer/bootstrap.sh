@@ -9,8 +9,8 @@
 #                                      (what edge packages carry; needs a connected host)
 #   installer/bootstrap.sh --site-wheels  also download the hash-checked wheels of
 #                                      manifests/trainer-cpu.lock into wheelhouse/trainer-cpu
-#                                      (3.3 GB: the CPU site's bundle; tests/test_site_flow.py
-#                                      builds it offline from there)
+#                                      (3.3 GB: the CPU site's bundle, which
+#                                      tests/installer/test_site_flow.py builds offline from there)
 #   installer/bootstrap.sh --edge-sysroot  also fetch the arm64 Debian .debs of python3.11 into
 #                                      wheelhouse/edge-sysroot-arm64 (`edge verify --python`)
 #   installer/bootstrap.sh --system    also apt-get install the Debian tools the tests need

@@ -77,7 +77,16 @@ def test_site_profile_is_the_cpu_training_host():
     assert not carried.install and carried.arch == "aarch64"
 
 
-def test_bundle_installed_offline_runs_the_demo_offline(tmp_path):
+@pytest.fixture
+def site_dir(tmp_path):
+    """tmp_path, less the 3.5 GB bundle and the 7 GB venv afterwards (pytest keeps three runs' tmp)."""
+    yield tmp_path
+    shutil.rmtree(tmp_path / "bundle", ignore_errors=True)
+    shutil.rmtree(tmp_path / "opt-appliance" / "releases", ignore_errors=True)
+
+
+def test_bundle_installed_offline_runs_the_demo_offline(site_dir):
+    tmp_path = site_dir
     timings = {}
     profiles = load_profiles(ROOT / "manifests")
     # 1. Build the site's bundle from the fetched wheelhouses, pip's index off, in a namespace with no network.
