@@ -7,6 +7,10 @@
 #   installer/bootstrap.sh --edge-wheels  also download the hash-checked aarch64 wheels of
 #                                      manifests/edge-aarch64.lock into wheelhouse/edge-aarch64
 #                                      (what edge packages carry; needs a connected host)
+#   installer/bootstrap.sh --site-wheels  also download the hash-checked wheels of
+#                                      manifests/trainer-cpu.lock into wheelhouse/trainer-cpu
+#                                      (3.3 GB: the CPU site's bundle, which
+#                                      tests/installer/test_site_flow.py builds offline from there)
 #   installer/bootstrap.sh --edge-sysroot  also fetch the arm64 Debian .debs of python3.11 into
 #                                      wheelhouse/edge-sysroot-arm64 (`edge verify --python`)
 #   installer/bootstrap.sh --system    also apt-get install the Debian tools the tests need
@@ -22,13 +26,15 @@ want_interop=0
 want_system=0
 want_edge=0
 want_sysroot=0
+want_site=0
 for arg in "$@"; do
   case "$arg" in
     --interop) want_interop=1 ;;
     --system) want_system=1 ;;
     --edge-wheels) want_edge=1 ;;
     --edge-sysroot) want_sysroot=1 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --site-wheels) want_site=1 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "bootstrap: unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -85,9 +91,24 @@ PY
   echo "$stamp" > "$dir/.bootstrap-stamp"
 }
 
-# fetch_wheels PROFILE PLATFORM: the exact locked files of PROFILE into wheelhouse/PROFILE.
+# manylinux_platforms ARCH: every platform tag a wheel for glibc 2.28 may carry, as --platform
+# options. pip takes a --platform literally: manylinux_2_28 alone refuses a manylinux2014 wheel
+# (the bundle builder's Profile.wheel_platforms() lists the same tags).
+manylinux_platforms() {
+  local arch=$1 m
+  for m in $(seq 28 -1 5); do
+    echo "--platform manylinux_2_${m}_${arch}"
+    case $m in
+      17) echo "--platform manylinux2014_${arch}" ;;
+      12) echo "--platform manylinux2010_${arch}" ;;
+      5) echo "--platform manylinux1_${arch}" ;;
+    esac
+  done
+}
+
+# fetch_wheels PROFILE ARCH: the exact locked files of PROFILE into wheelhouse/PROFILE.
 fetch_wheels() {
-  local profile=$1 platform=$2 lock=manifests/$1.lock dest=wheelhouse/$1 stamp
+  local profile=$1 arch=$2 lock=manifests/$1.lock dest=wheelhouse/$1 stamp
   stamp=$(sha256sum "$lock" | cut -d' ' -f1)
   if [ "$(cat "$dest/.lock-sha256" 2>/dev/null)" = "$stamp" ]; then
     echo "bootstrap: $dest is up to date with $lock"
@@ -97,13 +118,14 @@ fetch_wheels() {
   mkdir -p "$dest"
   rm -f "$dest/.lock-sha256"
   "$PYTHON" -m pip download --quiet --disable-pip-version-check --require-hashes --no-deps \
-    --only-binary :all: --platform "$platform" --python-version 3.11 --implementation cp \
+    --only-binary :all: $(manylinux_platforms "$arch") --python-version 3.11 --implementation cp \
     -d "$dest" -r "$lock"
   echo "$stamp" > "$dest/.lock-sha256"
 }
 
 [ "$want_system" -eq 1 ] && install_system
-[ "$want_edge" -eq 1 ] && fetch_wheels edge-aarch64 manylinux_2_28_aarch64
+[ "$want_edge" -eq 1 ] && fetch_wheels edge-aarch64 aarch64
+[ "$want_site" -eq 1 ] && fetch_wheels trainer-cpu x86_64
 make_venv .venv manifests/dev.lock
 [ "$want_interop" -eq 1 ] && make_venv .venv-interop manifests/interop.lock
 if [ "$want_sysroot" -eq 1 ]; then

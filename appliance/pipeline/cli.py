@@ -21,7 +21,7 @@ def run_pipeline_command(args) -> int:
 def run_demo_command(args) -> int:
     from appliance.pipeline.demo import run_demo
 
-    run_demo(args.out)
+    run_demo(args.out, epochs=args.epochs)
     return 0
 
 
@@ -43,4 +43,7 @@ def register(subparsers) -> None:
         "(no download), then run the pipeline on them: data check, small CNN training, ONNX export, "
         "INT8 quantization, TVM builds for x86_64 and aarch64, an edge package verified under qemu-aarch64.")
     d.add_argument("--out", type=Path, default=Path("appliance-demo"), help="output directory (default: %(default)s)")
+    d.add_argument("--epochs", type=int, metavar="N",
+                   help="train for N epochs instead of the config's 12 (a quicker run; every stage still runs). "
+                   "Applies when the demo writes its pipeline.toml, which then says N")
     d.set_defaults(func=run_demo_command)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
+from appliance.errors import ConfigError
 from appliance.manifest import atomic_write_text
 from appliance.pipeline.runner import run_pipeline, say
 
 
-def run_demo(out: Path) -> dict:
+def run_demo(out: Path, epochs: int | None = None) -> dict:
+    """epochs: train for that many instead of demo.toml's, when the demo writes pipeline.toml."""
+    if epochs is not None and epochs < 1:
+        raise ConfigError(f"--epochs must be at least 1, got {epochs}")
     out = Path(out).resolve()
     data = out / "data"
     if not any(data.glob("*.tfrecord")):
@@ -20,6 +25,11 @@ def run_demo(out: Path) -> dict:
         say(f"demo: {sum(len(v) for v in shards.values())} shards (train/val, stratified 80/20)")
     config = out / "pipeline.toml"
     if not config.exists():
-        atomic_write_text(config, resources.files("appliance.pipeline").joinpath("demo.toml").read_text())
+        text = resources.files("appliance.pipeline").joinpath("demo.toml").read_text()
+        if epochs is not None:
+            text = re.sub(r"(?m)^epochs = \d+", f"epochs = {epochs}", text)
+        atomic_write_text(config, text)
+    elif epochs is not None:
+        say(f"demo: {config} exists and is run as it is (--epochs applies only when the demo writes it)")
     say(f"demo: running `appliance pipeline {config}`")
     return run_pipeline(config)
