@@ -126,6 +126,8 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
         mismatched = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
         missing = [k for k in own if k not in state]
         unexpected = sorted(k for k in state if k not in own)
+    adapted = _adapt_input_conv(own, state, mismatched, reset)
+    mismatched = [k for k in mismatched if k not in adapted]
     head_keys = [k for k in mismatched if head and _covered(k, [head]) and not _covered(k, reset)]
     reinit = [k for k in own if _covered(k, reset)] + head_keys
     params = {name for name, _ in model.named_parameters()}
@@ -151,7 +153,8 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
               "unexpected": unexpected,
               "shape_mismatched": [{"key": k, "weights": list(state[k].shape), "model": list(own[k].shape)}
                                    for k in mismatched],
-              "reset": [k for k in own if _covered(k, reset)], "head_reinitialised": head_keys}
+              "reset": [k for k in own if _covered(k, reset)], "head_reinitialised": head_keys,
+              "input_channels_adapted": adapted}
     log(f"init: {report['loaded']} tensors from {init.path} ({init.kind}, sha256 {init.sha256[:12]}); "
         f"missing {len(missing)}, unexpected {len(unexpected)}, shape-mismatched {len(mismatched)}")
     replaced = getattr(model, "replaced_head", None)  # set by appliance.models.onnx_module
@@ -159,9 +162,32 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
         log(f"init: classifier head {replaced[0]} re-initialised ({replaced[1]} classes in the graph, "
             f"{replaced[2]} here)")
         report["head_reinitialised"] = [k for k in own if _covered(k, [replaced[0]])]
+    for key, (was, now) in adapted.items():
+        log(f"init: input conv {key} adapted from {was} to {now} channels (RGB filters "
+            + ("summed, exact for a grey image repeated to RGB)" if now == 1 else "cycled and rescaled)"))
     if head_keys:
         old, new = state[head_keys[0]].shape[0], own[head_keys[0]].shape[0]
         log(f"init: classifier head {head} re-initialised ({old} classes in the weights, {new} here)")
     if report["reset"]:
         log(f"init: re-initialised by [model] reset: {', '.join(report['reset'][:6])}")
     return report
+
+
+def _adapt_input_conv(own: dict, state: dict, mismatched: list[str], reset) -> dict:
+    """Pretrained RGB weights for a model of other input channels (grey scans: 1): the model's first conv
+    weight is adapted in `state`, as fine-tuners expect, instead of refusing or losing it. One channel
+    gets the sum of the RGB filters (a grey image repeated to RGB gives the same output); N channels
+    cycle the RGB filters, scaled by 3/N so the output's magnitude stays. {key: (weights', model's channels)}."""
+    first = next((k for k, v in own.items() if v.ndim == 4), None)
+    if first is None or first not in mismatched or _covered(first, reset):
+        return {}
+    was, now = tuple(state[first].shape), tuple(own[first].shape)
+    if was[:1] + was[2:] != now[:1] + now[2:]:  # only the input channels may differ
+        return {}
+    weight = state[first].to(own[first].dtype)
+    if now[1] == 1:
+        adapted = weight.sum(dim=1, keepdim=True)
+    else:
+        adapted = weight[:, [i % was[1] for i in range(now[1])]] * (was[1] / now[1])
+    state[first] = adapted.contiguous()
+    return {first: (was[1], now[1])}

@@ -50,6 +50,24 @@ def test_torchvision_weights_load_by_name_and_a_different_head_is_reinitialised(
     assert own["fc.weight"].shape == (3, 512) and own["conv1.weight"].shape[1] == 1
 
 
+def test_rgb_weights_start_a_grey_model_with_the_input_conv_adapted(tmp_path, monkeypatch):
+    """Grey images (1 channel) from RGB pretrained weights: conv1 keeps what it learned, summed over
+    RGB, so a grey image gives exactly what the RGB filters give on that image repeated to RGB."""
+    directory, state = weights_dir(tmp_path)
+    monkeypatch.setenv("APPLIANCE_WEIGHTS_DIR", str(directory))
+    cfg = load_config(make_config(tmp_path, model={"architecture": "resnet18", "init": "torchvision:resnet18"}))
+    lines = []
+    model, report = prepare_model(cfg, lines.append)
+    assert {k: list(v) for k, v in report["input_channels_adapted"].items()} == {"conv1.weight": [3, 1]}
+    assert [m["key"] for m in report["shape_mismatched"]] == ["fc.weight", "fc.bias"]
+    assert any("input conv conv1.weight adapted from 3 to 1 channels" in line for line in lines)
+    grey = torch.rand(2, 1, 32, 32)
+    ours = torch.nn.functional.conv2d(grey, model.state_dict()["conv1.weight"], stride=2, padding=3)
+    rgb = torch.nn.functional.conv2d(grey.repeat(1, 3, 1, 1), state["conv1.weight"], stride=2, padding=3)
+    assert torch.allclose(ours, rgb, atol=1e-5)
+    assert not torch.equal(model.state_dict()["conv1.weight"], build_model("resnet18", 3, 1).state_dict()["conv1.weight"])
+
+
 def test_weights_of_another_architecture_name_the_first_mismatched_keys(tmp_path):
     weights = tmp_path / "cnn.safetensors"
     save_file(build_model("small_cnn", 3, 1).state_dict(), str(weights))
