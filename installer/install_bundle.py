@@ -7,6 +7,8 @@ bundle when it carries one, else pip), self-test, then `current` is switched ato
 
 PREFIX/
   releases/<version>-<sha12>/  venv/, bundle/ (bundle.json, lock, SBOM), wheelhouse/<carried profile>/,
+                               tuning/<name>/ (tuning databases the bundle carries; `appliance compile`
+                               finds them next to its venv),
                                doctor.json (the `appliance doctor --json` report of the self-test),
                                install.json (written last: a release without it is incomplete)
   logs/                        full output of pip/uv and the self-test, one file per install
@@ -347,6 +349,14 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
             dest.mkdir(parents=True)
             for w in data["wheels"]:
                 shutil.move(root / w["file"], dest / Path(w["file"]).name)
+    tuning = manifest.get("tuning_databases", [])
+    for db in tuning:  # next to the venv: appliance.tuning_db looks there (sys.prefix's parent)
+        dest = release_dir / "tuning" / Path(db["path"]).name
+        dest.parent.mkdir(exist_ok=True)
+        shutil.move(root / db["path"], dest)
+    if tuning:
+        names = ", ".join("{} ({}, {})".format(d["name"], d["target"], d["cpu"]) for d in tuning)
+        log(f"tuning databases: {names} in releases/{release_dir.name}/tuning")
     for f in ("bundle.json", "SHA256SUMS", profile["lock"], profile["sbom"]):
         shutil.copy2(root / f, release_dir / "bundle" / Path(f).name)
     t0 = time.monotonic()
@@ -358,7 +368,8 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
             "bundle_bytes": copy.size, "signature": comment, "version": manifest["version"], "profile": name, "installer": used,
             "bytecode_compiled": not args.no_compile, "python": python,
             "installed": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "self_test": checks, "timings": timings, "log": str(log_file)}
+            "self_test": checks, "timings": timings, "log": str(log_file),
+            "tuning_databases": [d["name"] for d in tuning]}
 
 
 def install(args) -> int:

@@ -12,7 +12,7 @@ def _build(args) -> int:
 
     source = Path(args.source) if args.source else default_source()
     tar = build_bundle(args.profile, Path(args.out), source, Path(args.sign_key) if args.sign_key else None,
-                       Path(args.cache), args.vulnerability_data)
+                       Path(args.cache), args.vulnerability_data, tuning_dbs=args.tuning_db or ())
     print(tar)
     return 0
 
@@ -87,6 +87,9 @@ def register(subparsers) -> None:
     build.add_argument("--vulnerability-data", metavar="URL",
                        help="base of the PyPI-style JSON API whose `vulnerabilities` field the SBOM records "
                        "(default: beside the index, e.g. https://pypi.org/pypi for https://pypi.org/simple)")
+    build.add_argument("--tuning-db", action="append", metavar="DIR",
+                       help="tuning database made by `appliance compile --tune` to carry (repeat for several); "
+                       "installed next to the venv, where `appliance compile` applies it to matching kernels")
     build.set_defaults(func=_build)
 
     audit = verbs.add_parser("audit", help="print the known vulnerabilities recorded in a bundle (offline)",

@@ -93,7 +93,9 @@ def import_relax(model, path, shape: list):
 
 def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
                   batch: int = 1, tune_trials: int | None = None, tuning_db=None, int8_compute: str = "int8",
-                  log=print) -> dict:
+                  installed_tuning: bool = True, log=print) -> dict:
+    """installed_tuning: apply the installed tuning databases made for this target and CPU
+    (appliance.tuning_db) when neither tune_trials nor tuning_db is given."""
     import time
 
     import tvm
@@ -125,9 +127,14 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         mod = rewrite_int8(mod)
     layers = classify_layers(mod, model)
     target = target_for(target_name)
-    tuning = None
+    tuning, installed, tuned_tasks = None, [], 0
     if tune_trials or tuning_db:
         mod, target, tuning = _tuned(mod, model_path, target_name, target, out_dir, tune_trials, tuning_db, log)
+        tuned_tasks = tuning["tasks"]
+    elif installed_tuning:
+        from appliance.deploy.tune import apply_installed
+
+        mod, target, installed, tuned_tasks = apply_installed(mod, target_name, target, log)
     executable = tvm.compile(mod, target=tvm.target.Target(target))
     library, tmp = out_dir / "model.so", out_dir / ".model.so.tmp.so"
     if cross:
@@ -143,7 +150,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     info = {"made_by": "appliance compile", "source_model": str(model_path.resolve()), "target": target_name,
             "tvm_target": target, "input": {"name": inp.name, "shape": shape, "dtype": "float32"},
             "precision": model_precision, "int8_compute": int8_compute, "layers": layers,
-            "tuned_tasks": tuning["tasks"] if tuning else 0,
+            "tuned_tasks": tuned_tasks, "installed_tuning": installed,
             "library": str(library), "library_bytes": library.stat().st_size,
             "compile_seconds": round(seconds, 2), "host_latency_ms": None, **meta}
     if tuning:
@@ -154,14 +161,15 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         info["host_latency_ms"] = host_latency_ms(library, shape)
     atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2) + "\n")
     inputs = [model_path, *(Path(f) for f in sample_files or [])]
-    if tuning:  # the schedules in model.so came from these records
-        from appliance.deploy.tune import HEADER, RECORDS, WORKLOADS
+    from appliance.tuning_db import FILES
 
-        inputs += [Path(tuning["database"]) / name for name in (HEADER, WORKLOADS, RECORDS)]
+    applied = [tuning["database"]] if tuning else [e["database"] for e in installed if e["applied"]]
+    inputs += [Path(db) / name for db in applied for name in FILES]  # the schedules in model.so came from these
     write_manifest(out_dir, "compile", inputs, {"target": target_name, "tvm_target": target,
                                                  "int8_compute": int8_compute,
                                                  "input_shape": shape, "tolerance": tolerance,
-                                                 **({"tuning": tuning} if tuning else {})})
+                                                 **({"tuning": tuning} if tuning else {}),
+                                                 **({"installed_tuning": installed} if installed else {})})
     if not cross and not info["check"]["passed"]:
         raise DataError(f"{library}: TVM output differs from onnxruntime by {info['check']['max_abs_diff']:.3g} "
                         f"(allowed {info['check']['allowed']:.3g}); see {out_dir / 'compile.json'}")

@@ -23,9 +23,7 @@ import types
 from pathlib import Path
 
 from appliance.errors import DataError
-
-HEADER = "tuning.json"
-WORKLOADS, RECORDS = "database_workload.json", "database_tuning_record.json"
+from appliance.tuning_db import HEADER, RECORDS, WORKLOADS, cpu_of, installed_databases, read_header, same_kind
 
 
 def prepare_meta_schedule() -> None:
@@ -75,22 +73,11 @@ def check_database(db_dir, model_sha256: str, target_name: str, tvm_target: dict
     and TVM, and that every record line parses; one line naming the file otherwise."""
     db_dir = Path(db_dir)
     header_path = db_dir / HEADER
-    try:
-        header = json.loads(header_path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{header_path}: not found; {db_dir} is not a tuning database made by "
-                        "`appliance compile --tune`") from None
-    except (OSError, json.JSONDecodeError) as err:
-        raise DataError(f"{header_path}: not a tuning database header ({err})") from None
-    if not isinstance(header, dict) or header.get("made_by") != "appliance compile --tune":
-        raise DataError(f"{header_path}: not a tuning database header made by `appliance compile --tune`")
+    header = read_header(db_dir)
     if header.get("model_sha256") != model_sha256:
         raise DataError(f"{header_path}: tuned for another model (sha256 {str(header.get('model_sha256'))[:12]}..., "
                         f"this one is {model_sha256[:12]}...); tune this model with --tune N")
-    def kind(t):  # the core count shapes the search, not whether its schedules run here
-        return {k: v for k, v in t.items() if k != "num-cores"} if isinstance(t, dict) else t
-
-    if header.get("target") != target_name or kind(header.get("tvm_target")) != kind(tvm_target):
+    if header.get("target") != target_name or not same_kind(header.get("tvm_target"), tvm_target):
         raise DataError(f"{header_path}: tuned for target {header.get('tvm_target')}, not {tvm_target}; "
                         "tune on a host of that kind with --tune N")
     if header.get("tvm") != _versions()["tvm"]:
@@ -132,6 +119,68 @@ def apply_database(mod, tvm_target: dict, db_dir):
     mod = relax.get_pipeline("zero")(mod)
     with tvm.target.Target(tvm_target), open_database(db_dir):
         return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+
+
+def apply_installed(mod, target_name: str, tvm_target: dict, log=print):
+    """Apply every installed database (appliance.tuning_db) made for this target and CPU with this TVM.
+
+    Returns (mod, target, found, tuned): found has one entry per database seen, applied or not and
+    why, and the tasks of this model it holds records for; tuned counts tasks with a record in any. The module and target are unchanged when
+    nothing applies, so an untuned build stays exactly the default build."""
+    import tvm
+    from tvm import relax
+    from tvm.s_tir import meta_schedule as ms
+
+    found, usable = [], []
+    for db_dir in installed_databases():
+        entry = {"database": str(db_dir), "applied": False, "tuned_tasks": 0, "reason": None}
+        try:
+            header = read_header(db_dir)
+        except DataError as err:
+            entry["reason"] = str(err)
+            found.append(entry)
+            continue
+        entry.update(target=header.get("target"), cpu=cpu_of(header.get("tvm_target")))
+        wanted = f"{target_name} {cpu_of(tvm_target)}"
+        if header.get("target") != target_name or not same_kind(header.get("tvm_target"), tvm_target):
+            entry["reason"] = f"made for {entry['target']} {entry['cpu']}, this build is {wanted}"
+        elif header.get("tvm") != _versions()["tvm"]:
+            entry["reason"] = f"made with TVM {header.get('tvm')}, this is {_versions()['tvm']}"
+        else:
+            usable.append((entry, db_dir))
+        found.append(entry)
+    if not usable:
+        for entry in found:
+            log(f"tuning database {entry['database']}: not applied ({entry['reason']})")
+        return mod, tvm_target, found, 0
+
+    prepare_meta_schedule()
+    target = tuning_target(tvm_target)
+    tuned_mod = relax.get_pipeline("zero")(mod)
+    tasks = ms.relax_integration.extract_tasks(tuned_mod, tvm.target.Target(target))
+    tuned = set()  # tasks with a record in any applied database
+    for entry, db_dir in usable:
+        database = open_database(db_dir)
+        with tvm.target.Target(target) as t:
+            hits = {i for i, task in enumerate(tasks)
+                    if database.query_tuning_record(task.dispatched[0], t, task.task_name) is not None}
+        entry["tuned_tasks"] = len(hits)
+        tuned |= hits
+        if entry["tuned_tasks"] == 0:
+            entry["reason"] = "no records for this model's kernels"
+            continue
+        with tvm.target.Target(target), database:
+            tuned_mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(tuned_mod)
+        entry["applied"] = True
+    for entry in found:
+        if entry["applied"]:
+            log(f"tuning database {entry['database']} ({entry['target']} {entry['cpu']}): "
+                f"{entry['tuned_tasks']} of {len(tasks)} tasks tuned")
+        else:
+            log(f"tuning database {entry['database']}: not applied ({entry['reason']})")
+    if not tuned:
+        return mod, tvm_target, found, 0
+    return tuned_mod, target, found, len(tuned)
 
 
 def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha256: str, *,
