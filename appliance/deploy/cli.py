@@ -119,6 +119,10 @@ def register_compile(subparsers) -> None:
     p.add_argument("--tuning-db", metavar="DIR",
                    help="tuning database to apply; made by --tune (into DIR when it does not exist yet), "
                    "reused without tuning when it does")
+    p.add_argument("--rpc", metavar="HOST:PORT",
+                   help="with --tune: time the candidates on the device running a TVM RPC server there "
+                   "(`python3 -m tvm.exec.rpc_server --host 0.0.0.0 --port 9090`), for any target")
+    p.add_argument("--rpc-key", default="", metavar="KEY", help="the key the RPC server was started with (--key)")
     p.add_argument("--no-installed-tuning", action="store_true",
                    help="do not apply the installed tuning databases ($APPLIANCE_TUNING_DIR, then tuning/ next to "
                    "the venv) that match the target and CPU; they apply by default when neither --tune nor "
@@ -136,7 +140,7 @@ def compile_command(args) -> int:
         refuse_failed_gate(args.model)
     info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
                          tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
-                         installed_tuning=not args.no_installed_tuning)
+                         installed_tuning=not args.no_installed_tuning, rpc=args.rpc, rpc_key=args.rpc_key)
     if "tuning" in info:
         t = info["tuning"]
         if t["reused"]:

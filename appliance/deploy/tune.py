@@ -184,9 +184,12 @@ def apply_installed(mod, target_name: str, tvm_target: dict, log=print):
 
 
 def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha256: str, *,
-         log=print, seed: int = 0) -> dict:
+         log=print, seed: int = 0, rpc: str | None = None, rpc_key: str = "", cross_compiler: str | None = None) -> dict:
     """Tune every kernel of `mod` with `trials` measured candidates each; write the database to
-    db_dir (built beside it, then renamed, so an interrupted run leaves no half database)."""
+    db_dir (built beside it, then renamed, so an interrupted run leaves no half database).
+
+    rpc: HOST:PORT of a TVM RPC server that times the candidates (tune_rpc.py) instead of this CPU;
+    they are then built as shared libraries, with cross_compiler for an ARM device."""
     import tvm
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
@@ -217,13 +220,22 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     _quiet_meta_schedule_console()
     contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
         tasks, str(tmp), space=space, strategy=strategy, num_threads=len(os.sched_getaffinity(0)), seed=seed)
-    log(f"tuning {len(contexts)} tasks x {trials} trials on this CPU ({tvm_target.get('mcpu', '?')})")
+    if rpc:
+        from appliance.deploy.tune_rpc import RPCDeviceRunner
+
+        runner = RPCDeviceRunner(rpc, rpc_key)
+        builder = InProcessBuilder(tmp / "build", shared_library=True, cross_compiler=cross_compiler)
+        where = f"the device at {rpc} over RPC ({tvm_target.get('num-cores')} cores, {cpu_of(tvm_target)})"
+    else:
+        runner, builder = InProcessRunner(), InProcessBuilder(tmp / "build")
+        where = f"this CPU ({tvm_target.get('mcpu', '?')})"
+    log(f"tuning {len(contexts)} tasks x {trials} trials on {where}")
     database = ms.database.JSONDatabase(str(tmp / WORKLOADS), str(tmp / RECORDS), allow_missing=True)
     callbacks = [*ms.MeasureCallback.create("default"),
                  progress_callback([c.task_name for c in contexts], trials, start, log)]
     ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(tmp), max_trials_global=trials * len(contexts),
-                  max_trials_per_task=trials, num_trials_per_iter=min(trials, 32), builder=InProcessBuilder(tmp / "build"),
-                  runner=InProcessRunner(), database=database, cost_model="random", measure_callbacks=callbacks,
+                  max_trials_per_task=trials, num_trials_per_iter=min(trials, 32), builder=builder,
+                  runner=runner, database=database, cost_model="random", measure_callbacks=callbacks,
                   task_scheduler="round-robin")
     shutil.rmtree(logs, ignore_errors=True)
     shutil.rmtree(tmp / "build", ignore_errors=True)
@@ -231,7 +243,9 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     records = len((tmp / RECORDS).read_text().splitlines())
     header = {"made_by": "appliance compile --tune", "model_sha256": model_sha256, "target": target_name,
               "tvm_target": tvm_target, "trials_per_task": trials, "tasks": len(contexts), "records": records,
-              "tuning_seconds": round(seconds, 1), "search": "evolutionary, random cost model, in-process measuring",
+              "tuning_seconds": round(seconds, 1), "search": "evolutionary, random cost model, "
+              + (f"measured over RPC on {rpc}" if rpc else "in-process measuring"),
+              "measured_on": {"rpc": rpc, "key": rpc_key, "candidates_timed": runner.measured} if rpc else "this host",
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_versions()}
     (tmp / HEADER).write_text(json.dumps(header, indent=2) + "\n")
     if db_dir.exists():
