@@ -127,10 +127,6 @@ def apply_installed(mod, target_name: str, tvm_target: dict, log=print):
     Returns (mod, target, found, tuned): found has one entry per database seen, applied or not and
     why, and the tasks of this model it holds records for; tuned counts tasks with a record in any. The module and target are unchanged when
     nothing applies, so an untuned build stays exactly the default build."""
-    import tvm
-    from tvm import relax
-    from tvm.s_tir import meta_schedule as ms
-
     found, usable = [], []
     for db_dir in installed_databases():
         entry = {"database": str(db_dir), "applied": False, "tuned_tasks": 0, "reason": None}
@@ -153,6 +149,10 @@ def apply_installed(mod, target_name: str, tvm_target: dict, log=print):
         for entry in found:
             log(f"tuning database {entry['database']}: not applied ({entry['reason']})")
         return mod, tvm_target, found, 0
+
+    import tvm
+    from tvm import relax
+    from tvm.s_tir import meta_schedule as ms
 
     prepare_meta_schedule()
     target = tuning_target(tvm_target)
@@ -237,6 +237,9 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
                   max_trials_per_task=trials, num_trials_per_iter=min(trials, 32), builder=builder,
                   runner=runner, database=database, cost_model="random", measure_callbacks=callbacks,
                   task_scheduler="round-robin")
+    if rpc and runner.lost:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise runner.lost  # timings of a lost device would make a database of failures
     shutil.rmtree(logs, ignore_errors=True)
     shutil.rmtree(tmp / "build", ignore_errors=True)
     seconds = time.perf_counter() - start

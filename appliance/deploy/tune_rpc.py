@@ -64,9 +64,14 @@ class RPCDeviceRunner(PyRunner):
         self.config = EvaluatorConfig(number=3, repeat=1, min_repeat_ms=20, enable_cpu_cache_flush=False)
         self.measured = 0  # candidates timed on the device: the database header records it
         self.names = itertools.count()
+        self.lost: EnvironmentProblem | None = None  # why the server could not be reached mid-search
 
     def run(self, runner_inputs):
-        session = connect(self.address, self.key)
+        try:
+            session = connect(self.address, self.key)
+        except EnvironmentProblem as err:  # the device went away: tune() raises it once the search stops
+            self.lost = self.lost or err
+            return [LocalRunnerFuture(res=None, error_message=str(err)) for _ in runner_inputs]
         try:
             fill = session.get_function("tvm.contrib.random.random_fill_for_measure")
         except Exception:  # AttributeError, or TVM's own error for a missing function

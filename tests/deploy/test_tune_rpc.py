@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from conftest import ROOT, run_appliance
+from conftest import ROOT, appliance_cmd, run_appliance
 
 TRIALS = 2
 
@@ -139,3 +139,20 @@ def test_unreachable_rpc_server_is_one_line(tmp_path, exported):
     proc = run_appliance("compile", str(exported / "model.onnx"), "--target", "aarch64", "--out", str(tmp_path / "o"),
                          "--rpc", address)
     assert proc.returncode != 0 and "add --tune N" in proc.stderr
+
+
+def test_server_lost_mid_search_is_one_line_and_leaves_no_database(tmp_path, exported):
+    log = tmp_path / "rpc-server.log"
+    with rpc_server(log) as address:
+        proc = subprocess.Popen(appliance_cmd("compile", str(exported / "model.onnx"), "--target", "x86_64",
+                                              "--out", str(tmp_path / "o"), "--tune", "4", "--rpc", address),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in proc.stdout:  # the search has started on the server: take the server away
+            if line.startswith("tuning: tasks done 1/"):
+                break
+    out, err = proc.communicate(timeout=600)
+    # stderr also holds TVM's own C++ warnings printed during the search; ours is the one last line
+    ours = [line for line in err.splitlines() if line.startswith("appliance compile:")]
+    assert proc.returncode != 0 and ours == err.strip().splitlines()[-1:], err
+    assert f"--rpc {address}: cannot reach a TVM RPC server" in ours[0]
+    assert not (tmp_path / "o" / "tuning").exists() and not (tmp_path / "o" / "model.so").exists()
