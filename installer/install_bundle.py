@@ -351,6 +351,8 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
                 shutil.move(root / w["file"], dest / Path(w["file"]).name)
     tuning = manifest.get("tuning_databases", [])
     for db in tuning:  # next to the venv: appliance.tuning_db looks there (sys.prefix's parent)
+        if not re.fullmatch(r"tuning/[A-Za-z0-9][A-Za-z0-9._-]*", str(db.get("path"))) or not (root / db["path"]).is_dir():
+            raise Refusal(f"bundle.json: tuning database {db.get('path')!r} is not a folder tuning/NAME of the bundle")
         dest = release_dir / "tuning" / Path(db["path"]).name
         dest.parent.mkdir(exist_ok=True)
         shutil.move(root / db["path"], dest)
