@@ -8,6 +8,8 @@ bundle when it carries one, else pip), self-test, then `current` is switched ato
 PREFIX/
   releases/<version>-<sha12>/  venv/, bundle/ (bundle.json, lock, SBOM), wheelhouse/<carried profile>/,
                                weights/ (pretrained weight files and index.json, when the bundle has them),
+                               tuning/<name>/ (tuning databases the bundle carries; `appliance compile`
+                               finds them next to its venv),
                                doctor.json (the `appliance doctor --json` report of the self-test),
                                install.json (written last: a release without it is incomplete)
   logs/                        full output of pip/uv and the self-test, one file per install
@@ -394,6 +396,16 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
             dest.mkdir(parents=True)
             for w in data["wheels"]:
                 shutil.move(root / w["file"], dest / Path(w["file"]).name)
+    tuning = manifest.get("tuning_databases", [])
+    for db in tuning:  # next to the venv: appliance.tuning_db looks there (sys.prefix's parent)
+        if not re.fullmatch(r"tuning/[A-Za-z0-9][A-Za-z0-9._-]*", str(db.get("path"))) or not (root / db["path"]).is_dir():
+            raise Refusal(f"bundle.json: tuning database {db.get('path')!r} is not a folder tuning/NAME of the bundle")
+        dest = release_dir / "tuning" / Path(db["path"]).name
+        dest.parent.mkdir(exist_ok=True)
+        shutil.move(root / db["path"], dest)
+    if tuning:
+        names = ", ".join("{} ({}, {})".format(d["name"], d["target"], d["cpu"]) for d in tuning)
+        log(f"tuning databases: {names} in releases/{release_dir.name}/tuning")
     for f in ("bundle.json", "SHA256SUMS", profile["lock"], profile["sbom"]):
         shutil.copy2(root / f, release_dir / "bundle" / Path(f).name)
     t0 = time.monotonic()
@@ -408,7 +420,8 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
             "bytecode_compiled": not args.no_compile, "python": python,
             "installed": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "weights": {n: e["file"] for n, e in weights.items()},
-            "self_test": checks, "timings": timings, "log": str(log_file)}
+            "self_test": checks, "timings": timings, "log": str(log_file),
+            "tuning_databases": [d["name"] for d in tuning]}
 
 
 def install(args) -> int:

@@ -8,6 +8,7 @@ Layout of appliance-bundle-<version>.tar (one top directory of the same name):
   profiles/<P>/py<X.Y>/sbom.cdx.json       CycloneDX SBOM of those wheels
   installer/                       install.sh and its standard-library helpers
   weights/<file>, weights/index.json   with --weights: torchvision's published weight files (weights.py)
+  tuning/<name>/                   with --tuning-db: MetaSchedule tuning databases (appliance.tuning_db)
 Beside the tar: <tar>.minisig when signed (stock `minisign -V` verifies it), manifest.json.
 """
 
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from appliance import __version__
 from appliance.bundle import minisign, vulnerabilities, weights as pretrained
+from appliance.bundle import minisign, tuning, vulnerabilities
 from appliance.bundle.profiles import Profile, load_profiles
 from appliance.bundle.sbom import build_sbom
 from appliance.bundle.wheelhouse import Target, Wheel, configured_index, fetch
@@ -97,9 +99,10 @@ def _tar_add(tar: tarfile.TarFile, arcname: str, path: Path | None = None, data:
 
 def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key: Path | None,
                  cache: Path, vulnerability_source: str | None = None, weight_names: list[str] = (),
-                 weights_mirror: str | None = None) -> Path:
+                 weights_mirror: str | None = None, tuning_dbs=()) -> Path:
     """vulnerability_source: base of the PyPI-style JSON API (default: the one beside the index);
-    weight_names: torchvision models whose published weights the bundle carries (weights.py)."""
+    weight_names: torchvision models whose published weights the bundle carries (weights.py);
+    tuning_dbs: directories made by `appliance compile --tune`, carried as tuning/<name>/."""
     started = time.monotonic()
     manifests = source / "manifests"
     profiles = load_profiles(manifests)
@@ -115,6 +118,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
     weight_names = list(dict.fromkeys(weight_names))
     published = pretrained.resolve_all(weight_names)  # a bad name fails before any download
     targets = [Target(profile, python) for profile in chosen for python in profile.pythons]
+    tuning_entries, tuning_files = tuning.collect(tuning_dbs)  # a bad database fails before the downloads
 
     # 1. Every locked file of every (profile, Python), fetched and hash-checked before anything is written.
     problems: list[str] = []
@@ -200,6 +204,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
             "cuda_major": sorted({p.cuda_major for p in chosen if p.cuda_major is not None}),
             "profiles": bundle_profiles,
             "weights": weights_index,
+            **({"tuning_databases": tuning_entries} if tuning_entries else {}),
         }
         generated["bundle.json"] = (json.dumps(manifest, indent=2) + "\n").encode()
         weight_files = {f"weights/{f.published.file}": (f.path, f.sha256) for f in fetched}
@@ -214,6 +219,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
         sums.update({f"wheelhouse/{n}": digest for n, (_, digest) in files.items()})
         sums.update({name: sha256_file(p) for name, p in installer.items()})
         sums.update({name: digest for name, (_, digest) in weight_files.items()})
+        sums.update({e["file"]: e["sha256"] for entry in tuning_entries for e in entry["files"]})
         generated["SHA256SUMS"] = "".join(f"{sums[n]}  {n}\n" for n in sorted(sums)).encode()
 
         # 4. The tar, written beside its final name and renamed only when complete.
@@ -229,6 +235,8 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
                 _tar_add(tar, f"{top}/wheelhouse/{n}", path=files[n][0], mtime=mtime)
             for name in sorted(weight_files):
                 _tar_add(tar, f"{top}/{name}", path=weight_files[name][0], mtime=mtime)
+            for name in sorted(tuning_files):
+                _tar_add(tar, f"{top}/{name}", path=tuning_files[name], mtime=mtime)
         with open(partial, "rb+") as f:
             os.fsync(f.fileno())
         signature = out_dir / f"{top}.tar.minisig"
@@ -242,9 +250,11 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
             signature.unlink(missing_ok=True)  # a stale signature would not match this tar
 
     outputs = [tar_path] + ([signature] if sign_key is not None else [])
-    write_manifest(out_dir, "bundle", inputs=[manifests / "profiles.toml"] + [t.lock_file for t in targets],
+    write_manifest(out_dir, "bundle", inputs=[manifests / "profiles.toml"] + [t.lock_file for t in targets]
+                   + sorted(tuning_files.values()),
                    params={"profiles": [p.name for p in chosen], "signed": sign_key is not None,
                            "weights": {n: {"url": e["url"], "sha256": e["sha256"]} for n, e in weights_index.items()},
+                           "tuning_databases": [e["name"] for e in tuning_entries],
                            "index": index, "vulnerability_data": {"source": vulns.source, "taken": vulns.taken,
                                                                   "offered": vulns.offered}},
                    outputs=outputs)

@@ -15,7 +15,7 @@ def _build(args) -> int:
     source = Path(args.source) if args.source else default_source()
     tar = build_bundle(args.profile, Path(args.out), source, Path(args.sign_key) if args.sign_key else None,
                        Path(args.cache), args.vulnerability_data, parse_names(",".join(args.weights or [])),
-                       args.weights_mirror or os.environ.get(MIRROR_ENV) or None)
+                       args.weights_mirror or os.environ.get(MIRROR_ENV) or None, tuning_dbs=args.tuning_db or ())
     print(tar)
     return 0
 
@@ -99,6 +99,9 @@ def register(subparsers) -> None:
                        help="fetch the weights from this mirror of https://download.pytorch.org instead "
                        "(the published path is kept: URL/models/resnet18-f37072fd.pth; default "
                        "$APPLIANCE_WEIGHTS_MIRROR)")
+    build.add_argument("--tuning-db", action="append", metavar="DIR",
+                       help="tuning database made by `appliance compile --tune` to carry (repeat for several); "
+                       "installed next to the venv, where `appliance compile` applies it to matching kernels")
     build.set_defaults(func=_build)
 
     audit = verbs.add_parser("audit", help="print the known vulnerabilities recorded in a bundle (offline)",

@@ -119,6 +119,14 @@ def register_compile(subparsers) -> None:
     p.add_argument("--tuning-db", metavar="DIR",
                    help="tuning database to apply; made by --tune (into DIR when it does not exist yet), "
                    "reused without tuning when it does")
+    p.add_argument("--rpc", metavar="HOST:PORT",
+                   help="with --tune: time the candidates on the device running a TVM RPC server there "
+                   "(`python3 -m tvm.exec.rpc_server --host 0.0.0.0 --port 9090`), for any target")
+    p.add_argument("--rpc-key", default="", metavar="KEY", help="the key the RPC server was started with (--key)")
+    p.add_argument("--no-installed-tuning", action="store_true",
+                   help="do not apply the installed tuning databases ($APPLIANCE_TUNING_DIR, then tuning/ next to "
+                   "the venv) that match the target and CPU; they apply by default when neither --tune nor "
+                   "--tuning-db is given")
     gpu_routes.add_arguments(p)
     p.set_defaults(func=compile_command)
 
@@ -131,7 +139,8 @@ def compile_command(args) -> int:
     if not args.allow_failed_gate:
         refuse_failed_gate(args.model)
     info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
-                         tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute)
+                         tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
+                         installed_tuning=not args.no_installed_tuning, rpc=args.rpc, rpc_key=args.rpc_key)
     if "tuning" in info:
         t = info["tuning"]
         if t["reused"]:
@@ -149,6 +158,8 @@ def compile_command(args) -> int:
         if c.get("max_quantized_units") is not None:
             line += f" ({c['max_quantized_units']:.2f} output steps)"
         line += f", top-1 agreement {c['top1_agreement']:.4f}"
+    if info["tuned_tasks"]:
+        line += f"; {info['tuned_tasks']} tasks tuned"
     if info.get("host_latency_ms") is not None:
         line += f"; host latency {info['host_latency_ms']:.2f} ms"
     print(line)

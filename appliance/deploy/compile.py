@@ -93,7 +93,10 @@ def import_relax(model, path, shape: list):
 
 def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
                   batch: int = 1, tune_trials: int | None = None, tuning_db=None, int8_compute: str = "int8",
-                  log=print) -> dict:
+                  installed_tuning: bool = True, rpc: str | None = None, rpc_key: str = "", log=print) -> dict:
+    """installed_tuning: apply the installed tuning databases made for this target and CPU
+    (appliance.tuning_db) when neither tune_trials nor tuning_db is given. rpc: HOST:PORT of a TVM
+    RPC server on the target device that times the tuning candidates (tune_rpc.py)."""
     import time
 
     import tvm
@@ -113,6 +116,8 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     model_precision = precision(model)
     if int8_compute not in INT8_COMPUTE:
         raise DataError(f"{model_path}: --int8-compute must be one of {', '.join(INT8_COMPUTE)}, not {int8_compute!r}")
+    if rpc and not tune_trials:
+        raise DataError(f"--rpc {rpc}: the RPC server times tuning candidates; add --tune N")
     step = output_scale(model)  # a QDQ model's output quantization step, None for float outputs
     tolerance = default_tolerance(model_precision) if tolerance is None else tolerance
     shape = [batch, *[_dim(d, meta, model_path, inp) for d in inp.shape[1:]]]
@@ -125,9 +130,15 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         mod = rewrite_int8(mod)
     layers = classify_layers(mod, model)
     target = target_for(target_name)
-    tuning = None
+    tuning, installed, tuned_tasks = None, [], 0
     if tune_trials or tuning_db:
-        mod, target, tuning = _tuned(mod, model_path, target_name, target, out_dir, tune_trials, tuning_db, log)
+        mod, target, tuning = _tuned(mod, model_path, target_name, target, out_dir, tune_trials, tuning_db, log,
+                                     rpc, rpc_key)
+        tuned_tasks = tuning["tasks"]
+    elif installed_tuning:
+        from appliance.deploy.tune import apply_installed
+
+        mod, target, installed, tuned_tasks = apply_installed(mod, target_name, target, log)
     executable = tvm.compile(mod, target=tvm.target.Target(target))
     library, tmp = out_dir / "model.so", out_dir / ".model.so.tmp.so"
     if cross:
@@ -143,7 +154,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     info = {"made_by": "appliance compile", "source_model": str(model_path.resolve()), "target": target_name,
             "tvm_target": target, "input": {"name": inp.name, "shape": shape, "dtype": "float32"},
             "precision": model_precision, "int8_compute": int8_compute, "layers": layers,
-            "tuned_tasks": tuning["tasks"] if tuning else 0,
+            "tuned_tasks": tuned_tasks, "installed_tuning": installed,
             "library": str(library), "library_bytes": library.stat().st_size,
             "compile_seconds": round(seconds, 2), "host_latency_ms": None, **meta}
     if tuning:
@@ -154,39 +165,48 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         info["host_latency_ms"] = host_latency_ms(library, shape)
     atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2) + "\n")
     inputs = [model_path, *(Path(f) for f in sample_files or [])]
-    if tuning:  # the schedules in model.so came from these records
-        from appliance.deploy.tune import HEADER, RECORDS, WORKLOADS
+    from appliance.tuning_db import FILES
 
-        inputs += [Path(tuning["database"]) / name for name in (HEADER, WORKLOADS, RECORDS)]
+    applied = [tuning["database"]] if tuning else [e["database"] for e in installed if e["applied"]]
+    inputs += [Path(db) / name for db in applied for name in FILES]  # the schedules in model.so came from these
     write_manifest(out_dir, "compile", inputs, {"target": target_name, "tvm_target": target,
                                                  "int8_compute": int8_compute,
                                                  "input_shape": shape, "tolerance": tolerance,
-                                                 **({"tuning": tuning} if tuning else {})})
+                                                 **({"tuning": tuning} if tuning else {}),
+                                                 **({"installed_tuning": installed} if installed else {})})
     if not cross and not info["check"]["passed"]:
         raise DataError(f"{library}: TVM output differs from onnxruntime by {info['check']['max_abs_diff']:.3g} "
                         f"(allowed {info['check']['allowed']:.3g}); see {out_dir / 'compile.json'}")
     return info
 
 
-def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log):
+def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log, rpc=None, rpc_key=""):
     """Apply the tuning database (made now by tuning, or reused as it is): (mod, target, summary)."""
     from appliance.deploy import tune
 
-    target = tune.tuning_target(target)
     db_dir = Path(db_dir) if db_dir else out_dir / "tuning"
     model_sha = tune.sha256_of(model_path)
     reused = (db_dir / tune.HEADER).exists() or not trials
     if reused:
+        target = tune.tuning_target(target)
         header = tune.check_database(db_dir, model_sha, target_name, target)
+    elif rpc:
+        from appliance.deploy.tune_rpc import connect, remote_cores
+
+        target = {**target, "num-cores": remote_cores(connect(rpc, rpc_key))}  # the device's, not this host's
+        header = tune.tune(mod, target_name, target, db_dir, trials, model_sha, log=log, rpc=rpc, rpc_key=rpc_key,
+                           cross_compiler=CROSS_COMPILER if target_name.startswith("aarch64") else None)
     elif target_name != "x86_64":
         raise DataError(f"{model_path}: --tune measures candidates on this CPU, so it tunes the x86_64 target only; "
-                        f"tune {target_name} on such a device and pass its database with --tuning-db")
+                        f"tune {target_name} on the device with --rpc HOST:PORT, or pass its database with --tuning-db")
     else:
+        target = tune.tuning_target(target)
         header = tune.tune(mod, target_name, target, db_dir, trials, model_sha, log=log)
     mod = tune.apply_database(mod, target, db_dir)
     return mod, target, {"database": str(db_dir), "reused": reused, "trials_per_task": header["trials_per_task"],
                          "tasks": header["tasks"], "records": header["records"],
-                         "tuned_in_seconds": header["tuning_seconds"], "tvm_ffi": header["tvm_ffi"]}
+                         "tuned_in_seconds": header["tuning_seconds"], "tvm_ffi": header["tvm_ffi"],
+                         "measured_on": header.get("measured_on", "this host")}
 
 
 def check_against_ort(library, model_path, shape, sample_files, meta, tolerance, input_name="input",

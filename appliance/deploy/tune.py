@@ -23,9 +23,7 @@ import types
 from pathlib import Path
 
 from appliance.errors import DataError
-
-HEADER = "tuning.json"
-WORKLOADS, RECORDS = "database_workload.json", "database_tuning_record.json"
+from appliance.tuning_db import HEADER, RECORDS, WORKLOADS, cpu_of, installed_databases, read_header, same_kind
 
 
 def prepare_meta_schedule() -> None:
@@ -75,22 +73,11 @@ def check_database(db_dir, model_sha256: str, target_name: str, tvm_target: dict
     and TVM, and that every record line parses; one line naming the file otherwise."""
     db_dir = Path(db_dir)
     header_path = db_dir / HEADER
-    try:
-        header = json.loads(header_path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{header_path}: not found; {db_dir} is not a tuning database made by "
-                        "`appliance compile --tune`") from None
-    except (OSError, json.JSONDecodeError) as err:
-        raise DataError(f"{header_path}: not a tuning database header ({err})") from None
-    if not isinstance(header, dict) or header.get("made_by") != "appliance compile --tune":
-        raise DataError(f"{header_path}: not a tuning database header made by `appliance compile --tune`")
+    header = read_header(db_dir)
     if header.get("model_sha256") != model_sha256:
         raise DataError(f"{header_path}: tuned for another model (sha256 {str(header.get('model_sha256'))[:12]}..., "
                         f"this one is {model_sha256[:12]}...); tune this model with --tune N")
-    def kind(t):  # the core count shapes the search, not whether its schedules run here
-        return {k: v for k, v in t.items() if k != "num-cores"} if isinstance(t, dict) else t
-
-    if header.get("target") != target_name or kind(header.get("tvm_target")) != kind(tvm_target):
+    if header.get("target") != target_name or not same_kind(header.get("tvm_target"), tvm_target):
         raise DataError(f"{header_path}: tuned for target {header.get('tvm_target')}, not {tvm_target}; "
                         "tune on a host of that kind with --tune N")
     if header.get("tvm") != _versions()["tvm"]:
@@ -134,10 +121,75 @@ def apply_database(mod, tvm_target: dict, db_dir):
         return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
 
 
+def apply_installed(mod, target_name: str, tvm_target: dict, log=print):
+    """Apply every installed database (appliance.tuning_db) made for this target and CPU with this TVM.
+
+    Returns (mod, target, found, tuned): found has one entry per database seen, applied or not and
+    why, and the tasks of this model it holds records for; tuned counts tasks with a record in any. The module and target are unchanged when
+    nothing applies, so an untuned build stays exactly the default build."""
+    found, usable = [], []
+    for db_dir in installed_databases():
+        entry = {"database": str(db_dir), "applied": False, "tuned_tasks": 0, "reason": None}
+        try:
+            header = read_header(db_dir)
+        except DataError as err:
+            entry["reason"] = str(err)
+            found.append(entry)
+            continue
+        entry.update(target=header.get("target"), cpu=cpu_of(header.get("tvm_target")))
+        wanted = f"{target_name} {cpu_of(tvm_target)}"
+        if header.get("target") != target_name or not same_kind(header.get("tvm_target"), tvm_target):
+            entry["reason"] = f"made for {entry['target']} {entry['cpu']}, this build is {wanted}"
+        elif header.get("tvm") != _versions()["tvm"]:
+            entry["reason"] = f"made with TVM {header.get('tvm')}, this is {_versions()['tvm']}"
+        else:
+            usable.append((entry, db_dir))
+        found.append(entry)
+    if not usable:
+        for entry in found:
+            log(f"tuning database {entry['database']}: not applied ({entry['reason']})")
+        return mod, tvm_target, found, 0
+
+    import tvm
+    from tvm import relax
+    from tvm.s_tir import meta_schedule as ms
+
+    prepare_meta_schedule()
+    target = tuning_target(tvm_target)
+    tuned_mod = relax.get_pipeline("zero")(mod)
+    tasks = ms.relax_integration.extract_tasks(tuned_mod, tvm.target.Target(target))
+    tuned = set()  # tasks with a record in any applied database
+    for entry, db_dir in usable:
+        database = open_database(db_dir)
+        with tvm.target.Target(target) as t:
+            hits = {i for i, task in enumerate(tasks)
+                    if database.query_tuning_record(task.dispatched[0], t, task.task_name) is not None}
+        entry["tuned_tasks"] = len(hits)
+        tuned |= hits
+        if entry["tuned_tasks"] == 0:
+            entry["reason"] = "no records for this model's kernels"
+            continue
+        with tvm.target.Target(target), database:
+            tuned_mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(tuned_mod)
+        entry["applied"] = True
+    for entry in found:
+        if entry["applied"]:
+            log(f"tuning database {entry['database']} ({entry['target']} {entry['cpu']}): "
+                f"{entry['tuned_tasks']} of {len(tasks)} tasks tuned")
+        else:
+            log(f"tuning database {entry['database']}: not applied ({entry['reason']})")
+    if not tuned:
+        return mod, tvm_target, found, 0
+    return tuned_mod, target, found, len(tuned)
+
+
 def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha256: str, *,
-         log=print, seed: int = 0) -> dict:
+         log=print, seed: int = 0, rpc: str | None = None, rpc_key: str = "", cross_compiler: str | None = None) -> dict:
     """Tune every kernel of `mod` with `trials` measured candidates each; write the database to
-    db_dir (built beside it, then renamed, so an interrupted run leaves no half database)."""
+    db_dir (built beside it, then renamed, so an interrupted run leaves no half database).
+
+    rpc: HOST:PORT of a TVM RPC server that times the candidates (tune_rpc.py) instead of this CPU;
+    they are then built as shared libraries, with cross_compiler for an ARM device."""
     import tvm
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
@@ -168,21 +220,35 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     _quiet_meta_schedule_console()
     contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
         tasks, str(tmp), space=space, strategy=strategy, num_threads=len(os.sched_getaffinity(0)), seed=seed)
-    log(f"tuning {len(contexts)} tasks x {trials} trials on this CPU ({tvm_target.get('mcpu', '?')})")
+    if rpc:
+        from appliance.deploy.tune_rpc import RPCDeviceRunner
+
+        runner = RPCDeviceRunner(rpc, rpc_key)
+        builder = InProcessBuilder(tmp / "build", shared_library=True, cross_compiler=cross_compiler)
+        where = f"the device at {rpc} over RPC ({tvm_target.get('num-cores')} cores, {cpu_of(tvm_target)})"
+    else:
+        runner, builder = InProcessRunner(), InProcessBuilder(tmp / "build")
+        where = f"this CPU ({tvm_target.get('mcpu', '?')})"
+    log(f"tuning {len(contexts)} tasks x {trials} trials on {where}")
     database = ms.database.JSONDatabase(str(tmp / WORKLOADS), str(tmp / RECORDS), allow_missing=True)
     callbacks = [*ms.MeasureCallback.create("default"),
                  progress_callback([c.task_name for c in contexts], trials, start, log)]
     ms.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(tmp), max_trials_global=trials * len(contexts),
-                  max_trials_per_task=trials, num_trials_per_iter=min(trials, 32), builder=InProcessBuilder(tmp / "build"),
-                  runner=InProcessRunner(), database=database, cost_model="random", measure_callbacks=callbacks,
+                  max_trials_per_task=trials, num_trials_per_iter=min(trials, 32), builder=builder,
+                  runner=runner, database=database, cost_model="random", measure_callbacks=callbacks,
                   task_scheduler="round-robin")
+    if rpc and runner.lost:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise runner.lost  # timings of a lost device would make a database of failures
     shutil.rmtree(logs, ignore_errors=True)
     shutil.rmtree(tmp / "build", ignore_errors=True)
     seconds = time.perf_counter() - start
     records = len((tmp / RECORDS).read_text().splitlines())
     header = {"made_by": "appliance compile --tune", "model_sha256": model_sha256, "target": target_name,
               "tvm_target": tvm_target, "trials_per_task": trials, "tasks": len(contexts), "records": records,
-              "tuning_seconds": round(seconds, 1), "search": "evolutionary, random cost model, in-process measuring",
+              "tuning_seconds": round(seconds, 1), "search": "evolutionary, random cost model, "
+              + (f"measured over RPC on {rpc}" if rpc else "in-process measuring"),
+              "measured_on": {"rpc": rpc, "key": rpc_key, "candidates_timed": runner.measured} if rpc else "this host",
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_versions()}
     (tmp / HEADER).write_text(json.dumps(header, indent=2) + "\n")
     if db_dir.exists():

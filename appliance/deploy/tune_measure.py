@@ -18,13 +18,17 @@ from tvm.s_tir.meta_schedule.runner.utils import run_evaluator_common
 
 @derived_object
 class InProcessBuilder(PyBuilder):
-    """Builds each candidate kernel here, as MetaSchedule's default_build does, into work_dir."""
+    """Builds each candidate kernel here, as MetaSchedule's default_build does, into work_dir.
 
-    def __init__(self, work_dir) -> None:
+    shared_library: a .so (linked with cross_compiler when given) that a device loads over RPC
+    without a compiler of its own; otherwise a tar of objects that this host links when loading."""
+
+    def __init__(self, work_dir, shared_library: bool = False, cross_compiler: str | None = None) -> None:
         super().__init__()
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.counter = itertools.count()
+        self.shared_library, self.cross_compiler = shared_library, cross_compiler
 
     def build(self, build_inputs):
         from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
@@ -36,8 +40,18 @@ class InProcessBuilder(PyBuilder):
                 mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(item.mod)
                 # MetaSchedule's RemoveBuildArtifact deletes the artifact's whole folder: one each
                 folder = tempfile.mkdtemp(prefix=f"candidate{next(self.counter)}-", dir=self.work_dir)
-                path = str(Path(folder) / f"kernel.{tar.output_format}")
-                tvm.compile(mod, target=item.target).export_library(path, fcompile=tar)
+                built = tvm.compile(mod, target=item.target)
+                if self.shared_library:
+                    path = str(Path(folder) / "kernel.so")
+                    if self.cross_compiler:
+                        from tvm.support.cc import cross_compiler
+
+                        built.export_library(path, fcompile=cross_compiler(self.cross_compiler))
+                    else:
+                        built.export_library(path)
+                else:
+                    path = str(Path(folder) / f"kernel.{tar.output_format}")
+                    built.export_library(path, fcompile=tar)
                 results.append(BuilderResult(path, None))
             except Exception as err:  # a candidate that does not build is a measured failure, not a crash
                 results.append(BuilderResult(None, f"{type(err).__name__}: {err}"))
