@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -82,9 +83,9 @@ def arm_python(tmp_path) -> tuple[Path, dict]:
         (wheels / wheel.name).symlink_to(wheel)
     sysroot, site = build_python_sysroot(ROOT / "wheelhouse" / "edge-sysroot-arm64", tmp_path / "edge",
                                          tmp_path / "arm")
-    import cloudpickle  # pure Python: TVM's RPC server pickles its worker's start function with it
-
-    shutil.copytree(Path(cloudpickle.__file__).parent, site / "cloudpickle")
+    # TVM's RPC server pickles its worker's start function with cloudpickle: the edge lock's wheel.
+    (cloudpickle,) = (ROOT / "wheelhouse" / "edge-aarch64").glob("cloudpickle-*.whl")
+    zipfile.ZipFile(cloudpickle).extractall(site)
     python = tmp_path / "python-aarch64"
     python.write_text(f"#!/bin/sh\nexec {find_qemu()} -L {sysroot} -0 {python} {sysroot}/usr/bin/python3.11 \"$@\"\n")
     python.chmod(0o755)
