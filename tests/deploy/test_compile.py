@@ -128,7 +128,10 @@ def test_dotprod_target_builds_an_arm_elf(tmp_path, exported):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("architecture", __import__("appliance.models", fromlist=["ARCHITECTURES"]).ARCHITECTURES)
+# "onnx" is no network of its own but the graph a site brings ([model] init); test_finetune exports
+# such a run back to ONNX, and that graph compiles like any other.
+@pytest.mark.parametrize("architecture", [a for a in __import__("appliance.models", fromlist=["ARCHITECTURES"]).ARCHITECTURES
+                                          if a != "onnx"])
 def test_every_trainable_architecture_compiles(tmp_path, architecture):
     """What `appliance train` can make, `appliance compile` can build (exported with the dynamic
     batch axis users get; shufflenet_v2's channel shuffle needs the shape folding before import)."""
