@@ -224,6 +224,13 @@ def test_an_onnx_model_is_fine_tuned_checkpointed_and_exported_back(work, new_ta
     assert export.returncode == 0, export.stderr[-3000:]
     parity = json.loads((out / "parity.json").read_text())["parity"]
     assert parity["passed"] and parity["max_rel_error"] <= 1e-5 and parity["top1_agreement"] == 1.0
+    if architecture == "small_cnn":  # and deploys like any other: TVM builds it, checked against onnxruntime
+        built = work / f"compile-{architecture}"
+        proc = subprocess.run(appliance_cmd("compile", str(out / "model.onnx"), "--target", "x86_64", "--out", str(built)),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        check = json.loads((built / "compile.json").read_text())["check"]
+        assert check["passed"] and check["top1_agreement"] == 1.0
     # The graph trained: its weights are not the vendor's any more.
     import onnx
     from onnx import numpy_helper
