@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CHECKS = ("doctor", "jpeg", "train", "resume", "ddp", "onnxruntime", "tensorrt")
-TIMEOUT_S = {"doctor": 90, "jpeg": 60, "train": 240, "resume": 150, "ddp": 100, "onnxruntime": 120,
+CHECKS = ("doctor", "jpeg", "train", "resume", "ddp", "onnxruntime", "tensorrt", "profile")
+TIMEOUT_S = {"doctor": 90, "jpeg": 60, "train": 240, "profile": 90, "resume": 150, "ddp": 100, "onnxruntime": 120,
              "tensorrt": 180}
 MIN_CHECK_S = 10  # a check that would get less than this is skipped: the budget is spent
 DEFAULT_BUDGET_S = 450  # < 8 minutes with the GPU probe and start-up
@@ -230,6 +230,32 @@ def check_train(ctx) -> dict:
                + "; ".join(parts) + (f"; FAILED {'; '.join(failures)}" if failures else ""))
     return {"status": "fail" if failures else "ok", "summary": summary, "runs": rows, "ratios": ratios,
             "device": "cpu" if ctx.cpu else "cuda", "image_size": size, "batch": ctx.args.batch}
+
+
+def check_profile(ctx) -> dict:
+    """`appliance train --profile`: where a GPU step's time goes (CUDA activity, exposed NCCL, peak memory
+    against the device) and which recommendations fire, on the first architecture and last precision."""
+    size, arch, precision = ctx.args.image_size, ctx.args.archs[-1], ctx.args.precisions[-1]
+    data = write_data(ctx.work, size)
+    name = f"profile-{arch}-{precision}"
+    steps = max(ctx.args.warmup + 12, 20)
+    cfg = write_config(ctx.work, name, data, arch=arch, precision=precision, steps=steps, batch=ctx.args.batch,
+                       size=size, deterministic=False, workers=ctx.workers)
+    proc = run_logged(appliance_cmd("train", str(cfg), "--nproc-per-node", "1", "--resume", "none", "--profile", "8"),
+                      ctx.log("profile"), ctx.left(), env=ctx.env)
+    report_path = ctx.work / "runs" / name / "profile.json"
+    if proc.returncode != 0 or not report_path.exists():
+        return {"status": "fail", "summary": f"{name}: {last_line(proc)}"}
+    report = json.loads(report_path.read_text())
+    shares = ", ".join(f"{p} {report['share'][p]:.0%}" for p in report["phases"] if report["share"][p] >= 0.01)
+    memory = report["ranks"][0]["memory"]
+    fired = [r["rule"] for r in report["recommendations"]]
+    summary = (f"{arch} {precision} {size}px batch {ctx.args.batch} on {report['device']} "
+               f"({'+'.join(report['activities'])}): {report['samples_per_s']:.0f} samples/s, "
+               f"step {report['step_ms_median']:.1f} ms; {shares}; memory {memory}; "
+               f"recommendations: {', '.join(fired) or 'none'}")
+    ok = abs(sum(report["share"].values()) - 1) < 1e-3 and (ctx.cpu or "CUDA" in " ".join(report["activities"]).upper())
+    return {"status": "ok" if ok else "fail", "summary": summary, "profile": report}
 
 
 def _weights_diff(a: Path, b: Path) -> dict:
@@ -507,7 +533,8 @@ def check_jpeg(ctx) -> dict:
             **results}
 
 
-CHECK_FUNCTIONS = {"doctor": check_doctor, "jpeg": check_jpeg, "train": check_train, "resume": check_resume,
+CHECK_FUNCTIONS = {"doctor": check_doctor, "jpeg": check_jpeg, "train": check_train, "profile": check_profile,
+                   "resume": check_resume,
                    "ddp": check_ddp, "onnxruntime": check_onnxruntime, "tensorrt": check_tensorrt}
 
 
@@ -629,8 +656,8 @@ def parse_args(argv=None):
         parser.error(f"--precisions: unknown {', '.join(bad)} (known: fp32, bf16, fp16)")
     if cpu and "fp16" in args.precisions:
         parser.error("--precisions: fp16 needs CUDA (GradScaler); the CPU reference measures fp32 and bf16")
-    if cpu and set(args.checks) - {"train", "resume"}:
-        parser.error("--cpu-reference runs only the train (and resume) checks")
+    if cpu and set(args.checks) - {"train", "resume", "profile"}:
+        parser.error("--cpu-reference runs only the train (and resume, profile) checks")
     if args.budget_s <= 0:
         parser.error("--budget-s must be positive")
     for key in ("steps", "batch", "image_size"):

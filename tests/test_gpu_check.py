@@ -84,3 +84,16 @@ def test_the_shell_wrapper_writes_into_the_lease_out_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "gpu_check: skipped: no CUDA GPU here" in proc.stdout
     assert json.loads((tmp_path / "gpu-check" / "gpu_check.json").read_text())["skipped"] is True
+
+
+def test_cpu_reference_profiles_a_run_through_appliance_train(tmp_path):
+    """The profile check (its CUDA figures come from a GPU box) runs the real --profile path here."""
+    proc, report = run_check(tmp_path, "--cpu-reference", "--checks", "profile", "--precisions", "fp32",
+                             "--steps", "8", "--warmup", "3", "--batch", "8", "--image-size", "32")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check = report["checks"]["profile"]
+    assert check["status"] == "ok", check
+    profile = check["profile"]
+    assert profile["device"] == "cpu" and profile["activities"] == ["CPU"] and profile["profiled_steps"] == 8
+    assert abs(sum(profile["share"].values()) - 1) < 1e-6
+    assert "samples/s" in check["summary"] and "recommendations:" in check["summary"]
