@@ -86,7 +86,7 @@ def _inline_initializer_identities(proto) -> None:
             proto.graph.node.remove(node)
 
 
-def onnx_module(path: str | Path, num_classes: int):
+def onnx_module(path: str | Path, num_classes: int, in_channels: int | None = None):
     """A trainable torch module (a torch.fx GraphModule) from an ONNX graph, its weights included.
 
     The head is replaced by a fresh Linear layer when the graph's class count is not num_classes.
@@ -100,6 +100,8 @@ def onnx_module(path: str | Path, num_classes: int):
     except Exception as err:  # protobuf's DecodeError and onnx's own
         raise DataError(f"{path}: not an ONNX model ({type(err).__name__}: {err})") from None
     _inline_initializer_identities(proto)
+    if in_channels is not None:
+        _check_input_channels(proto, path, in_channels)
     from onnx2torch.node_converters.registry import get_converter
 
     opsets = {opset.domain: opset.version for opset in proto.opset_import}
@@ -124,13 +126,26 @@ def onnx_module(path: str | Path, num_classes: int):
     return model
 
 
+def _check_input_channels(proto, path, in_channels: int) -> None:
+    """The graph's image input must take [data] channels: one line now instead of a shape error in the
+    first training step."""
+    weights = {i.name for i in proto.graph.initializer}
+    inputs = [i for i in proto.graph.input if i.name not in weights]
+    if not inputs:
+        return
+    dims = inputs[0].type.tensor_type.shape.dim
+    if len(dims) == 4 and dims[1].HasField("dim_value") and dims[1].dim_value != in_channels:
+        raise DataError(f"{path}: the graph's input {inputs[0].name!r} takes {dims[1].dim_value} channels, "
+                        f"the data has {in_channels} ([data] channels)")
+
+
 def build_model(architecture: str, num_classes: int, in_channels: int = 3, onnx_graph: str | Path | None = None):
     """A freshly initialised model (never downloads weights: the appliance is offline); architecture
     "onnx" is the module converted from onnx_graph, with the graph's weights."""
     if architecture == ONNX_ARCHITECTURE:
         if onnx_graph is None:
             raise ConfigError('architecture "onnx" needs the ONNX graph ([model] init = "model.onnx")')
-        return onnx_module(onnx_graph, num_classes)
+        return onnx_module(onnx_graph, num_classes, in_channels)
     if architecture == "small_cnn":
         return small_cnn(num_classes, in_channels)
     if architecture not in TORCHVISION_ARCHITECTURES:

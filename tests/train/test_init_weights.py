@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -109,6 +110,25 @@ def test_an_onnx_operator_onnx2torch_lacks_is_one_line_naming_it(tmp_path):
         prepare_model(cfg, lambda line: None)
     assert str(err.value) == (f"{path}: onnx2torch cannot convert operator Hardmax (opset 17) of node "
                               "'vendor_hardmax'; re-export the model without it")
+
+
+def test_an_onnx_graph_for_rgb_images_on_grey_data_is_one_line(tmp_path):
+    """The vendor's graph takes 3 channels, the site's data has 1: refused before any process starts."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.zeros((4, 3, 3, 3), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["image", "w"], ["features"], name="conv"),
+                               helper.make_node("Flatten", ["features"], ["logits"], name="flatten")], "g",
+                              [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 144])], [weight])
+    path = tmp_path / "vendor-rgb.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    cfg = load_config(make_config(tmp_path, model={"architecture": "onnx", "init": path.name}))
+    assert cfg.data.channels == 1
+    with pytest.raises(DataError) as err:
+        prepare_model(cfg, lambda line: None)
+    assert str(err.value) == f"{path}: the graph's input 'image' takes 3 channels, the data has 1 ([data] channels)"
 
 
 @pytest.mark.parametrize("model, message", [
