@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    _stop_signal_once()
     # A logger's own filters see the records made on it: the failure line is made on this one.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoFailureTables())
     try:
@@ -31,6 +32,25 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as err:  # SIGTERM/SIGINT: torchrun has already stopped the workers (they checkpointed)
         return 128 + int(err.sigval)
     return 0
+
+
+def _stop_signal_once() -> None:
+    """torchrun turns SIGTERM/SIGINT into a SignalException, and then stops its workers (they save a
+    checkpoint). A stop often comes twice: `kill` of the job's process group reaches the agent, and
+    `appliance train` passes its own SIGTERM on. A second exception raised while the workers are being
+    stopped cut into that shutdown (seen: a logging traceback in the middle of it), so only the first
+    signal raises; the rest are ignored until the agent exits (SIGKILL still ends it)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    first = api._terminate_process_handler  # installed by name when the workers start, so this is what runs
+    raised = []
+
+    def once(signum, frame):
+        if not raised:
+            raised.append(signum)
+            first(signum, frame)
+
+    api._terminate_process_handler = once
 
 
 class _NoFailureTables(logging.Filter):

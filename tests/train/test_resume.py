@@ -127,6 +127,8 @@ def test_sigterm_or_ctrl_c_saves_a_checkpoint_and_stops_cleanly(workdir, referen
     while time.time() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
         time.sleep(0.2)
     os.killpg(proc.pid, signum)  # what Ctrl-C or a scheduler's preemption sends to the whole job
+    time.sleep(0.5)
+    os.killpg(proc.pid, signum)  # and again, as an impatient user or a scheduler's second notice does
     out, err = proc.communicate(timeout=120)
     assert "stopped by signal at step" in out, err[-2000:]
     step = int(out.split("stopped by signal at step ")[1].split(";")[0])
