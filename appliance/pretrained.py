@@ -11,7 +11,6 @@ The installer puts that directory next to the release's venv (PREFIX/releases/RE
 directory next to the running venv; the file's sha256 is checked against the index before it is used.
 """
 
-import hashlib
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.errors import ConfigError
+from appliance.manifest import sha256_file
 
 WEIGHTS_ENV = "APPLIANCE_WEIGHTS_DIR"
 INDEX = "index.json"
@@ -51,14 +51,6 @@ def read_index(directory: Path) -> dict:
     if not isinstance(index, dict):
         raise ConfigError(f"{path}: not a weights index (expected a JSON object of model names)")
     return index
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def find_weights(name: str) -> PretrainedFile:

@@ -30,8 +30,7 @@ import tomllib
 from pathlib import Path
 
 from appliance import __version__
-from appliance.bundle import minisign, vulnerabilities, weights as pretrained
-from appliance.bundle import minisign, tuning, vulnerabilities
+from appliance.bundle import minisign, tuning, vulnerabilities, weights as pretrained
 from appliance.bundle.profiles import Profile, load_profiles
 from appliance.bundle.sbom import build_sbom
 from appliance.bundle.wheelhouse import Target, Wheel, configured_index, fetch

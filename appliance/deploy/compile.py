@@ -183,9 +183,10 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
 def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log, rpc=None, rpc_key=""):
     """Apply the tuning database (made now by tuning, or reused as it is): (mod, target, summary)."""
     from appliance.deploy import tune
+    from appliance.manifest import sha256_file
 
     db_dir = Path(db_dir) if db_dir else out_dir / "tuning"
-    model_sha = tune.sha256_of(model_path)
+    model_sha = sha256_file(model_path)
     reused = (db_dir / tune.HEADER).exists() or not trials
     if reused:
         target = tune.tuning_target(target)

@@ -12,7 +12,6 @@ the JSON database saves a PrimFunc, hence the 0.1.14.post1 pin in the locks.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -51,14 +50,6 @@ def prepare_meta_schedule() -> None:
 def tuning_target(target: dict) -> dict:
     """MetaSchedule needs the core count in the target; the database records it too."""
     return {**target, "num-cores": len(os.sched_getaffinity(0))}
-
-
-def sha256_of(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _versions() -> dict:

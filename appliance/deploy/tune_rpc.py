@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 
-import tvm
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.runner import EvaluatorConfig, PyRunner
 from tvm.s_tir.meta_schedule.runner.local_runner import LocalRunnerFuture

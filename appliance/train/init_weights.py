@@ -16,7 +16,8 @@ from pathlib import Path
 
 from appliance.errors import ConfigError, DataError
 from appliance.models import CARD_NAME, ONNX_ARCHITECTURE, WEIGHTS_NAME, classifier_head
-from appliance.pretrained import PREFIX as TORCHVISION_PREFIX, find_weights, sha256_file
+from appliance.manifest import sha256_file
+from appliance.pretrained import PREFIX as TORCHVISION_PREFIX, find_weights
 
 KINDS = ("safetensors", "model_dir", "checkpoint", "torchvision", "pth", "onnx")
 _SUMS_LINE = re.compile(r"^([0-9a-f]{64})  (\S+)$")

@@ -66,13 +66,14 @@ def test_bad_or_mismatched_database_is_one_line(tmp_path, exported):
 
 
 def test_damaged_record_file_is_named(tmp_path, exported):
-    from appliance.deploy.tune import sha256_of, tuning_target
+    from appliance.deploy.tune import tuning_target
+    from appliance.manifest import sha256_file
     from appliance.deploy.compile import target_for
 
     model = exported / "model.onnx"
     db = tmp_path / "db"
     db.mkdir()
-    header = {"made_by": "appliance compile --tune", "model_sha256": sha256_of(model), "target": "x86_64",
+    header = {"made_by": "appliance compile --tune", "model_sha256": sha256_file(model), "target": "x86_64",
               "tvm_target": tuning_target(target_for("x86_64")), "trials_per_task": 1, "tasks": 1, "records": 1,
               "tvm": __import__("tvm").__version__}
     (db / "tuning.json").write_text(json.dumps(header))

@@ -4,7 +4,6 @@ tvm.exec.rpc_server`, started here on loopback), and an address nobody serves re
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
