@@ -458,7 +458,7 @@ class CheckpointManager:
             raise CheckpointDamaged(f"{COMMIT_MARKER} names step {marker.get('step')!r}, not this directory's")
         if isinstance(marker.get("world_size"), int) and marker["world_size"] != self.world_size:
             raise _other_world(path, marker["world_size"], self.world_size)
-        listed = _read_sums(path)
+        listed = read_sums(path)
         present = {p.name for p in path.iterdir() if p.is_file()} - {CHECKSUMS, COMMIT_MARKER}
         if present - set(listed):
             raise CheckpointDamaged(f"unexpected files {sorted(present - set(listed))}")
@@ -557,7 +557,7 @@ class CheckpointManager:
             if entry["here"] is not None:
                 holders[entry["node"]] = (rank, set(entry["here"]))
         node_of = [entry["node"] for entry in table]
-        listed = _read_sums(path)
+        listed = read_sums(path)
         common = {"trainer.json", "model.safetensors", "optimizer.safetensors", "optimizer.json"}
         files: dict[str, bytes] = {}
         for name in sorted(listed):
@@ -646,7 +646,7 @@ def _parse_tensors(name: str, data: bytes) -> dict:
         raise CheckpointDamaged(f"{name} is unreadable tensors ({err})") from None
 
 
-def _read_sums(path: Path) -> dict[str, str]:
+def read_sums(path: Path) -> dict[str, str]:
     """SHA256SUMS as {name: sha256}; CheckpointDamaged when missing or malformed."""
     sums_path = path / CHECKSUMS
     if not sums_path.is_file():

@@ -10,7 +10,6 @@ the run's config hash, so a resumed run refuses other starting weights.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from appliance.manifest import sha256_file
 from appliance.pretrained import PREFIX as TORCHVISION_PREFIX, find_weights
 
 KINDS = ("safetensors", "model_dir", "checkpoint", "torchvision", "pth", "onnx")
-_SUMS_LINE = re.compile(r"^([0-9a-f]{64})  (\S+)$")
 
 
 @dataclass(frozen=True)
@@ -64,11 +62,13 @@ def resolve_init(spec: str, base: Path, source: str) -> InitSource:
 
 
 def _check_listed(checkpoint: Path, digest: str, where: str) -> None:
-    listed = {}
-    for line in (checkpoint / "SHA256SUMS").read_text().splitlines():
-        match = _SUMS_LINE.match(line)
-        if match:
-            listed[match.group(2)] = match.group(1)
+    """The weights of another run's checkpoint are those its SHA256SUMS lists (read as resume reads it)."""
+    from appliance.train.checkpoint import CheckpointDamaged, read_sums
+
+    try:
+        listed = read_sums(checkpoint)
+    except CheckpointDamaged as err:
+        raise ConfigError(f"{where}: {checkpoint}: {err}") from None
     if listed.get(WEIGHTS_NAME) != digest:
         raise ConfigError(f"{where}: {checkpoint / WEIGHTS_NAME} fails its sha256 check against "
                           f"{checkpoint / 'SHA256SUMS'} (damaged or changed after saving)")

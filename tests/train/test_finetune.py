@@ -186,6 +186,30 @@ def test_other_init_weights_change_the_config_hash(work, pretrained):
     assert third.init_sha256 == first.init_sha256 and third.training_hash() == first.training_hash()
 
 
+def test_a_damaged_checkpoint_as_init_is_one_line(work, pretrained):
+    """Another run's checkpoint is read as resume reads it: weights that differ from its SHA256SUMS, or a
+    damaged SHA256SUMS, are refused before any process starts."""
+    import shutil
+
+    from appliance.errors import ConfigError
+    from appliance.train.config import load_config
+
+    newest = sorted((pretrained / "checkpoints").glob("step-*"))[-1]
+    for damage, expected in (("weights", "fails its sha256 check against"), ("sums", "SHA256SUMS line 1 is not")):
+        copy = work / f"damaged-{damage}" / newest.name
+        shutil.copytree(newest, copy, dirs_exist_ok=True)
+        if damage == "weights":
+            data = bytearray((copy / "model.safetensors").read_bytes())
+            data[-1] ^= 1
+            (copy / "model.safetensors").write_bytes(bytes(data))
+        else:
+            (copy / "SHA256SUMS").write_text("not a sums line\n")
+        with pytest.raises(ConfigError) as err:
+            load_config(write_config(work / f"damaged-{damage}.toml", f"damaged-{damage}", "digits-0-4",
+                                     [0, 1, 2, 3, 4], model={"init": str(copy)}))
+        assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
 def export_onnx(model, path, shape):
     model.eval()
     torch.onnx.export(model, (torch.zeros(shape),), str(path), dynamo=False, input_names=["input"],
