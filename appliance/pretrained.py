@@ -12,11 +12,10 @@ directory next to the running venv; the file's sha256 is checked against the ind
 """
 
 import json
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance import beside_venv
 from appliance.errors import ConfigError
 from appliance.manifest import sha256_file
 
@@ -36,8 +35,7 @@ class PretrainedFile:
 
 def weights_dirs() -> list[Path]:
     """The directories searched, in order: $APPLIANCE_WEIGHTS_DIR, then weights/ next to the running venv."""
-    dirs = [Path(os.environ[WEIGHTS_ENV])] if os.environ.get(WEIGHTS_ENV) else []
-    return dirs + [Path(sys.prefix).parent / "weights"]
+    return beside_venv("weights", WEIGHTS_ENV)
 
 
 def read_index(directory: Path) -> dict:

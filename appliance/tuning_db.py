@@ -12,10 +12,9 @@ database made for its target and CPU (MetaSchedule matches them to kernels by wo
 
 import hashlib
 import json
-import os
-import sys
 from pathlib import Path
 
+from appliance import beside_venv
 from appliance.errors import DataError
 
 TUNING_ENV = "APPLIANCE_TUNING_DIR"
@@ -65,8 +64,7 @@ def database_name(db_dir) -> str:
 
 def tuning_dirs() -> list[Path]:
     """The directories searched, in order: $APPLIANCE_TUNING_DIR, then tuning/ next to the running venv."""
-    dirs = [Path(os.environ[TUNING_ENV])] if os.environ.get(TUNING_ENV) else []
-    return dirs + [Path(sys.prefix).parent / "tuning"]
+    return beside_venv("tuning", TUNING_ENV)
 
 
 def installed_databases() -> list[Path]:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from appliance import beside_venv
 from appliance.deploy.qemu import find_qemu, run_counting_samples
 from appliance.errors import DataError, EnvironmentProblem
 
@@ -30,7 +30,7 @@ PROJECT = Path(__file__).resolve().parents[2]
 
 
 def default_debs_dir() -> Path:
-    for c in (PROJECT / "wheelhouse" / "edge-sysroot-arm64", Path(sys.prefix).parent / "wheelhouse" / "edge-sysroot-arm64"):
+    for c in (PROJECT / "wheelhouse" / "edge-sysroot-arm64", *beside_venv("wheelhouse/edge-sysroot-arm64")):
         if (c / "manifest.json").is_file():
             return c
     return PROJECT / "wheelhouse" / "edge-sysroot-arm64"

@@ -25,6 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from appliance import beside_venv
 from appliance.deploy.edge_sysroot import RUNNER_WHEELS  # what python/run.py imports
 from appliance.deploy.glibc_floor import DEFAULT_GLIBC_FLOOR, check_floor, parse_floor, version_key
 from appliance.errors import DataError, EnvironmentProblem
@@ -38,7 +39,7 @@ GOLDEN_SAMPLES = 8
 
 def default_wheelhouse() -> Path:
     """The project checkout's wheelhouse, else the one next to the installed bundle's venv."""
-    candidates = [PROJECT / "wheelhouse" / "edge-aarch64", Path(sys.prefix).parent / "wheelhouse" / "edge-aarch64"]
+    candidates = [PROJECT / "wheelhouse" / "edge-aarch64", *beside_venv("wheelhouse/edge-aarch64")]
     for c in candidates:
         if any(c.glob("apache_tvm-*.whl")):
             return c
