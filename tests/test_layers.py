@@ -16,7 +16,7 @@ PACKAGES = ("appliance", "data_tools")
 # Groups in one layer are side by side: none may import another.
 LAYERS = [
     ("core", ["appliance", "appliance.errors", "appliance.manifest", "appliance.tomlconfig", "appliance.inputs",
-              "appliance.progress", "appliance.dirlock", "appliance.values", "appliance.pretrained", "appliance.tuning_db",
+              "appliance.progress", "appliance.dirlock", "appliance.values", "appliance.pretrained", "appliance.tuning_db", "appliance.html_report",
               "appliance.__main__"]),
     ("data", ["data_tools"]),
     ("models", ["appliance.models"]),

@@ -226,7 +226,7 @@ def device_proof_html(report: dict) -> str:
 def verify_html(report: dict) -> str:
     import html
 
-    from appliance.deploy.html_report import PALETTE, columns_svg, page
+    from appliance.html_report import PALETTE, columns_svg, page
 
     rows, charts = [], []
     for i, r in enumerate(report["routes"]):

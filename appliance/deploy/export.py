@@ -113,7 +113,7 @@ def parity_report(expected, got, source: str, max_rel_error: float) -> dict:
 
 
 def parity_html(report: dict, per_sample) -> str:
-    from appliance.deploy.html_report import columns_svg, page
+    from appliance.html_report import columns_svg, page
 
     p = report["parity"]
     body = (f"<p>{p['samples']} {p['source']} samples through PyTorch and onnxruntime: max abs error "

@@ -233,13 +233,6 @@ phases. Validation and the epoch-end checkpoint count in the step that follows t
 build) or <code>chrome://tracing</code>, or with TensorBoard's profiler plugin:
 <code>tensorboard --logdir {html.escape(report['run_dir'])}/tb</code> (run <code>{TRACE_DIR}</code>).</p>
 <ul id="traces">{traces}</ul>"""
-    return f"""<!DOCTYPE html>
-<!-- made by {html.escape(MADE_BY)}; data in {PROFILE_JSON} -->
-<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:60em}}td,th{{padding:.2em .8em;text-align:right}}
-td.op{{text-align:left}}svg{{display:block;margin:1em 0}}</style></head><body>
-<h1>{html.escape(title)}</h1>
-{body}
-<p><small>Made by {html.escape(MADE_BY)}; the same figures are in {PROFILE_JSON}.</small></p>
-</body></html>
-"""
+    from appliance.html_report import page
+
+    return page(title, MADE_BY, PROFILE_JSON, None, body, style="td,th{text-align:right}td.op{text-align:left}")

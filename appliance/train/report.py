@@ -156,13 +156,6 @@ def render_html(report: dict, run_name: str) -> str:
     else:
         body.append("<p>No validation ran ([data] val is empty), so there is no confusion matrix.</p>")
     title = f"Training report: {run_name}"
-    return f"""<!DOCTYPE html>
-<!-- made by {html.escape(MADE_BY)}; data in {REPORT_JSON} -->
-<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:60em}}td,th{{padding:.2em .8em;text-align:right}}
-svg{{display:block;margin:1em 0}}</style></head><body>
-<h1>{html.escape(title)}</h1>
-{chr(10).join(body)}
-<p><small>Made by {html.escape(MADE_BY)}; the same figures are in {REPORT_JSON}.</small></p>
-</body></html>
-"""
+    from appliance.html_report import page
+
+    return page(title, MADE_BY, REPORT_JSON, None, "\n".join(body), style="td,th{text-align:right}")

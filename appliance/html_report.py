@@ -65,13 +65,15 @@ def columns_svg(title: str, values: list[float], limit: float | None = None, col
             f'<p class="counts">{"; ".join(counts)}.</p>')
 
 
-def page(title: str, made_by: str, json_name: str, verdict: bool | None, body: str) -> str:
+def page(title: str, made_by: str, json_name: str, verdict: bool | None, body: str, style: str = "") -> str:
+    """The one page frame of every report: title, verdict, the body, and where its JSON twin is.
+    style: extra CSS (e.g. right-aligned number columns)."""
     status = "" if verdict is None else f': <span class="{"PASS" if verdict else "FAIL"}">{"PASS" if verdict else "FAIL"}</span>'
     return f"""<!DOCTYPE html>
 <!-- made by {html.escape(made_by)}; data in {html.escape(json_name)} -->
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:60em}}td,th{{padding:.2em .8em;text-align:left}}
-.PASS{{color:#1a7f37}}.FAIL{{color:#cf222e}}svg{{display:block;margin:1em 0}}</style></head><body>
+.PASS{{color:#1a7f37}}.FAIL{{color:#cf222e}}svg{{display:block;margin:1em 0}}{style}</style></head><body>
 <h1>{html.escape(title)}{status}</h1>
 {body}
 <p><small>Made by {html.escape(made_by)}; the same figures are in {html.escape(json_name)}.</small></p>
