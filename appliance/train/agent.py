@@ -22,12 +22,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     _stop_signal_once()
+    _signalled_worker_first()
     # A logger's own filters see the records made on it: the failure line is made on this one.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoFailureTables())
     try:
         run(args)
     except ChildFailedError as err:
         _, failure = err.get_first_failure()
+        if isinstance(failure.exitcode, int) and failure.exitcode < 0:
+            return 128 - failure.exitcode  # killed by a signal: the shell's 128 + N, for the launcher's line
         return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
     except SignalException as err:  # SIGTERM/SIGINT: torchrun has already stopped the workers (they checkpointed)
         return 128 + int(err.sigval)
@@ -51,6 +54,36 @@ def _stop_signal_once() -> None:
             first(signum, frame)
 
     api._terminate_process_handler = once
+
+
+def _signalled_worker_first() -> None:
+    """A worker killed by a signal (SIGKILL from the kernel's out-of-memory killer, most often) is the
+    cause when it fails together with its peers, who then fail in a collective ("Connection reset
+    by peer"). torchrun names the failure with the earliest timestamp as the first, in whole
+    seconds, and a worker that wrote no error file gets the time torchrun noticed it: so it
+    named a peer, at random. Here a worker that died of a signal before torchrun stopped the
+    group counts as the earliest. Private torch API: with another torch, torchrun's choice stays."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    context = getattr(api, "SubprocessContext", None)
+    capture, close = (getattr(context, name, None) for name in ("_capture_process_failures", "close"))
+    if capture is None or close is None:
+        return
+
+    def capture_signalled_first(self, done_local_ranks):
+        capture(self, done_local_ranks)
+        if getattr(self, "_appliance_closing", False):
+            return  # the SIGTERMs torchrun sends while it stops the group are effects, not causes
+        for failure in self._failures.values():
+            if isinstance(failure.exitcode, int) and failure.exitcode < 0 and not os.path.isfile(failure.error_file):
+                failure.timestamp = 0
+
+    def close_marked(self, *args, **kwargs):
+        self._appliance_closing = True
+        return close(self, *args, **kwargs)
+
+    context._capture_process_failures = capture_signalled_first
+    context.close = close_marked
 
 
 class _NoFailureTables(logging.Filter):

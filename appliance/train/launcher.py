@@ -255,6 +255,11 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
         line = worker_error.read(cfg.run_dir)
         if line:
             raise ApplianceError(line)
+        if returncode > 128 and returncode - 128 in signal.valid_signals():
+            name = signal.Signals(returncode - 128).name
+            hint = " (the kernel's out-of-memory killer sends it: see `dmesg`)" if name == "SIGKILL" else ""
+            raise ApplianceError(f"training failed: a worker was killed by {name}{hint}; the log above names its "
+                                 f"rank (exitcode: -{returncode - 128}). Checkpoints: {cfg.run_dir / 'checkpoints'}")
         raise ApplianceError(f"training failed (torchrun exit status {returncode}); the log above names the "
                              f"failing rank. Checkpoints: {cfg.run_dir / 'checkpoints'}")
     result = TrainResult.from_run_dir(cfg.run_dir)

@@ -166,7 +166,7 @@ def test_a_killed_fine_tuning_run_resumes_bit_identical(work, finetuned):
     killed = config.parent / "ft-killed.toml"
     killed.write_text(config.read_text().replace('name = "ft"', 'name = "ft-killed"'))
     proc = train(killed, "--max-restarts", "1", fault=f"step:{step}:1")
-    assert "exitcode: -9" in proc.stderr and "resumed from" in proc.stdout, (step, proc.stdout[-2000:])
+    assert "exitcode: -9" in proc.stderr and "resumed from" in proc.stdout, (step, proc.stdout[-2000:], proc.stderr[-3000:])
     for name in ("model/model.safetensors", f"checkpoints/step-{FT_STEPS:08d}/optimizer.safetensors"):
         a, b = load_file(work / "runs" / "ft" / name), load_file(work / "runs" / "ft-killed" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (step, name)

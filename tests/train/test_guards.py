@@ -88,6 +88,20 @@ def test_worker_error_is_left_as_the_workers_own_line(workdir):
     assert f"appliance train: error: {line}" in err and "appliance/train/" not in err, err[-3000:]
 
 
+def test_a_worker_killed_by_a_signal_is_named_as_the_cause_not_its_peer(workdir):
+    """Rank 1 SIGKILLed (what the out-of-memory killer does); rank 0 then fails in the next collective
+    ("Connection reset by peer"). torchrun named whichever failure had the earlier whole-second
+    timestamp, often rank 0; the agent names the killed rank, and the launcher says it was a signal."""
+    config = make_config(workdir, name="oom", train={"epochs": 1, "max_steps": 6})
+    status, _, err = _finish(_start(config, fault="step:2:1"))
+    assert status != 0
+    assert "failed (exitcode: -9) local_rank: 1" in err and "failed (exitcode: 1)" not in err, err[-3000:]
+    assert err.splitlines()[-1] == (
+        "appliance train: error: training failed: a worker was killed by SIGKILL (the kernel's out-of-memory killer "
+        "sends it: see `dmesg`); the log above names its rank (exitcode: -9). Checkpoints: "
+        f"{workdir / 'runs' / 'oom' / 'checkpoints'}"), err[-3000:]
+
+
 def test_malformed_test_fault_is_one_line(monkeypatch):
     from appliance.errors import ConfigError
     from appliance.train import faults

@@ -125,7 +125,7 @@ def test_killed_node_resumes_bit_identical(workdir, reference):
     step = random.Random().choice([s for s in range(6, TOTAL_STEPS - 1) if s % STEPS_PER_EPOCH and s % 5])
     proc = _two_nodes(workdir, _node_configs(workdir, "killed"), "--max-restarts", "1", fault=f"step:{step}:1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exitcode: -9" in proc.stderr, f"step {step}: no SIGKILL happened"
+    assert "exitcode: -9" in proc.stderr, f"step {step}: no SIGKILL happened\n{proc.stderr[-3000:]}"
     resumed_from = max(s for s in range(1, step + 1) if s % 5 == 0 or s % STEPS_PER_EPOCH == 0)
     assert f"step-{resumed_from:08d} (step {resumed_from}" in proc.stdout, (step, proc.stdout[-2000:])
     _assert_identical(reference[0], _run_dirs(workdir, "killed"))

@@ -95,7 +95,7 @@ def test_sigkill_mid_epoch_then_elastic_restart_is_bit_identical(workdir, refere
     config = make_config(workdir, name="killed", data={"num_workers": 1})
     proc = _train(config, "--max-restarts", "1", fault=f"step:{step}:1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exitcode: -9" in proc.stderr, f"step {step}: no SIGKILL happened"
+    assert "exitcode: -9" in proc.stderr, f"step {step}: no SIGKILL happened\n{proc.stderr[-3000:]}"
     resumed_from = max(s for s in range(1, step + 1) if s % 5 == 0 or s % STEPS_PER_EPOCH == 0)
     assert f"step-{resumed_from:08d} (step {resumed_from}" in proc.stdout, (step, proc.stdout[-2000:])
     _assert_identical(reference[0], workdir / "runs" / "killed")
