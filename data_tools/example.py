@@ -137,7 +137,7 @@ def encode_example(features: Mapping[str, Any]) -> bytes:
     """Serialize a dict to tf.train.Example bytes. Values: bytes/str/int/float, lists or np arrays of them."""
     example = Example()
     _fill_features(example.features, features)
-    return example.SerializeToString()
+    return example.SerializeToString(deterministic=True)
 
 
 def encode_sequence_example(
@@ -151,7 +151,7 @@ def encode_sequence_example(
         flist.SetInParent()
         for step in steps:
             _fill_feature(flist.feature.add(), key, step)
-    return seq.SerializeToString()
+    return seq.SerializeToString(deterministic=True)
 
 
 # --------------------------------------------------------------------------- decoding

@@ -123,3 +123,24 @@ def protobuf_decode_or_none(data):
         return protobuf_decode(data)
     except Exception:
         return {}
+
+
+def test_encoding_is_byte_deterministic_whatever_the_key_order_or_hash_seed():
+    """An Example's features are a protobuf map: without deterministic serialization its order
+    follows the insertion order and the process's hash seed, so the same images converted twice
+    gave shards with other bytes (and other sha256 in every manifest downstream)."""
+    import os
+    import subprocess
+    import sys
+
+    features = {"image/encoded": b"\x89PNG" * 8, "image/format": b"png", "image/class/label": 3,
+                "image/height": 5, "image/width": 7, "image/mean": [0.5, 0.25]}
+    reordered = dict(reversed(list(features.items())))
+    assert encode_example(features) == encode_example(reordered)
+    assert encode_sequence_example(features, {"b": [1, 2], "a": [3, 4]}) == \
+        encode_sequence_example(reordered, {"a": [3, 4], "b": [1, 2]})
+    code = ("import hashlib; from data_tools.example import encode_example; "
+            f"print(hashlib.sha256(encode_example({features!r})).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(digests) == 1, digests
