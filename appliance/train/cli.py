@@ -68,7 +68,7 @@ def write_slurm(args) -> int:
 
     print(slurm_script(Path(args.config), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                        nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
-                       out=Path(args.out) if args.out else None))
+                       profile=args.profile, out=Path(args.out) if args.out else None))
     return 0
 
 
@@ -91,9 +91,7 @@ def register(subparsers) -> None:
                    help="network interface to use (e.g. eth1): torchrun binds its address, NCCL and Gloo use it "
                    "(default: [distributed] iface, else the hostname's address; loopback on one node)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
-    p.add_argument("--profile", type=values.positive_int, nargs="?", const=PROFILE_STEPS, default=None, metavar="STEPS",
-                   help=f"profile STEPS optimizer steps (default {PROFILE_STEPS}) after [profile] wait + warmup steps "
-                   "and write RUN_DIR/profile.html + profile.json and a trace per rank (default: [profile] steps, 0 = off)")
+    _add_profile(p)
     p.add_argument("--preflight", action="store_true",
                    help="check this node and agree with the others (endpoint, config, versions, disk) and exit")
     p.add_argument("--preflight-timeout", type=values.positive_float, default=60.0, metavar="S",
@@ -113,6 +111,7 @@ def slurm_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus-per-node", type=values.non_negative_int, default=0, help="GPUs per node (0: CPU)")
     s.add_argument("--out", default="", help="script path (default RUN_DIR/train.sbatch)")
     _add_nproc_and_restarts(s)
+    _add_profile(s)
     s.set_defaults(func=write_slurm, verb="train", verb_label="train slurm")
     return s
 
@@ -123,3 +122,9 @@ def _add_nproc_and_restarts(p) -> None:
     p.add_argument("--max-restarts", type=values.non_negative_int, default=0,
                    help="restart all workers this many times after a failure; each restart resumes "
                    "from the newest good checkpoint")
+
+
+def _add_profile(p) -> None:
+    p.add_argument("--profile", type=values.positive_int, nargs="?", const=PROFILE_STEPS, default=None, metavar="STEPS",
+                   help=f"profile STEPS optimizer steps (default {PROFILE_STEPS}) after [profile] wait + warmup steps "
+                   "and write RUN_DIR/profile.html + profile.json and a trace per rank (default: [profile] steps, 0 = off)")

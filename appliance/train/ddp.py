@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from appliance.errors import ConfigError
 from appliance.models import ONNX_ARCHITECTURE, build_model, classifier_head
+from appliance.train.config import DEFAULT_BUCKET_CAP_MB
 from appliance.train.init_weights import apply_init, resolve_init
 
 # Blocks worth recomputing in backward: the repeated units of each architecture we build.
@@ -86,7 +87,11 @@ def build_training_model(cfg, device: torch.device, log=print):
 
         apply_activation_checkpointing(model, check_fn=_is_block)
     model.to(device)
-    wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    buckets = cfg.distributed
+    # None at the default: DDP's own layout, whose first bucket is 1 MiB (an explicit 25 makes it 25 MiB).
+    cap = None if buckets.bucket_cap_mb == DEFAULT_BUCKET_CAP_MB else buckets.bucket_cap_mb
+    wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      bucket_cap_mb=cap, gradient_as_bucket_view=buckets.gradient_as_bucket_view)
     return wrapped, model, report
 
 

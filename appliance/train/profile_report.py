@@ -83,7 +83,10 @@ def recommendations(report: dict, cfg) -> list[dict]:
              f"gradient all-reduce not hidden behind compute is {worst['allreduce']:.0%} of step time (over "
              f"{ALLREDUCE_MAX:.0%}): raise [train] grad_accum (now {cfg.train.grad_accum}) so gradients are "
              "exchanged once per more samples, or a larger batch_size; on several nodes check the interconnect "
-             "([distributed] iface, NCCL_IB_DISABLE). DDP's bucket size (bucket_cap_mb) is fixed at 25 MB here.")
+             "([distributed] iface, NCCL_IB_DISABLE). Or try [distributed] bucket_cap_mb (now "
+             f"{cfg.distributed.bucket_cap_mb:g} MiB): larger buckets make fewer all-reduce calls, smaller ones start "
+             "them earlier in backward; it is part of the training hash (it changes the order of the gradient sums), "
+             "so a new value is a new run.")
     if worst["h2d_copy"] > H2D_MAX:
         fire("h2d_copy", worst["h2d_copy"], H2D_MAX,
              f"host-to-device copies are {worst['h2d_copy']:.0%} of step time (over {H2D_MAX:.0%}): the batches "

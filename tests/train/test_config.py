@@ -138,6 +138,8 @@ def test_required_data_check_report(cfg_dir):
     ("[augment]\nflip_probability = 1.5", "[augment] flip_probability must be at most 1, got 1.5"),
     ("[augment]\nhue = nan", "[augment] hue must be a finite number, got nan"),
     ("[run]\nseed = -1", "[run] seed must be at least 0, got -1"),
+    ("[distributed]\nbucket_cap_mb = 0", "[distributed] bucket_cap_mb must be greater than 0, got 0.0"),
+    ("[distributed]\nbucket_cap_mb = 2048", "[distributed] bucket_cap_mb must be at most 1024, got 2048.0"),
 ])
 def test_numbers_outside_their_range_are_refused_at_load_naming_the_key(cfg_dir, extra, message):
     # A TOML table may be written once: keys for MINIMAL's [run] and [data] go into them.
@@ -163,3 +165,15 @@ def test_binary_or_non_utf8_or_directory_config_is_one_line(cfg_dir):
     assert str(err.value) == f"{cfg_dir}: is a directory, not a config file"
     proc = run_appliance("train", str(path), "--dry-run")
     assert proc.returncode == 2 and proc.stderr == f"appliance train: error: {path}: not a TOML text file (byte 128 is not UTF-8)\n"
+
+
+def test_bucket_size_is_in_the_training_hash_and_bucket_views_are_not(cfg_dir):
+    def training_hash(extra=""):
+        return load_config(_write(cfg_dir, MINIMAL + extra)).training_hash()
+
+    plain = training_hash()
+    # The default is DDP's own: writing it down (even as an integer) continues the same run.
+    assert training_hash("[distributed]\nbucket_cap_mb = 25") == plain
+    # Another layout sums the gradients in another order (other bits on 3 or more processes).
+    assert training_hash("[distributed]\nbucket_cap_mb = 0.01") != plain
+    assert training_hash("[distributed]\ngradient_as_bucket_view = true\niface = \"lo\"") == plain

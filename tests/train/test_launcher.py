@@ -70,3 +70,21 @@ def test_slurm_writes_an_sbatch_script(tmp_path):
     # bash accepts the script
     import subprocess
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+
+
+def test_slurm_passes_profile_to_every_worker(tmp_path):
+    path = _config(tmp_path)
+
+    def loop_args(*flags):
+        out = tmp_path / "job.sbatch"
+        proc = run_appliance("train", "slurm", str(path), "--nodes", "2", *flags, "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+        srun = next(line for line in out.read_text().splitlines() if line.startswith("srun "))
+        words = shlex.split(srun)
+        return words[words.index("appliance.train.loop") + 1:]
+
+    assert loop_args("--profile", "7") == [str(path), "--resume", "auto", "--profile", "7"]
+    assert loop_args("--profile") == [str(path), "--resume", "auto", "--profile", "10"]  # the default, as `train --profile`
+    assert loop_args() == [str(path), "--resume", "auto"]
+    bad = run_appliance("train", "slurm", str(path), "--nodes", "2", "--profile", "0")
+    assert bad.returncode == 2 and "--profile" in bad.stderr

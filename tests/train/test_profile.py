@@ -151,6 +151,22 @@ def test_profile_flag_reaches_every_worker(tmp_path):
     assert bad.returncode != 0 and "--profile" in bad.stderr
 
 
+def test_exposed_allreduce_advice_names_the_bucket_size_knob(tmp_path):
+    from appliance.train.config import load_config
+    from appliance.train.profile_report import ALLREDUCE_MAX, recommendations
+
+    cfg = load_config(make_config(tmp_path, name="comm", distributed={"bucket_cap_mb": 5}, train={"grad_accum": 2}))
+    share = {p: 0.0 for p in PHASES}
+    report = {"share_max_over_ranks": {**share, "allreduce": 0.45, "backward": 0.55}, "world_size": 2, "device": "cpu",
+              "ranks": [{"rank": 0, "memory": {"kind": "rss", "peak_mb": 100.0}, "step_ms": [10.0, 10.0, 10.0]}]}
+    [advice] = recommendations(report, cfg)
+    assert advice["rule"] == "allreduce" and advice["figure"] == 0.45 and advice["threshold"] == ALLREDUCE_MAX
+    assert "45%" in advice["advice"] and "grad_accum (now 2)" in advice["advice"]
+    assert "[distributed] bucket_cap_mb (now 5 MiB)" in advice["advice"] and "fixed" not in advice["advice"]
+    quiet = {**report, "share_max_over_ranks": {**share, "allreduce": ALLREDUCE_MAX, "backward": 0.7}}
+    assert recommendations(quiet, cfg) == []
+
+
 def test_the_window_shrinks_to_the_steps_left():
     assert window(10, 5, 2, remaining=100) == (5, 2, 10)
     assert window(10, 5, 2, remaining=12) == (0, 2, 10)  # wait goes first

@@ -179,8 +179,10 @@ def test_damaged_newest_checkpoint_falls_back_and_still_ends_bit_identical(workd
 
 def test_options_zero_accumulation_activation_checkpointing_resume_exactly(workdir):
     """ZeRO-sharded SGD (per-rank optimizer files), grad accumulation, activation checkpointing,
-    a frozen first block, bf16 autocast and seeded augmentation: killed and resumed equals uninterrupted."""
+    a frozen first block, bf16 autocast, seeded augmentation, and DDP buckets of 0.01 MiB (several
+    instead of one) whose gradients are bucket views: killed and resumed equals uninterrupted."""
     options = dict(augment={"enabled": True, "crop_scale": [0.5, 1.0]},
+                   distributed={"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True},
                    model={"activation_checkpointing": True, "frozen_prefixes": ["0."]},
                    optimizer={"name": "sgd", "lr": 0.05, "zero_redundancy": True},
                    train={"epochs": 2, "grad_accum": 2, "precision": "bf16"},
