@@ -20,6 +20,7 @@ TARGETS = {
 }
 ELF_MACHINE = {"aarch64": 183, "x86_64": 62}
 INT8_COMPUTE = ("int8", "simulated")
+INT8_KERNELS = ("auto", "generic")  # auto: the CPU's dot-product kernels where this build has them (x86_int8.py)
 # Default check of a QDQ model: output quantization steps allowed. The float32 reference's rounding
 # moves values across quantization boundaries and deep nets carry that on (measured up to 7 steps on
 # an untrained MobileNetV2, 98 % of logits within 2); real errors (a wrong scale) are tens of steps.
@@ -93,7 +94,8 @@ def import_relax(model, path, shape: list):
 
 def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
                   batch: int = 1, tune_trials: int | None = None, tuning_db=None, int8_compute: str = "int8",
-                  installed_tuning: bool = True, rpc: str | None = None, rpc_key: str = "", log=print) -> dict:
+                  installed_tuning: bool = True, rpc: str | None = None, rpc_key: str = "", int8_kernels: str = "auto",
+                  log=print) -> dict:
     """installed_tuning: apply the installed tuning databases made for this target and CPU
     (appliance.tuning_db) when neither tune_trials nor tuning_db is given. rpc: HOST:PORT of a TVM
     RPC server on the target device that times the tuning candidates (tune_rpc.py)."""
@@ -116,6 +118,8 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     model_precision = precision(model)
     if int8_compute not in INT8_COMPUTE:
         raise DataError(f"{model_path}: --int8-compute must be one of {', '.join(INT8_COMPUTE)}, not {int8_compute!r}")
+    if int8_kernels not in INT8_KERNELS:
+        raise DataError(f"{model_path}: --int8-kernels must be one of {', '.join(INT8_KERNELS)}, not {int8_kernels!r}")
     if rpc and not tune_trials:
         raise DataError(f"--rpc {rpc}: the RPC server times tuning candidates; add --tune N")
     step = output_scale(model)  # a QDQ model's output quantization step, None for float outputs
@@ -130,6 +134,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         mod = rewrite_int8(mod)
     layers = classify_layers(mod, model)
     target = target_for(target_name)
+    mod, kernels = _int8_kernels(mod, target, layers, int8_kernels, log)
     tuning, installed, tuned_tasks = None, [], 0
     if tune_trials or tuning_db:
         mod, target, tuning = _tuned(mod, model_path, target_name, target, out_dir, tune_trials, tuning_db, log,
@@ -153,7 +158,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
 
     info = {"made_by": "appliance compile", "source_model": str(model_path.resolve()), "target": target_name,
             "tvm_target": target, "input": {"name": inp.name, "shape": shape, "dtype": "float32"},
-            "precision": model_precision, "int8_compute": int8_compute, "layers": layers,
+            "precision": model_precision, "int8_compute": int8_compute, "layers": layers, "int8_kernels": kernels,
             "tuned_tasks": tuned_tasks, "installed_tuning": installed,
             "library": str(library), "library_bytes": library.stat().st_size,
             "compile_seconds": round(seconds, 2), "host_latency_ms": None, **meta}
@@ -170,7 +175,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     applied = [tuning["database"]] if tuning else [e["database"] for e in installed if e["applied"]]
     inputs += [Path(db) / name for db in applied for name in FILES]  # the schedules in model.so came from these
     write_manifest(out_dir, "compile", inputs, {"target": target_name, "tvm_target": target,
-                                                 "int8_compute": int8_compute,
+                                                 "int8_compute": int8_compute, "int8_kernels": int8_kernels,
                                                  "input_shape": shape, "tolerance": tolerance,
                                                  **({"tuning": tuning} if tuning else {}),
                                                  **({"installed_tuning": installed} if installed else {})})
@@ -178,6 +183,23 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         raise DataError(f"{library}: TVM output differs from onnxruntime by {info['check']['max_abs_diff']:.3g} "
                         f"(allowed {info['check']['allowed']:.3g}); see {out_dir / 'compile.json'}")
     return info
+
+
+def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
+    """The int8 conv2d layers on this build's dot-product kernels (x86_64 with AVX-512 VNNI:
+    x86_int8.py), else on TVM's generic ones: (mod, {"kind", "layers", "reason"}) for compile.json."""
+    if not layers.get("int8"):
+        return mod, {"kind": "none", "layers": 0, "reason": "no int8 layers"}
+    if choice == "generic":
+        return mod, {"kind": "generic", "layers": 0, "reason": "--int8-kernels generic"}
+    from appliance.deploy import x86_int8
+
+    if not x86_int8.has_vnni(target):
+        return mod, {"kind": "generic", "layers": 0,
+                     "reason": f"no dot-product kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()}
+    mod, count = x86_int8.use_vnni_kernels(mod)
+    log(f"compile: {count} of {layers['int8']} int8 layers on AVX-512 VNNI kernels (the rest: grouped or matmul)")
+    return mod, {"kind": "x86-vnni", "layers": count, "reason": None}
 
 
 def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log, rpc=None, rpc_key=""):

@@ -148,7 +148,7 @@ def apply_installed(mod, target_name: str, tvm_target: dict, log=print):
     prepare_meta_schedule()
     target = tuning_target(tvm_target)
     tuned_mod = relax.get_pipeline("zero")(mod)
-    tasks = ms.relax_integration.extract_tasks(tuned_mod, tvm.target.Target(target))
+    tasks = tunable_tasks(ms.relax_integration.extract_tasks(tuned_mod, tvm.target.Target(target)))
     tuned = set()  # tasks with a record in any applied database
     for entry, db_dir in usable:
         database = open_database(db_dir)
@@ -172,6 +172,17 @@ def apply_installed(mod, target_name: str, tvm_target: dict, log=print):
     if not tuned:
         return mod, tvm_target, found, 0
     return tuned_mod, target, found, len(tuned)
+
+
+def tunable_tasks(tasks) -> list:
+    """The extracted tasks minus the kernels scheduled by hand (x86_int8.py's VNNI convolutions:
+    `tirx.is_scheduled`), which MetaSchedule would otherwise search, and fail to (it cannot count
+    the FLOPs of their vector intrinsic)."""
+    def scheduled(task):
+        return any(func.attrs is not None and bool(func.attrs.get("tirx.is_scheduled", False))
+                   for func in task.dispatched[0].functions.values())
+
+    return [task for task in tasks if not scheduled(task)]
 
 
 def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha256: str, *,
@@ -202,7 +213,7 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     mod = relax.get_pipeline("zero")(mod)
-    tasks = ms.relax_integration.extract_tasks(mod, target)
+    tasks = tunable_tasks(ms.relax_integration.extract_tasks(mod, target))
     space = ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm", mutator_probs="llvm")
     # Small populations: the random cost model cannot rank a large one, and it costs seconds.
     strategy = ms.search_strategy.EvolutionarySearch(population_size=max(64, 4 * trials),

@@ -1,0 +1,92 @@
+"""The x86_64 int8 convolution kernels with AVX-512 VNNI (appliance/deploy/x86_int8.py): exact
+against an integer reference on awkward shapes, chosen only where the build's CPU has the
+instruction. The whole-model builds with them are checked against onnxruntime in test_int8.py."""
+
+import numpy as np
+import pytest
+
+
+def host_target():
+    from appliance.deploy.compile import target_for
+
+    return target_for("x86_64")
+
+
+def needs_vnni():
+    from appliance.deploy.x86_int8 import has_vnni
+
+    if not has_vnni(host_target()):
+        pytest.skip(f"this CPU ({host_target().get('mcpu')}) has no AVX-512 VNNI: the generic kernels are used")
+
+
+def test_vnni_is_chosen_by_the_build_cpu_not_by_the_machine_compiling():
+    from appliance.deploy.compile import TARGETS
+    from appliance.deploy.x86_int8 import has_vnni
+
+    assert has_vnni({**TARGETS["x86_64"], "mcpu": "sapphirerapids"})
+    assert not has_vnni({**TARGETS["x86_64"], "mcpu": "znver3"})  # AVX2 only
+    assert not has_vnni({**TARGETS["x86_64"], "mcpu": "skylake-avx512"})  # AVX-512 without VNNI
+    assert not has_vnni(TARGETS["x86_64"])  # no CPU named: no assumption
+    assert not has_vnni(TARGETS["aarch64-dotprod"])
+
+
+# (batch, channels in, size, channels out, kernel, stride, dilation, padding)
+SHAPES = [
+    (1, 64, 14, 64, 3, 1, 1, 1),   # a resnet block
+    (2, 3, 17, 10, 7, 2, 1, 3),    # a stem: 3 channels (padded to 4), 10 outputs (not 16), batch 2, odd size
+    (1, 24, 9, 40, 1, 1, 1, 0),    # 1x1
+    (1, 8, 12, 16, 3, 2, 2, 2),    # stride 2 with dilation 2
+]
+
+
+@pytest.mark.parametrize("n,c,size,o,k,stride,dilation,pad", SHAPES)
+def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad):
+    """A Relax int8 x int8 -> int32 conv2d (what int8_rewrite emits, padding explicit) on the VNNI
+    kernel, built and run, against torch's float64 convolution of the same integers."""
+    needs_vnni()
+    import torch
+    import tvm
+    from tvm import relax
+
+    from appliance.deploy.x86_int8 import use_vnni_kernels
+
+    rng = np.random.default_rng(n * 1000 + c * 10 + k)
+    x = rng.integers(-128, 128, (n, c, size, size), dtype=np.int8)
+    w = rng.integers(-128, 128, (o, c, k, k), dtype=np.int8)
+    builder = relax.BlockBuilder()
+    data = relax.Var("x", relax.TensorType((n, c, size, size), "int8"))
+    with builder.function("main", [data]):
+        with builder.dataflow():
+            padded = builder.emit(relax.op.nn.pad(data, [0, 0, 0, 0, pad, pad, pad, pad], pad_value=-7.0))
+            out = builder.emit_output(relax.op.nn.conv2d(padded, relax.const(w), strides=[stride, stride],
+                                                         dilation=[dilation, dilation], out_dtype="int32"))
+        builder.emit_func_output(out)
+    mod, count = use_vnni_kernels(builder.get())
+    assert count == 1
+    assert "vnni_conv2d_0" in [gv.name_hint for gv in mod.get_global_vars()]
+    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(x)).numpy()
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=-7)
+    expected = torch.nn.functional.conv2d(torch.from_numpy(xp), torch.from_numpy(w.astype(np.float64)),
+                                          stride=stride, dilation=dilation).numpy()
+    assert got.dtype == np.int32 and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected.astype(np.int64))
+
+
+def test_grouped_and_float_convolutions_are_left_alone():
+    from tvm import relax
+
+    from appliance.deploy.x86_int8 import use_vnni_kernels
+
+    builder = relax.BlockBuilder()
+    data = relax.Var("x", relax.TensorType((1, 8, 6, 6), "int8"))
+    fdata = relax.Var("f", relax.TensorType((1, 8, 6, 6), "float32"))
+    with builder.function("main", [data, fdata]):
+        with builder.dataflow():
+            depthwise = builder.emit(relax.op.nn.conv2d(data, relax.const(np.ones((8, 1, 3, 3), np.int8)), groups=8,
+                                                        out_dtype="int32"))
+            floating = builder.emit(relax.op.nn.conv2d(fdata, relax.const(np.ones((4, 8, 1, 1), np.float32))))
+            out = builder.emit_output(relax.Tuple([depthwise, floating]))
+        builder.emit_func_output(out)
+    _, count = use_vnni_kernels(builder.get())
+    assert count == 0
