@@ -83,10 +83,10 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def runner_inputs(sdk: Path, lib_dir: Path, glibc_floor: str) -> dict:
+def runner_inputs(sdk: Path, lib_dir: Path, glibc_floor: str, source: Path = RUNNER_SOURCE) -> dict:
     """Everything bin/run is made from, hashed: two runners with equal inputs are interchangeable."""
     headers = sdk / HEADERS
-    return {"runner.cc": _sha256(RUNNER_SOURCE),
+    return {"runner.cc": _sha256(source),
             "headers": {str(p.relative_to(headers)): _sha256(p) for p in sorted(headers.rglob("*")) if p.is_file()},
             "libraries": {Path(m).name: _sha256(lib_dir / Path(m).name) for m in RUNTIME_LIBS.values()},
             "glibc_floor": glibc_floor, "zig": zig_version(),
@@ -97,27 +97,29 @@ def runner_key(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
-def build_runner(sdk: Path, lib_dir: Path, out: Path, glibc_floor: str) -> None:
+def build_runner(sdk: Path, lib_dir: Path, out: Path, glibc_floor: str, source: Path = RUNNER_SOURCE) -> None:
     """Cross-compile runner.cc against the tvm-ffi C headers and the TVM runtime libraries."""
-    cmd = [*zig_command(), *compile_argv(glibc_floor, str(sdk / HEADERS), str(RUNNER_SOURCE), str(out), str(lib_dir))]
+    cmd = [*zig_command(), *compile_argv(glibc_floor, str(sdk / HEADERS), str(source), str(out), str(lib_dir))]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
-        raise EnvironmentProblem(f"{RUNNER_SOURCE}: zig c++ ran past 900 s") from None
+        raise EnvironmentProblem(f"{source}: zig c++ ran past 900 s") from None
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
-        raise EnvironmentProblem(f"{RUNNER_SOURCE}: cross compile with zig failed: {errors[0].strip()}")
+        raise EnvironmentProblem(f"{source}: cross compile with zig failed: {errors[0].strip()}")
 
 
-def build_carried(wheels: list[Path], into: Path, work: Path, glibc_floor: str = DEFAULT_GLIBC_FLOOR) -> dict:
-    """into/run and into/runner.json, built from the edge wheels (for a bundle); returns runner.json's content."""
+def build_carried(wheels: list[Path], into: Path, work: Path, glibc_floor: str = DEFAULT_GLIBC_FLOOR,
+                  source: Path = RUNNER_SOURCE) -> dict:
+    """into/run and into/runner.json, built from the edge wheels (for a bundle; source: the runner.cc of the
+    checkout whose wheel it carries); returns runner.json's content."""
     sdk, lib_dir = work / "sdk", work / "lib"
     sdk.mkdir(parents=True)
     lib_dir.mkdir()
     into.mkdir(parents=True)
     extract_runtime(wheels, sdk, lib_dir)
-    inputs = runner_inputs(sdk, lib_dir, glibc_floor)
-    build_runner(sdk, lib_dir, into / "run", glibc_floor)
+    inputs = runner_inputs(sdk, lib_dir, glibc_floor, source)
+    build_runner(sdk, lib_dir, into / "run", glibc_floor, source)
     record = {"made_by": "appliance bundle build", "key": runner_key(inputs), "glibc_floor": glibc_floor,
               "zig": inputs["zig"], "sha256": _sha256(into / "run"),
               "wheels": {prefix.rstrip("-"): wheel_of(wheels, prefix).name for prefix in RUNTIME_LIBS},

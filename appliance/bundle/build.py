@@ -31,12 +31,11 @@ import time
 import tomllib
 from pathlib import Path
 
-from appliance import __version__
+from appliance import __version__, edge_runner
 from appliance.bundle import minisign, tuning, vulnerabilities, weights as pretrained
 from appliance.bundle.profiles import Profile, load_profiles
 from appliance.bundle.sbom import build_sbom
 from appliance.bundle.wheelhouse import Target, Wheel, configured_index, fetch
-from appliance import edge_runner
 from appliance.errors import ApplianceError, ConfigError, EnvironmentProblem
 from appliance.manifest import atomic_write_text, sha256_file, write_manifest
 
@@ -99,16 +98,18 @@ def _tar_add(tar: tarfile.TarFile, arcname: str, path: Path | None = None, data:
         tar.addfile(info, io.BytesIO(data))
 
 
-def carried_runner(chosen: list[Profile], planned: dict, work: Path) -> dict | None:
-    """work/edge-runner/ built from the first aarch64 profile whose wheels hold the TVM runtime, for the
-    package's default glibc floor; its bundle.json entry, or None when no profile carries those wheels."""
+def carried_runner(chosen: list[Profile], planned: dict, work: Path, source: Path) -> dict | None:
+    """work/edge-runner/ built from the first aarch64 profile whose wheels hold the TVM runtime and the
+    source checkout's runner.cc, for the package's default glibc floor; its bundle.json entry, or None
+    when no profile carries those wheels."""
     for profile in chosen:
         wheels = [w.path for (name, _), ws in planned.items() if name == profile.name for w in ws]
         if profile.arch != "aarch64" or not all(any(w.name.startswith(prefix) for w in wheels)
                                                 for prefix in edge_runner.RUNTIME_LIBS):
             continue
         started = time.monotonic()
-        record = edge_runner.build_carried(wheels, work / edge_runner.CARRIED, work / "edge-runner-build")
+        record = edge_runner.build_carried(wheels, work / edge_runner.CARRIED, work / "edge-runner-build",
+                                           source=source / edge_runner.RUNNER_SOURCE.relative_to(default_source()))
         seconds = time.monotonic() - started
         print(f"bundle: {edge_runner.CARRIED}/run: the edge runner for glibc {record['glibc_floor']} (zig "
               f"{record['zig']}, key {record['key'][:12]}...) built from profile {profile.name}'s wheels in "
@@ -182,7 +183,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
             files[wheel.name] = (wheel, project["sha256"])
 
         # 2b. The edge runner, from the carried aarch64 TVM wheels (zig's cache is warm on this host).
-        runner = carried_runner(chosen, planned, work)
+        runner = carried_runner(chosen, planned, work, source)
         runner_files = {f"{edge_runner.CARRIED}/{n}": work / edge_runner.CARRIED / n
                         for n in ("run", edge_runner.RUNNER_JSON)} if runner else {}
 
