@@ -34,7 +34,7 @@ RUNNER_JSON = "runner.json"
 
 
 def carried_dirs() -> list[Path]:
-    """Where a prebuilt runner is looked for, in order: $APPLIANCE_EDGE_RUNNER_DIR, then edge-runner/ next to the venv."""
+    """Where a prebuilt runner is looked for: $APPLIANCE_EDGE_RUNNER_DIR, then edge-runner/ next to the venv."""
     return beside_venv(CARRIED, CARRIED_ENV)
 
 

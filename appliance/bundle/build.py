@@ -182,7 +182,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
                        "sha256": sha256_file(wheel), "bytes": wheel.stat().st_size}
             files[wheel.name] = (wheel, project["sha256"])
 
-        # 2b. The edge runner, from the carried aarch64 TVM wheels (zig's cache is warm on this host).
+        # 2b. The edge runner, from the carried aarch64 TVM wheels: built here once, not in every site's first package.
         runner = carried_runner(chosen, planned, work, source)
         runner_files = {f"{edge_runner.CARRIED}/{n}": work / edge_runner.CARRIED / n
                         for n in ("run", edge_runner.RUNNER_JSON)} if runner else {}

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from appliance import beside_venv
 from appliance.deploy.edge_sysroot import RUNNER_WHEELS  # what python/run.py imports
+from appliance.deploy.glibc_floor import DEFAULT_GLIBC_FLOOR, check_floor, parse_floor, version_key
 from appliance.edge_runner import (RUNTIME_LIBS, build_runner, extract_runtime, find_carried, runner_inputs,
                                    runner_key, wheel_of)
-from appliance.deploy.glibc_floor import DEFAULT_GLIBC_FLOOR, check_floor, parse_floor, version_key
 from appliance.errors import DataError, EnvironmentProblem
 
 HERE = Path(__file__).resolve().parent
@@ -232,4 +232,5 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         partial.replace(out)
         return {"path": str(out), "bytes": out.stat().st_size, "files": len(files) + 1,
                 "wheels": [w.name for w in shipped_wheels], "with_python": with_python, "glibc_floor": glibc_floor,
-                "elf_needs": elf_needs, "runner": runner, "selftest_samples": selftest["samples"], "selftest_source": selftest["source"]}
+                "elf_needs": elf_needs, "runner": runner, "selftest_samples": selftest["samples"],
+                "selftest_source": selftest["source"]}

@@ -228,7 +228,7 @@ def copy_carried(carried, dest, **edit):
 
 
 def package_env(carried, tmp_path, block_zig=False) -> dict:
-    """This environment with the carried folder given; block_zig: `import ziglang` (and so `python -m ziglang`) fails."""
+    """This environment with the carried folder given; block_zig: `import ziglang`, so `python -m ziglang`, fails."""
     import os
 
     from conftest import ROOT
