@@ -10,6 +10,8 @@ PREFIX/
                                weights/ (pretrained weight files and index.json, when the bundle has them),
                                tuning/<name>/ (tuning databases the bundle carries; `appliance compile`
                                finds them next to its venv),
+                               edge-runner/ (run + runner.json: the edge packages' prebuilt bin/run,
+                               which `appliance package` finds next to its venv),
                                doctor.json (the `appliance doctor --json` report of the self-test),
                                install.json (written last: a release without it is incomplete)
   logs/                        full output of pip/uv and the self-test, one file per install
@@ -267,6 +269,23 @@ def place_weights(root: Path, release_dir: Path, listed: dict[str, str]) -> dict
     return index
 
 
+def place_edge_runner(root: Path, release_dir: Path, entry: dict | None, listed: dict[str, str]) -> dict | None:
+    """Move the bundle's edge-runner/ next to the venv (appliance.edge_runner looks there); its run must be
+    the file bundle.json names, as SHA256SUMS lists it."""
+    if not entry:
+        return None
+    if entry.get("path") != "edge-runner" or not (root / "edge-runner").is_dir():
+        raise Refusal(f"bundle.json: edge runner {entry.get('path')!r} is not the folder edge-runner of the bundle")
+    for name in ("run", "runner.json"):
+        if f"edge-runner/{name}" not in listed:
+            raise Refusal(f"bundle.json: edge runner: edge-runner/{name} is not a file of the bundle")
+    if listed["edge-runner/run"] != entry.get("sha256"):
+        raise Refusal(f"bundle.json: edge runner: sha256 {str(entry.get('sha256'))[:12]}... differs from "
+                      f"SHA256SUMS ({listed['edge-runner/run'][:12]}...)")
+    shutil.move(root / "edge-runner", release_dir / "edge-runner")
+    return entry
+
+
 def check_weights(venv: Path, index: dict, log_file: Path, cwd: Path) -> str:
     """The new venv's own lookup (appliance.pretrained.find_weights) finds and re-hashes every placed file."""
     env = {k: v for k, v in clean_env(venv).items() if k != "APPLIANCE_WEIGHTS_DIR"}
@@ -406,6 +425,10 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
     if tuning:
         names = ", ".join("{} ({}, {})".format(d["name"], d["target"], d["cpu"]) for d in tuning)
         log(f"tuning databases: {names} in releases/{release_dir.name}/tuning")
+    runner = place_edge_runner(root, release_dir, manifest.get("edge_runner"), listed)
+    if runner:
+        log(f"edge runner: {runner['path']}/run (glibc {runner['glibc_floor']}, key {runner['key'][:12]}...) "
+            f"in releases/{release_dir.name}/{runner['path']}")
     for f in ("bundle.json", "SHA256SUMS", profile["lock"], profile["sbom"]):
         shutil.copy2(root / f, release_dir / "bundle" / Path(f).name)
     t0 = time.monotonic()
@@ -421,7 +444,8 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
             "installed": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "weights": {n: e["file"] for n, e in weights.items()},
             "self_test": checks, "timings": timings, "log": str(log_file),
-            "tuning_databases": [d["name"] for d in tuning]}
+            "tuning_databases": [d["name"] for d in tuning],
+            "edge_runner": runner["key"] if runner else None}
 
 
 def install(args) -> int:

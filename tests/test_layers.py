@@ -17,6 +17,7 @@ PACKAGES = ("appliance", "data_tools")
 LAYERS = [
     ("core", ["appliance", "appliance.errors", "appliance.manifest", "appliance.tomlconfig", "appliance.inputs",
               "appliance.progress", "appliance.dirlock", "appliance.values", "appliance.pretrained", "appliance.tuning_db", "appliance.html_report",
+              "appliance.edge_runner",
               "appliance.__main__"]),
     ("data", ["data_tools"]),
     ("models", ["appliance.models"]),

@@ -83,7 +83,7 @@ def _audit_sbom(tar, bundle: Path, top: str, sums: dict, profile: str, python: s
         raise DataError(f"{bundle}: {path} is not JSON ({err})") from None
     props = {p["name"]: p["value"] for p in sbom.get("metadata", {}).get("properties", [])}
     components = {c["bom-ref"]: c for c in sbom.get("components", [])
-                  if "bom-ref" in c and c.get("type") != "machine-learning-model"}  # packages, not weights
+                  if "bom-ref" in c and c.get("type") == "library"}  # packages, not weights or the edge runner
     where = f"profile {profile}, CPython {python}"
     state = props.get("appliance:vulnerability_data")
     if state is None:

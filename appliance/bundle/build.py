@@ -9,6 +9,8 @@ Layout of appliance-bundle-<version>.tar (one top directory of the same name):
   installer/                       install.sh and its standard-library helpers
   weights/<file>, weights/index.json   with --weights: torchvision's published weight files (weights.py)
   tuning/<name>/                   with --tuning-db: MetaSchedule tuning databases (appliance.tuning_db)
+  edge-runner/run, runner.json     with a profile carrying the aarch64 TVM wheels: the edge package's
+                                   bin/run, built here once (appliance.edge_runner), so a site skips zig
 Beside the tar: <tar>.minisig when signed (stock `minisign -V` verifies it), manifest.json.
 """
 
@@ -29,7 +31,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from appliance import __version__
+from appliance import __version__, edge_runner
 from appliance.bundle import minisign, tuning, vulnerabilities, weights as pretrained
 from appliance.bundle.profiles import Profile, load_profiles
 from appliance.bundle.sbom import build_sbom
@@ -96,6 +98,28 @@ def _tar_add(tar: tarfile.TarFile, arcname: str, path: Path | None = None, data:
         tar.addfile(info, io.BytesIO(data))
 
 
+def carried_runner(chosen: list[Profile], planned: dict, work: Path, source: Path) -> dict | None:
+    """work/edge-runner/ built from the first aarch64 profile whose wheels hold the TVM runtime and the
+    source checkout's runner.cc, for the package's default glibc floor; its bundle.json entry, or None
+    when no profile carries those wheels."""
+    for profile in chosen:
+        wheels = [w.path for (name, _), ws in planned.items() if name == profile.name for w in ws]
+        if profile.arch != "aarch64" or not all(any(w.name.startswith(prefix) for w in wheels)
+                                                for prefix in edge_runner.RUNTIME_LIBS):
+            continue
+        started = time.monotonic()
+        record = edge_runner.build_carried(wheels, work / edge_runner.CARRIED, work / "edge-runner-build",
+                                           source=source / edge_runner.RUNNER_SOURCE.relative_to(default_source()))
+        seconds = time.monotonic() - started
+        print(f"bundle: {edge_runner.CARRIED}/run: the edge runner for glibc {record['glibc_floor']} (zig "
+              f"{record['zig']}, key {record['key'][:12]}...) built from profile {profile.name}'s wheels in "
+              f"{seconds:.0f} s", file=sys.stderr, flush=True)
+        return {"path": edge_runner.CARRIED, "profile": profile.name, "key": record["key"],
+                "glibc_floor": record["glibc_floor"], "zig": record["zig"], "sha256": record["sha256"],
+                "build_s": round(seconds, 1)}
+    return None
+
+
 def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key: Path | None,
                  cache: Path, vulnerability_source: str | None = None, weight_names: list[str] = (),
                  weights_mirror: str | None = None, tuning_dbs=()) -> Path:
@@ -158,6 +182,11 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
                        "sha256": sha256_file(wheel), "bytes": wheel.stat().st_size}
             files[wheel.name] = (wheel, project["sha256"])
 
+        # 2b. The edge runner, from the carried aarch64 TVM wheels: built here once, not in every site's first package.
+        runner = carried_runner(chosen, planned, work, source)
+        runner_files = {f"{edge_runner.CARRIED}/{n}": work / edge_runner.CARRIED / n
+                        for n in ("run", edge_runner.RUNNER_JSON)} if runner else {}
+
         # 3. Generated files: per (profile, Python) lock and SBOM, bundle.json, SHA256SUMS.
         generated: dict[str, bytes] = {}
         bundle_profiles = {}
@@ -179,7 +208,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
                 sbom = build_sbom(profile.name, python, profile.arch, version, MADE_BY, wheels,
                                   {n: p for n, (p, _) in files.items()},
                                   {"platform": profile.platform, "python": python, "glibc_floor": profile.glibc_floor,
-                                   "cuda_major": profile.cuda_major}, vulns, weights_index)
+                                   "cuda_major": profile.cuda_major}, vulns, weights_index, runner)
                 generated[f"{where}/sbom.cdx.json"] = sbom.encode()
                 by_python[python] = {"python": python, "lock": f"{where}/requirements.lock",
                                      "sbom": f"{where}/sbom.cdx.json", "wheels": wheels,
@@ -204,6 +233,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
             "profiles": bundle_profiles,
             "weights": weights_index,
             **({"tuning_databases": tuning_entries} if tuning_entries else {}),
+            **({"edge_runner": runner} if runner else {}),
         }
         generated["bundle.json"] = (json.dumps(manifest, indent=2) + "\n").encode()
         weight_files = {f"weights/{f.published.file}": (f.path, f.sha256) for f in fetched}
@@ -219,6 +249,7 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
         sums.update({name: sha256_file(p) for name, p in installer.items()})
         sums.update({name: digest for name, (_, digest) in weight_files.items()})
         sums.update({e["file"]: e["sha256"] for entry in tuning_entries for e in entry["files"]})
+        sums.update({name: sha256_file(p) for name, p in runner_files.items()})
         generated["SHA256SUMS"] = "".join(f"{sums[n]}  {n}\n" for n in sorted(sums)).encode()
 
         # 4. The tar, written beside its final name and renamed only when complete.
@@ -236,6 +267,9 @@ def build_bundle(profile_names: list[str], out_dir: Path, source: Path, sign_key
                 _tar_add(tar, f"{top}/{name}", path=weight_files[name][0], mtime=mtime)
             for name in sorted(tuning_files):
                 _tar_add(tar, f"{top}/{name}", path=tuning_files[name], mtime=mtime)
+            for name in sorted(runner_files):
+                _tar_add(tar, f"{top}/{name}", path=runner_files[name], mtime=mtime,
+                         mode=0o755 if name.endswith("/run") else 0o644)
         with open(partial, "rb+") as f:
             os.fsync(f.fileno())
         signature = out_dir / f"{top}.tar.minisig"

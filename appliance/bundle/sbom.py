@@ -6,7 +6,8 @@ and its dependencies from Requires-Dist, evaluated for the target Python and pla
 vulnerabilities of the pinned versions come from the index's data (vulnerabilities.py), with the source
 and the time they were taken in the metadata properties; `appliance bundle audit` prints them offline.
 Pretrained weight files the bundle carries (--weights) are `machine-learning-model` components with
-their sha256 and the published URL as a distribution reference.
+their sha256 and the published URL as a distribution reference; the prebuilt edge runner
+(edge-runner/run) is an `application` component with its sha256, key, glibc floor and zig version.
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ def requires(meta: email.message.Message | None, python: str, arch: str) -> list
 
 def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, made_by: str, wheels: list[dict],
                paths: dict[str, Path], properties: dict, vulns: VulnerabilityData,
-               weights: dict[str, dict] | None = None) -> str:
+               weights: dict[str, dict] | None = None, runner: dict | None = None) -> str:
     """wheels: [{"file", "name", "version", "sha256"}]; paths: filename -> local file; weights: the bundle's
-    weights/index.json. Returns the JSON text."""
+    weights/index.json; runner: bundle.json's edge_runner entry. Returns the JSON text."""
     from cyclonedx.model import (ExternalReference, ExternalReferenceType, HashAlgorithm, HashType, Property,
                                  XsUri)
     from cyclonedx.model.bom import Bom
@@ -149,6 +150,17 @@ def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, m
                                                    hashes=[HashType(alg=HashAlgorithm.SHA_256,
                                                                     content=entry["sha256"])])],
             properties=[Property(name="appliance:file", value=f"weights/{entry['file']}")]))
+        bom.components.add(models[-1])
+        bom.register_dependency(models[-1], [])
+    if runner:
+        models.append(Component(
+            type=ComponentType.APPLICATION, name="appliance-edge-runner", version=runner["key"][:12],
+            bom_ref=f"{runner['path']}/run", description=f"bin/run of edge packages, aarch64, glibc >= "
+            f"{runner['glibc_floor']}, built with zig {runner['zig']}",
+            hashes=[HashType(alg=HashAlgorithm.SHA_256, content=runner["sha256"])],
+            properties=[Property(name=f"appliance:{k}", value=str(v)) for k, v in
+                        (("file", f"{runner['path']}/run"), ("key", runner["key"]),
+                         ("glibc_floor", runner["glibc_floor"]), ("zig", runner["zig"]))]))
         bom.components.add(models[-1])
         bom.register_dependency(models[-1], [])
     # The bundle depends on what nothing else in it pulls in: the lock's top-level requirements.

@@ -8,32 +8,33 @@ manifest.json (lineage back to the training data) and SHA256SUMS over all of it.
 `--with-python` adds python/run.py + python/preprocessing.py (a verbatim copy of the host's) and
 wheels/ (the hash-locked aarch64 wheels that runner needs, with a --require-hashes list).
 
+bin/run is the installed bundle's prebuilt runner when its key (appliance.edge_runner) is the key of
+what this package would build, else it is cross-compiled with zig; the manifest's `runner` says which.
+
 Every ELF file in it is read for the glibc symbol versions it needs; anything above the floor
 (`--glibc-floor`, default 2.28) is refused, so that the package starts on the devices it names.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
-import zipfile
 from pathlib import Path
 
 from appliance import beside_venv
 from appliance.deploy.edge_sysroot import RUNNER_WHEELS  # what python/run.py imports
 from appliance.deploy.glibc_floor import DEFAULT_GLIBC_FLOOR, check_floor, parse_floor, version_key
+from appliance.edge_runner import (RUNTIME_LIBS, build_runner, extract_runtime, find_carried, runner_inputs,
+                                   runner_key, wheel_of)
 from appliance.errors import DataError, EnvironmentProblem
 
 HERE = Path(__file__).resolve().parent
 PROJECT = HERE.parents[1]
 ROOT_NAME = "edge-package"
-RUNTIME_LIBS = {"apache_tvm-": "tvm/lib/libtvm_runtime.so", "apache_tvm_ffi-": "tvm_ffi/lib/libtvm_ffi.so"}
 GOLDEN_SAMPLES = 8
 
 
@@ -65,45 +66,21 @@ def locked_wheels(wheelhouse: Path) -> list[Path]:
     return wheels
 
 
-def zig_command() -> list[str]:
-    """zig's C++ driver from the ziglang wheel: it links against a chosen glibc version's symbols,
-    where Debian's aarch64 g++ links against its own glibc 2.36 (every binary then needs 2.34)."""
-    if importlib.util.find_spec("ziglang") is None:
-        raise EnvironmentProblem("ziglang: not installed in this Python (it cross-compiles bin/run for an old "
-                                 "glibc; `pip install --no-deps ziglang==0.17.0` from the bundle's wheelhouse)")
-    return [sys.executable, "-m", "ziglang", "c++"]
+def ship_runner(sdk: Path, lib_dir: Path, out: Path, glibc_floor: str) -> dict:
+    """bin/run: the installed bundle's prebuilt runner when its key is this package's, else built with zig
+    (the first build in a new venv: minutes). Says which in one line; returns the manifest's `runner`."""
+    from appliance.progress import quiet
 
-
-def wheel_of(wheels: list[Path], prefix: str) -> Path:
-    return next(w for w in wheels if w.name.startswith(prefix))
-
-
-def extract_runtime(wheels: list[Path], work: Path, lib_dir: Path) -> None:
-    """libtvm_runtime.so and libtvm_ffi.so into lib_dir, the tvm-ffi headers into work."""
-    for prefix, member in RUNTIME_LIBS.items():
-        with zipfile.ZipFile(wheel_of(wheels, prefix)) as z:
-            with z.open(member) as src, open(lib_dir / Path(member).name, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            if prefix == "apache_tvm_ffi-":
-                z.extractall(work, [n for n in z.namelist() if n.startswith("tvm_ffi/include/")])
-
-
-def build_runner(work: Path, lib_dir: Path, out: Path, glibc_floor: str) -> None:
-    """Cross-compile runner.cc against the tvm-ffi C headers and the TVM runtime libraries."""
-    source = HERE / "edge" / "runner.cc"
-    cmd = [*zig_command(), "-target", f"aarch64-linux-gnu.{glibc_floor}", "-std=c++17", "-O2",
-           # C ABI only: zig's libc++ must export nothing that replaces libtvm_ffi's own classes.
-           "-DTVM_FFI_DLL=", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fno-exceptions",
-           "-I", str(work / "tvm_ffi" / "include"), str(source), "-o", str(out), "-L", str(lib_dir),
-           # The runner calls nothing in libtvm_runtime directly, but its VM functions must be registered.
-           "-Wl,--no-as-needed", "-ltvm_runtime", "-ltvm_ffi", "-Wl,--as-needed", "-Wl,-rpath,$ORIGIN/../lib", "-s"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired:
-        raise EnvironmentProblem(f"{source}: zig c++ ran past 900 s") from None
-    if done.returncode != 0:
-        errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
-        raise EnvironmentProblem(f"{source}: cross compile with zig failed: {errors[0].strip()}")
+    inputs = runner_inputs(sdk, lib_dir, glibc_floor)
+    carried, line = find_carried(inputs)
+    if not quiet():
+        print(line, file=sys.stderr, flush=True)
+    if carried is None:
+        build_runner(sdk, lib_dir, out, glibc_floor)
+    else:
+        shutil.copyfile(carried, out)
+        out.chmod(0o755)
+    return {"source": "built" if carried is None else "bundle", "key": runner_key(inputs)}
 
 
 def golden_samples(compiled: Path, sample_files, preprocessing: dict, shape: list, count: int):
@@ -216,7 +193,7 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
                                                      for prefix, m in RUNTIME_LIBS.items()})
         glibcxx = max((n["GLIBCXX"] for n in tvm_needs.values() if "GLIBCXX" in n), key=version_key, default=None)
         elf_needs = {**tvm_needs, **check_floor({"model.so": compiled / "model.so"}, glibc_floor, glibcxx, {"model.so"})}
-        build_runner(Path(tmp) / "sdk", root / "lib", root / "bin" / "run", glibc_floor)
+        runner = ship_runner(Path(tmp) / "sdk", root / "lib", root / "bin" / "run", glibc_floor)
         elf_needs.update(check_floor({"bin/run": root / "bin" / "run"}, glibc_floor, glibcxx, {"bin/run"}))
         shutil.copyfile(compiled / "model.so", root / "model.so")
         shutil.copyfile(compiled / "model.onnx", root / "reference" / "model.onnx")
@@ -241,7 +218,7 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         atomic_write_text(root / "model.json", json.dumps(model_info, indent=2) + "\n")
         write_manifest(root, "package", [compiled / "model.so", info_path, compiled / "model.onnx", *shipped_wheels,
                                          *samples.files],
-                       {"target": info["target"], "glibc_floor": glibc_floor, "elf_needs": elf_needs,
+                       {"target": info["target"], "glibc_floor": glibc_floor, "elf_needs": elf_needs, "runner": runner,
                         "with_python": with_python, "wheels": [w.name for w in shipped_wheels],
                         "selftest": {k: selftest[k] for k in ("samples", "source", "max_abs_diff")}})
         # Written last and over everything else (manifest.json too): what install.sh checks on the device.
@@ -255,4 +232,5 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         partial.replace(out)
         return {"path": str(out), "bytes": out.stat().st_size, "files": len(files) + 1,
                 "wheels": [w.name for w in shipped_wheels], "with_python": with_python, "glibc_floor": glibc_floor,
-                "elf_needs": elf_needs, "selftest_samples": selftest["samples"], "selftest_source": selftest["source"]}
+                "elf_needs": elf_needs, "runner": runner, "selftest_samples": selftest["samples"],
+                "selftest_source": selftest["source"]}

@@ -197,3 +197,131 @@ def test_bench_figures_json_and_gate(package_dir):
     assert text.stdout.startswith("bench: 5 runs after 0 warmup, ") and text.stdout.rstrip().endswith("(max 1000): PASS")
     bad = run(package_dir, "--bench", "--max-fluctuation", "nan")
     assert bad.returncode == 2 and bad.stderr == "run: error: --max-fluctuation: expected a finite number >= 0, got 'nan'\n"
+
+
+# A prebuilt runner (appliance.edge_runner): what a bundle carries so that a site's first package skips zig.
+
+@pytest.fixture(scope="module")
+def carried_runner(tmp_path_factory):
+    """edge-runner/ as `appliance bundle build` makes it (the same function, real zig), from the edge wheels."""
+    from appliance.deploy.package import default_wheelhouse, locked_wheels
+    from appliance.edge_runner import build_carried
+
+    base = tmp_path_factory.mktemp("carried")
+    build_carried(locked_wheels(default_wheelhouse()), base / "edge-runner", base / "work")
+    return base / "edge-runner"
+
+
+def copy_carried(carried, dest, **edit):
+    """A copy of the carried folder with runner.json's fields (or its inputs', key recomputed) edited."""
+    from appliance.edge_runner import runner_key
+
+    shutil.copytree(carried, dest)
+    record = json.loads((dest / "runner.json").read_text())
+    inputs = {k: v for k, v in edit.items() if k in record["inputs"]}
+    if inputs:
+        record["inputs"] |= inputs
+        record["key"] = runner_key(record["inputs"])
+    record |= {k: v for k, v in edit.items() if k not in inputs}
+    (dest / "runner.json").write_text(json.dumps(record))
+    return dest
+
+
+def package_env(carried, tmp_path, block_zig=False) -> dict:
+    """This environment with the carried folder given; block_zig: `import ziglang`, so `python -m ziglang`, fails."""
+    import os
+
+    from conftest import ROOT
+
+    path = [str(ROOT)]
+    if block_zig:
+        shim = tmp_path / "no-zig" / "ziglang"
+        shim.mkdir(parents=True)
+        (shim / "__init__.py").write_text("raise ImportError('ziglang blocked by the test: zig must not run')\n")
+        path.insert(0, str(shim.parent))
+    return os.environ | {"PYTHONPATH": os.pathsep.join(path), "APPLIANCE_EDGE_RUNNER_DIR": str(carried)}
+
+
+def unpack(tar_path, into):
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(into, filter="data")
+    return into / "edge-package"
+
+
+def test_a_carried_runner_is_shipped_without_running_zig(tmp_path, compiled_arm, carried_runner):
+    import sys
+
+    env = package_env(carried_runner, tmp_path, block_zig=True)
+    blocked = subprocess.run([sys.executable, "-m", "ziglang", "version"], capture_output=True, text=True, env=env)
+    assert blocked.returncode != 0 and "ziglang blocked by the test" in blocked.stderr
+    key = json.loads((carried_runner / "runner.json").read_text())["key"]
+    proc = run_appliance("package", str(compiled_arm), "--out", str(tmp_path / "p.tar"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"bin/run: the bundle's prebuilt runner (key {key[:12]}...)" in proc.stderr.splitlines()
+    root = unpack(tmp_path / "p.tar", tmp_path / "unpacked")
+    assert (root / "bin" / "run").read_bytes() == (carried_runner / "run").read_bytes()
+    params = json.loads((root / "manifest.json").read_text())["params"]
+    assert params["runner"] == {"source": "bundle", "key": key}
+    # The floor check read the carried file like a built one.
+    assert version_key(params["elf_needs"]["bin/run"]["GLIBC"]) <= version_key("2.28")
+
+
+def test_a_carried_runner_from_other_inputs_is_passed_over_and_zig_builds_the_same_file(
+        tmp_path, compiled_arm, carried_runner):
+    other_floor = copy_carried(carried_runner, tmp_path / "floor-2.31", glibc_floor="2.31")
+    proc = run_appliance("package", str(compiled_arm), "--out", str(tmp_path / "p.tar"),
+                         env=package_env(other_floor, tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("bin/run: ")]
+    assert line.startswith("bin/run: built with zig (key ") and "glibc_floor 2.31 vs 2.28" in line, line
+    root = unpack(tmp_path / "p.tar", tmp_path / "unpacked")
+    params = json.loads((root / "manifest.json").read_text())["params"]
+    assert params["runner"]["source"] == "built"
+    # Equal inputs, equal key, equal file: what the key promises, with zig's output as the judge.
+    assert params["runner"]["key"] == json.loads((carried_runner / "runner.json").read_text())["key"]
+    assert (root / "bin" / "run").read_bytes() == (carried_runner / "run").read_bytes()
+
+
+def test_an_unreadable_or_altered_carried_runner_is_named_and_not_used(tmp_path, carried_runner, monkeypatch):
+    from appliance.deploy.package import default_wheelhouse, locked_wheels
+    from appliance.edge_runner import extract_runtime, find_carried, runner_inputs
+
+    (tmp_path / "sdk").mkdir()
+    (tmp_path / "lib").mkdir()
+    extract_runtime(locked_wheels(default_wheelhouse()), tmp_path / "sdk", tmp_path / "lib")
+    inputs = runner_inputs(tmp_path / "sdk", tmp_path / "lib", "2.28")
+    monkeypatch.setenv("APPLIANCE_EDGE_RUNNER_DIR", str(carried_runner))
+    assert find_carried(inputs)[0] == carried_runner / "run"
+
+    broken = copy_carried(carried_runner, tmp_path / "broken")
+    (broken / "runner.json").write_text("{not json")
+    edited = copy_carried(carried_runner, tmp_path / "edited", key="0" * 64)
+    replaced = copy_carried(carried_runner, tmp_path / "replaced")
+    (replaced / "run").write_bytes(b"\x7fELF not the runner")
+    zig = copy_carried(carried_runner, tmp_path / "zig", zig="0.16.0")
+    for folder, why in ((broken, f"{broken / 'runner.json'} is unreadable (JSONDecodeError"),
+                        (edited, f"{edited}'s key 000000000000... is not this package's (runner.json edited)"),
+                        (replaced, f"{replaced / 'run'} is missing or not the file runner.json names"),
+                        (zig, "(zig 0.16.0 vs 0.17.0)")):
+        monkeypatch.setenv("APPLIANCE_EDGE_RUNNER_DIR", str(folder))
+        found, line = find_carried(inputs)
+        assert found is None and line.startswith("bin/run: built with zig (key ") and why in line, line
+
+
+def test_a_carried_runner_above_the_floor_is_refused_like_a_built_one(tmp_path, compiled_arm, carried_runner):
+    """The ELF check runs on the carried file: one needing GLIBC_2.34 (with a runner.json that vouches
+    for it) makes package refuse, naming bin/run."""
+    import hashlib
+
+    planted = copy_carried(carried_runner, tmp_path / "planted")
+    (tmp_path / "planted.c").write_text("#include <pthread.h>\nstatic void *f(void *a) { return a; }\n"
+                                        "int main(void) { pthread_t t; return pthread_create(&t, 0, f, 0); }\n")
+    subprocess.run(["aarch64-linux-gnu-gcc", "-o", str(planted / "run"), str(tmp_path / "planted.c")], check=True)
+    copy_carried(planted, tmp_path / "vouched", sha256=hashlib.sha256((planted / "run").read_bytes()).hexdigest())
+    proc = run_appliance("package", str(compiled_arm), "--out", str(tmp_path / "p.tar"),
+                         env=package_env(tmp_path / "vouched", tmp_path, block_zig=True))
+    assert proc.returncode == 2
+    assert "bin/run: the bundle's prebuilt runner (key " in proc.stderr
+    error = proc.stderr.splitlines()[-1]
+    assert error.startswith("appliance package: error: ") and "/bin/run: needs " in error, error
+    assert "@GLIBC_2.34, above the package's glibc floor 2.28" in error and not (tmp_path / "p.tar").exists()

@@ -11,6 +11,7 @@ the run itself set (its gate, its pipeline.toml), above a sanity floor far over 
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -51,8 +52,8 @@ def fetched_wheelhouse(profile: str) -> Path:
 def clean_env(home: Path) -> dict:
     """A login shell's environment on the site: no PYTHONPATH, no venv on PATH, a fresh HOME.
 
-    Sharing this user's ~/.cache/zig would not save the package stage's ~2.5 min: zig keys its
-    libc++ build by the path of its install, which is new for every release."""
+    Sharing this user's ~/.cache/zig would not save a zig build's ~2.5 min: zig keys its libc++ build
+    by the path of its install, which is new for every release (the bundle's prebuilt runner saves it)."""
     return {"HOME": str(home), "PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "TMPDIR": str(home)}
 
 
@@ -131,6 +132,8 @@ def test_bundle_installed_offline_runs_the_demo_offline(site_dir):
     proc, timings["demo"] = timed(offline_cmd(demo, loopback=True),
                                   env=clean_env(home), cwd=work, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    package_s = re.search(r"package: done in ([0-9.]+) s", proc.stdout + proc.stderr)
+    timings["demo package stage"] = float(package_s.group(1)) if package_s else float("nan")
     print("site flow seconds:", json.dumps({k: round(v, 1) for k, v in timings.items()}))
 
     # Every stage ran, from the installed code: the manifests name its version and no git checkout.
@@ -162,4 +165,17 @@ def test_bundle_installed_offline_runs_the_demo_offline(site_dir):
     # The package's TVM runtime came from the aarch64 wheels the bundle carried into the release.
     assert prefix.joinpath("current", "wheelhouse", CARRIED).is_dir()
     assert "lib/libtvm_runtime.so" in summary["stages"]["package"]["info"]["elf_needs"], summary["stages"]["package"]
+    # Its bin/run is the runner the bundle built on the connected host (no zig run on the site), placed next
+    # to the venv by the installer, listed in SHA256SUMS and the SBOM.
+    record = json.loads((prefix / "current" / "install.json").read_text())
+    carried = json.loads((prefix / "current" / "bundle" / "bundle.json").read_text())["edge_runner"]
+    assert record["edge_runner"] == carried["key"] and carried["glibc_floor"] == "2.28"
+    sums = (prefix / "current" / "bundle" / "SHA256SUMS").read_text()
+    assert f"{carried['sha256']}  edge-runner/run\n" in sums
+    assert hashlib.sha256((prefix / "current" / "edge-runner" / "run").read_bytes()).hexdigest() == carried["sha256"]
+    sbom = json.loads(next((prefix / "current" / "bundle").glob("sbom.cdx.json")).read_text())
+    assert any(c["name"] == "appliance-edge-runner" and c["hashes"][0]["content"] == carried["sha256"]
+               for c in sbom["components"])
+    assert summary["stages"]["package"]["info"]["runner"] == {"source": "bundle", "key": carried["key"]}
+    assert f"bin/run: the bundle's prebuilt runner (key {carried['key'][:12]}...)" in proc.stderr
     print("site flow demo figures:", json.dumps(acc))
