@@ -23,6 +23,7 @@ from pathlib import Path
 
 from appliance import beside_venv
 from appliance.errors import EnvironmentProblem
+from appliance.manifest import sha256_file
 
 RUNNER_SOURCE = Path(__file__).resolve().parent / "deploy" / "edge" / "runner.cc"
 RUNTIME_LIBS = {"apache_tvm-": "tvm/lib/libtvm_runtime.so", "apache_tvm_ffi-": "tvm_ffi/lib/libtvm_ffi.so"}
@@ -79,16 +80,12 @@ def compile_argv(glibc_floor: str, include: str, source: str, out: str, lib_dir:
             "-Wl,--no-as-needed", "-ltvm_runtime", "-ltvm_ffi", "-Wl,--as-needed", "-Wl,-rpath,$ORIGIN/../lib", "-s"]
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def runner_inputs(sdk: Path, lib_dir: Path, glibc_floor: str, source: Path = RUNNER_SOURCE) -> dict:
     """Everything bin/run is made from, hashed: two runners with equal inputs are interchangeable."""
     headers = sdk / HEADERS
-    return {"runner.cc": _sha256(source),
-            "headers": {str(p.relative_to(headers)): _sha256(p) for p in sorted(headers.rglob("*")) if p.is_file()},
-            "libraries": {Path(m).name: _sha256(lib_dir / Path(m).name) for m in RUNTIME_LIBS.values()},
+    return {"runner.cc": sha256_file(source),
+            "headers": {str(p.relative_to(headers)): sha256_file(p) for p in sorted(headers.rglob("*")) if p.is_file()},
+            "libraries": {Path(m).name: sha256_file(lib_dir / Path(m).name) for m in RUNTIME_LIBS.values()},
             "glibc_floor": glibc_floor, "zig": zig_version(),
             "argv": compile_argv(glibc_floor, "<include>", "<runner.cc>", "<out>", "<lib>")}
 
@@ -121,7 +118,7 @@ def build_carried(wheels: list[Path], into: Path, work: Path, glibc_floor: str =
     inputs = runner_inputs(sdk, lib_dir, glibc_floor, source)
     build_runner(sdk, lib_dir, into / "run", glibc_floor, source)
     record = {"made_by": "appliance bundle build", "key": runner_key(inputs), "glibc_floor": glibc_floor,
-              "zig": inputs["zig"], "sha256": _sha256(into / "run"),
+              "zig": inputs["zig"], "sha256": sha256_file(into / "run"),
               "wheels": {prefix.rstrip("-"): wheel_of(wheels, prefix).name for prefix in RUNTIME_LIBS},
               "inputs": inputs}
     (into / RUNNER_JSON).write_text(json.dumps(record, indent=2) + "\n")
@@ -150,7 +147,7 @@ def find_carried(inputs: dict) -> tuple[Path | None, str]:
                              for d in differs) or "runner.json edited"
             passed_over.append(f"{directory}'s key {str(carried_key)[:12]}... is not this package's ({said})")
             continue
-        if not (directory / "run").is_file() or _sha256(directory / "run") != digest:
+        if not (directory / "run").is_file() or sha256_file(directory / "run") != digest:
             passed_over.append(f"{directory / 'run'} is missing or not the file runner.json names")
             continue
         return directory / "run", f"bin/run: the bundle's prebuilt runner (key {key[:12]}...)"
