@@ -5,7 +5,8 @@
 For each model at 1x3x224x224 (--size; untrained weights; latency does not depend on them):
 onnxruntime FP32, onnxruntime INT8 (S8S8 QDQ, `appliance quantize`'s default, and U8S8 with
 reduce_range, its `--scheme u8s8`), the TVM host builds as `appliance compile --target x86_64`
-makes them, untuned: FP32, and int8 (the S8S8 QDQ model with int8 compute) and, for the models in
+makes them, untuned: FP32, and int8 (the S8S8 QDQ model with int8 compute; where the host has
+AVX-512 VNNI also the same build on TVM's generic kernels, `--int8-kernels generic`) and, for the models in
 --tune-models, both tuned by `appliance compile --tune N` (N = --tune-trials trials per task; the
 tuning time is printed). Prints median latency, the median over rounds of each route's ratio to
 onnxruntime FP32 in that round, and file sizes. Targets from the issue: TVM int8 tuned <= 1.0x,
@@ -82,6 +83,9 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: in
     compile_s = time.perf_counter() - start
     int8_info = compile_model(int8, "x86_64", work / "tvm-int8")  # int8 compute, as `appliance compile` does
     builds = {"tvm": work / "tvm", "tvm_int8": work / "tvm-int8"}
+    if int8_info["int8_kernels"]["kind"] != "generic":  # the same build on TVM's generic kernels, to compare
+        compile_model(int8, "x86_64", work / "tvm-int8-generic", int8_kernels="generic")
+        builds["tvm_int8_generic"] = work / "tvm-int8-generic"
     tuned = tuned_int8 = None
     if tune_trials:
         def log(line):
@@ -111,7 +115,7 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: in
               "tvm_mb": (work / "tvm" / "model.so").stat().st_size / 1e6,
               "tvm_int8_mb": (work / "tvm-int8" / "model.so").stat().st_size / 1e6, "tvm_compile_s": compile_s,
               "tvm_max_abs_diff_vs_ort": info["check"]["max_abs_diff"],
-              "tvm_int8_layers": int8_info["layers"],
+              "tvm_int8_layers": int8_info["layers"], "tvm_int8_kernels": int8_info["int8_kernels"],
               "tvm_int8_steps_vs_ort_qdq": int8_info["check"]["max_quantized_units"]}
     if tuned:
         result.update(tune_trials_per_task=tune_trials, tune_tasks=tuned["tuning"]["tasks"],
@@ -122,7 +126,7 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: in
 
 
 LABELS = {"ort_fp32": "ORT FP32", "ort_int8": "ORT INT8 S8S8", "ort_u8s8": "ORT INT8 U8S8-rr",
-          "tvm": "TVM FP32", "tvm_int8": "TVM int8", "tvm_tuned": "TVM FP32 tuned", "tvm_int8_tuned": "TVM int8 tuned"}
+          "tvm": "TVM FP32", "tvm_int8": "TVM int8", "tvm_int8_generic": "TVM int8 generic kernels", "tvm_tuned": "TVM FP32 tuned", "tvm_int8_tuned": "TVM int8 tuned"}
 
 
 def main() -> None:
@@ -152,7 +156,8 @@ def main() -> None:
         print(f"{arch:>13}  {cells}", flush=True)
         print(f"{arch:>13}  rel err vs FP32: ORT S8S8 {r['int8_rel_err']:.3f}, ORT U8S8-rr {r['u8s8_rel_err']:.3f}; "
               f"TVM int8 vs ORT QDQ reference {r['tvm_int8_steps_vs_ort_qdq']:.1f} output steps, layers "
-              f"{r['tvm_int8_layers']['int8']} int8 / {r['tvm_int8_layers']['simulated']} simulated; sizes ONNX FP32 "
+              f"{r['tvm_int8_layers']['int8']} int8 / {r['tvm_int8_layers']['simulated']} simulated, "
+              f"{r['tvm_int8_kernels']['layers']} on {r['tvm_int8_kernels']['kind']} kernels; sizes ONNX FP32 "
               f"{r['fp32_mb']:.1f} MB, INT8 {r['int8_mb']:.1f} MB, TVM .so FP32 {r['tvm_mb']:.1f} MB, int8 "
               f"{r['tvm_int8_mb']:.1f} MB; TVM FP32 compile {r['tvm_compile_s']:.0f} s", flush=True)
         if "tune_s" in r:

@@ -1,6 +1,6 @@
 """The int8 GEMM core of a convolution: a hand-scheduled TVM kernel with AVX-512 VNNI next to
-onnxruntime's MatMulInteger, side by side in one process run (issue 13, an experiment: not yet
-used by `appliance compile`).
+onnxruntime's MatMulInteger, side by side in one process run (issue 13; `appliance compile`
+uses the same intrinsic and tiling for its convolutions, appliance/deploy/x86_int8.py).
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_gemm.py [--rounds 15] [--json FILE]
 
@@ -22,7 +22,7 @@ Two things in TVM 0.27 that this works around (both found here; see benchmarks/R
   `llvm.x86.avx512.vpdpbusd.512` with <64 x i8> operands, the intrinsic passes <16 x i32>;
 - in TVMScript an assignment inside a prim_func becomes a local buffer, not a value: written
   with temporaries, every vpdpbusd's operands and accumulator went through the stack (about
-  5x slower); the implementation below is one expression.
+  5x slower); x86_int8.register_intrinsic writes it as one expression.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -54,42 +53,15 @@ SHAPES = [
 ]
 
 
-def register_vnni():
-    """A u8 x s8 -> s32 16x4 dot product for TVM 0.27's LLVM (see the module docstring)."""
-    import tvm.s_tir
-
-    # The tensor_intrin package's __init__ registers every backend's intrinsics (30 s); only x86's are needed.
-    name = "tvm.s_tir.tensor_intrin"
-    if name not in sys.modules:
-        package = types.ModuleType(name)
-        package.__path__ = [str(Path(tvm.s_tir.__file__).parent / "tensor_intrin")]
-        sys.modules[name] = package
-    from tvm.s_tir import TensorIntrin
-    from tvm.s_tir.tensor_intrin.x86 import dot_product_16x4_u8i8i32_desc
-    from tvm.script import tirx as T
-
-    @T.prim_func(s_tir=True)
-    def vnni(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4), "int8", offset_factor=1),
-             C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
-        with T.sblock("root"):
-            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-            T.writes(C[0:16])
-            C[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(
-                T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), C.vload([0], dtype="int32x16"),
-                T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", A.vload([0], "uint8x4")), 16)),
-                B.vload([0, 0], dtype="int8x64"), dtype="int32x16")
-
-    TensorIntrin.register("appliance_dot_16x4_vnni", dot_product_16x4_u8i8i32_desc, vnni, override=True)
-    return "appliance_dot_16x4_vnni"
-
-
 def vnni_gemm(M: int, K: int, N: int, target: dict, k_tile: int = 64):
     """The built TVM function gemm(A[M, K] u8, Bp[N/16, K/4, 16, 4] s8, C[M, N] s32)."""
     import tvm
     from tvm import s_tir
     from tvm.script import tirx as T
 
-    intrin = register_vnni()
+    from appliance.deploy.x86_int8 import register_intrinsic
+
+    intrin = register_intrinsic()
     rows = next(r for r in (4, 7, 8, 2, 1) if M % r == 0)
     blocks = 2 if N % 32 == 0 else 1
     k_tile = next(t for t in (k_tile, 32, 16, 8, 4) if K % t == 0)

@@ -13,8 +13,8 @@ intrinsic passes <16 x i32>). So the x86_64 build of a host with VNNI gives each
 
 with a register tile of ROWS output pixels x 16 channels (accumulators stay in registers), the
 reduction over (C/4, KH, KW) outside it and 4 channels per instruction inside, and the tiles
-parallel over the cores. Layout transforms to and from NCHW surround each kernel; TVM fuses them
-with the elementwise ops next to them.
+parallel over the cores. Reshapes and transposes to and from NCHW surround each kernel; TVM fuses
+them with the elementwise ops next to them.
 
 uint8 data: the int8 activations of `int8_rewrite` shifted by +128 (their zero point too), so
 every product is exact and the zero-point correction stays the constant it was.
@@ -200,11 +200,14 @@ def _vnni_conv(builder, call, index):
     kernel = builder.add_func(func.without_attr("global_symbol"), f"vnni_conv2d_{index}")
     emit = builder.emit  # bound, so each step has its type for the next
     shifted = emit(relax.op.astype(relax.op.add(relax.op.astype(data, "int16"), relax.const(128, "int16")), "uint8"))
-    blocked = emit(relax.op.layout_transform(shifted, index_map=lambda b, ch, y, x: (b, ch // GROUP, y, x, ch % GROUP),
-                                             pad_value=0))
+    if c4 * GROUP != c:  # whole groups of 4 channels: zeros meet the zero weights packed there
+        shifted = emit(relax.op.nn.pad(shifted, [0, 0, 0, c4 * GROUP - c, 0, 0, 0, 0], pad_value=0.0))
+    # reshape + permute_dims rather than layout_transform: injective, so TVM fuses them with the
+    # elementwise work before and after (a layout_transform stayed a kernel and a pass of its own).
+    blocked = emit(relax.op.permute_dims(relax.op.reshape(shifted, (n, c4, GROUP, h, w)), [0, 1, 3, 4, 2]))
     acc = emit(relax.call_tir(kernel, [blocked, relax.const(packed)],
                               relax.TensorType((n, o16, oh, ow, LANES), "int32")))
-    acc = emit(relax.op.layout_transform(acc, index_map=lambda b, ob, y, x, oi: (b, ob * LANES + oi, y, x)))
+    acc = emit(relax.op.reshape(relax.op.permute_dims(acc, [0, 1, 4, 2, 3]), (n, o16 * LANES, oh, ow)))
     if o16 * LANES != o:
         acc = emit(relax.op.strided_slice(acc, axes=[1], begin=[0], end=[o]))
     shift = (128 * wq.astype(np.int64).reshape(o, -1).sum(1)).astype(np.int32).reshape(1, o, 1, 1)
