@@ -58,7 +58,20 @@ def summarise(times: dict, base: str = "ort_fp32") -> dict:
     return out
 
 
-def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: int = 224) -> dict:
+def quiet_ort_session(path):
+    """onnxruntime as ort_session makes it, minus its threads' spinning after each call: spinning, they
+    hold the cores the next route in the round needs (benchmarks/int8_gemm.py measured a TVM call
+    250x slower right after one)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: int = 224,
+                ort_spinning: bool = True) -> dict:
     import tvm
     from tvm import relax
 
@@ -96,7 +109,8 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: in
         builds.update(tvm_tuned=work / "tvm-tuned", tvm_int8_tuned=work / "tvm-int8-tuned")
 
     x = calib[:1]
-    s_fp32, s_int8, s_u8 = ort_session(fp32), ort_session(int8), ort_session(u8)
+    session = ort_session if ort_spinning else quiet_ort_session
+    s_fp32, s_int8, s_u8 = session(fp32), session(int8), session(u8)
     ref = s_fp32.run(None, {"input": x})[0]
 
     def rel_err(session):
@@ -140,16 +154,20 @@ def main() -> None:
     parser.add_argument("--tune-models", nargs="*", default=["mobilenet_v2"],
                         help="models also compiled with `--tune` (a tuned TVM column)")
     parser.add_argument("--tune-trials", type=int, default=8, help="MetaSchedule trials per task")
+    parser.add_argument("--ort-no-spin", action="store_true",
+                        help="onnxruntime threads do not spin after a call (session.intra_op.allow_spinning=0)")
     args = parser.parse_args()
     import os
 
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (a shared machine inflates every "
-          f"figure alike; compare ratios); onnxruntime {onnxruntime.__version__}; TVM untuned (default Relax pipeline)")
+          f"figure alike; compare ratios); onnxruntime {onnxruntime.__version__}"
+          f"{' (threads not spinning)' if args.ort_no_spin else ''}; TVM untuned (default Relax pipeline)")
     results = []
     for arch in args.models:
         with tempfile.TemporaryDirectory(prefix=f"bench-{arch}-") as tmp:
             results.append(bench_model(arch, Path(tmp), args.runs,
-                                       args.tune_trials if arch in args.tune_models else 0, args.size))
+                                       args.tune_trials if arch in args.tune_models else 0, args.size,
+                                       ort_spinning=not args.ort_no_spin))
         r = results[-1]
         cells = " | ".join(f"{LABELS[name]} {v['ms']:.2f} ms (x{v['ratio']:.2f}, {v['calls']} calls)"
                            for name, v in r["routes"].items())
