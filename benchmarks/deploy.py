@@ -58,18 +58,6 @@ def summarise(times: dict, base: str = "ort_fp32") -> dict:
     return out
 
 
-def quiet_ort_session(path):
-    """onnxruntime as ort_session makes it, minus its threads' spinning after each call: spinning, they
-    hold the cores the next route in the round needs (benchmarks/int8_gemm.py measured a TVM call
-    250x slower right after one)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
 def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: int = 224,
                 ort_spinning: bool = True) -> dict:
     import tvm
@@ -109,8 +97,9 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: in
         builds.update(tvm_tuned=work / "tvm-tuned", tvm_int8_tuned=work / "tvm-int8-tuned")
 
     x = calib[:1]
-    session = ort_session if ort_spinning else quiet_ort_session
-    s_fp32, s_int8, s_u8 = session(fp32), session(int8), session(u8)
+    # Spinning threads hold the cores the next route in the round needs (int8_gemm.py measured a
+    # small TVM call 250x slower right after one); --ort-no-spin turns it off.
+    s_fp32, s_int8, s_u8 = (ort_session(m, spinning=ort_spinning) for m in (fp32, int8, u8))
     ref = s_fp32.run(None, {"input": x})[0]
 
     def rel_err(session):

@@ -76,13 +76,16 @@ def metadata(model) -> dict:
     return {key.split(".", 1)[1]: json.loads(props[key]) for key in METADATA_KEYS if key in props}
 
 
-def ort_session(path, optimize: bool = True):
-    """An onnxruntime CPU session. optimize=False keeps QDQ nodes as written (what TVM imports)."""
+def ort_session(path, optimize: bool = True, spinning: bool = True):
+    """An onnxruntime CPU session. optimize=False keeps QDQ nodes as written (what TVM imports);
+    spinning=False: its threads do not spin after a call (for benchmarks that alternate routes)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

@@ -25,16 +25,10 @@ from appliance.errors import DataError
 from appliance.tuning_db import HEADER, RECORDS, WORKLOADS, cpu_of, installed_databases, read_header, same_kind
 
 
-def prepare_meta_schedule() -> None:
-    """Make MetaSchedule usable in-process, fast, without psutil.
-
-    TuneContext imports `tvm.s_tir.tensor_intrin`, whose package __init__ registers CUDA, ROCm
-    and Hexagon intrinsics too (about 25 s of the 30 s import); a CPU search only needs the x86
-    and ARM ones, so the package is registered with just those submodules loaded. MetaSchedule
-    asks psutil for the core count; the CPUs this process may run on are the right answer."""
-    import tvm
+def cpu_tensor_intrinsics() -> None:
+    """Import `tvm.s_tir.tensor_intrin` with only its x86 and ARM submodules: the package's
+    __init__ also registers CUDA, ROCm and Hexagon intrinsics (about 25 s of a 30 s import)."""
     import tvm.s_tir
-    import tvm_ffi
 
     name = "tvm.s_tir.tensor_intrin"
     if name not in sys.modules:
@@ -43,6 +37,17 @@ def prepare_meta_schedule() -> None:
         sys.modules[name] = package
         for sub in ("x86", "arm_cpu"):
             importlib.import_module(f"{name}.{sub}")
+
+
+def prepare_meta_schedule() -> None:
+    """Make MetaSchedule usable in-process, fast, without psutil.
+
+    TuneContext imports `tvm.s_tir.tensor_intrin`: only its CPU submodules are loaded
+    (cpu_tensor_intrinsics). MetaSchedule
+    asks psutil for the core count; the CPUs this process may run on are the right answer."""
+    import tvm_ffi
+
+    cpu_tensor_intrinsics()
     tvm_ffi.register_global_func("s_tir.meta_schedule.cpu_count",
                                  lambda logical=True: len(os.sched_getaffinity(0)), override=True)
 

@@ -7,9 +7,9 @@ intrinsic does not build (its LLVM declares the instruction with <64 x i8> opera
 intrinsic passes <16 x i32>). So the x86_64 build of a host with VNNI gives each int8 conv2d
 (groups 1) a kernel of its own, scheduled here:
 
-    data    uint8  [C/4, H, W, 4]          4 input channels of one pixel: one 32-bit broadcast
-    weights int8   [O/16, C/4, KH, KW, 16, 4]   packed once at compile time (a constant)
-    output  int32  [O/16, OH, OW, 16]      16 output channels of one pixel: one zmm register
+    data    uint8  [N, C/4, H, W, 4]         4 input channels of one pixel: one 32-bit broadcast
+    weights int8   [O/16, C/4, KH, KW, 16, 4]  packed once at compile time (a constant)
+    output  int32  [N, O/16, OH, OW, 16]     16 output channels of one pixel: one zmm register
 
 with a register tile of ROWS output pixels x 16 channels (accumulators stay in registers), the
 reduction over (C/4, KH, KW) outside it and 4 channels per instruction inside, and the tiles
@@ -22,9 +22,7 @@ every product is exact and the zero-point correction stays the constant it was.
 
 from __future__ import annotations
 
-import sys
-import types
-from pathlib import Path
+import functools
 
 import numpy as np
 
@@ -44,18 +42,14 @@ def has_vnni(tvm_target: dict) -> bool:
     return bool(codegen.target_has_features("avx512vnni", tvm.target.Target(tvm_target)))
 
 
+@functools.cache  # once per process: every layer's kernel uses it
 def register_intrinsic() -> str:
     """The 16x4 u8 x s8 -> s32 dot product for TVM 0.27's LLVM, written as one expression: in
     TVMScript an assignment becomes a local buffer, and temporaries sent every operand through the
     stack (5x slower, measured)."""
-    import tvm.s_tir
+    from appliance.deploy.tune import cpu_tensor_intrinsics
 
-    # The tensor_intrin package's __init__ registers every backend's intrinsics (30 s); x86's suffice.
-    name = "tvm.s_tir.tensor_intrin"
-    if name not in sys.modules:
-        package = types.ModuleType(name)
-        package.__path__ = [str(Path(tvm.s_tir.__file__).parent / "tensor_intrin")]
-        sys.modules[name] = package
+    cpu_tensor_intrinsics()
     from tvm.s_tir import TensorIntrin
     from tvm.s_tir.tensor_intrin.x86 import dot_product_16x4_u8i8i32_desc
     from tvm.script import tirx as T
