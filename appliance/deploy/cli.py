@@ -119,6 +119,9 @@ def register_compile(subparsers) -> None:
     p.add_argument("--int8-kernels", choices=tvm_compile.INT8_KERNELS, default="auto",
                    help="auto (default): int8 convolutions on the CPU's dot-product instructions where this build "
                    "has kernels for them (x86_64 with AVX-512 VNNI); generic: TVM's generic kernels")
+    p.add_argument("--fp32-kernels", choices=tvm_compile.FP32_KERNELS, default="auto",
+                   help="auto (default): float32 convolutions on register-tiled kernels sized for the CPU's vector "
+                   "unit (AVX-512, AVX2, NEON); generic: TVM's generic kernels")
     p.add_argument("--tuning-db", metavar="DIR",
                    help="tuning database to apply; made by --tune (into DIR when it does not exist yet), "
                    "reused without tuning when it does")
@@ -143,7 +146,7 @@ def compile_command(args) -> int:
         refuse_failed_gate(args.model)
     info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
                          tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
-                         int8_kernels=args.int8_kernels, installed_tuning=not args.no_installed_tuning, rpc=args.rpc, rpc_key=args.rpc_key)
+                         int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning, rpc=args.rpc, rpc_key=args.rpc_key)
     if "tuning" in info:
         t = info["tuning"]
         if t["reused"]:

@@ -21,6 +21,7 @@ TARGETS = {
 ELF_MACHINE = {"aarch64": 183, "x86_64": 62}
 INT8_COMPUTE = ("int8", "simulated")
 INT8_KERNELS = ("auto", "generic")  # auto: the CPU's dot-product kernels where this build has them (x86_int8.py)
+FP32_KERNELS = ("auto", "generic")  # auto: register-tiled float32 convolutions where the CPU has a vector unit (cpu_conv.py)
 # Default check of a QDQ model: output quantization steps allowed. The float32 reference's rounding
 # moves values across quantization boundaries and deep nets carry that on (measured up to 7 steps on
 # an untrained MobileNetV2, 98 % of logits within 2); real errors (a wrong scale) are tens of steps.
@@ -95,7 +96,7 @@ def import_relax(model, path, shape: list):
 def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
                   batch: int = 1, tune_trials: int | None = None, tuning_db=None, int8_compute: str = "int8",
                   installed_tuning: bool = True, rpc: str | None = None, rpc_key: str = "", int8_kernels: str = "auto",
-                  log=print) -> dict:
+                  fp32_kernels: str = "auto", log=print) -> dict:
     """installed_tuning: apply the installed tuning databases made for this target and CPU
     (appliance.tuning_db) when neither tune_trials nor tuning_db is given. rpc: HOST:PORT of a TVM
     RPC server on the target device that times the tuning candidates (tune_rpc.py)."""
@@ -120,6 +121,8 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         raise DataError(f"{model_path}: --int8-compute must be one of {', '.join(INT8_COMPUTE)}, not {int8_compute!r}")
     if int8_kernels not in INT8_KERNELS:
         raise DataError(f"{model_path}: --int8-kernels must be one of {', '.join(INT8_KERNELS)}, not {int8_kernels!r}")
+    if fp32_kernels not in FP32_KERNELS:
+        raise DataError(f"{model_path}: --fp32-kernels must be one of {', '.join(FP32_KERNELS)}, not {fp32_kernels!r}")
     if rpc and not tune_trials:
         raise DataError(f"--rpc {rpc}: the RPC server times tuning candidates; add --tune N")
     step = output_scale(model)  # a QDQ model's output quantization step, None for float outputs
@@ -135,6 +138,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     layers = classify_layers(mod, model)
     target = target_for(target_name)
     mod, kernels = _int8_kernels(mod, target, layers, int8_kernels, log)
+    mod, fp32 = _fp32_kernels(mod, target, layers, fp32_kernels, log)
     tuning, installed, tuned_tasks = None, [], 0
     if tune_trials or tuning_db:
         mod, target, tuning = _tuned(mod, model_path, target_name, target, out_dir, tune_trials, tuning_db, log,
@@ -159,6 +163,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     info = {"made_by": "appliance compile", "source_model": str(model_path.resolve()), "target": target_name,
             "tvm_target": target, "input": {"name": inp.name, "shape": shape, "dtype": "float32"},
             "precision": model_precision, "int8_compute": int8_compute, "layers": layers, "int8_kernels": kernels,
+            "fp32_kernels": fp32,
             "tuned_tasks": tuned_tasks, "installed_tuning": installed,
             "library": str(library), "library_bytes": library.stat().st_size,
             "compile_seconds": round(seconds, 2), "host_latency_ms": None, **meta}
@@ -176,6 +181,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     inputs += [Path(db) / name for db in applied for name in FILES]  # the schedules in model.so came from these
     write_manifest(out_dir, "compile", inputs, {"target": target_name, "tvm_target": target,
                                                  "int8_compute": int8_compute, "int8_kernels": int8_kernels,
+                                                 **({"fp32_kernels": fp32_kernels} if fp32_kernels != "auto" else {}),
                                                  "input_shape": shape, "tolerance": tolerance,
                                                  **({"tuning": tuning} if tuning else {}),
                                                  **({"installed_tuning": installed} if installed else {})})
@@ -186,20 +192,46 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
 
 
 def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
-    """The int8 conv2d layers on this build's dot-product kernels (x86_64 with AVX-512 VNNI:
-    x86_int8.py), else on TVM's generic ones: (mod, {"kind", "layers", "reason"}) for compile.json."""
+    """The int8 conv2d layers on this build's CPU kernels: groups 1 on the dot-product ones (x86_64
+    with AVX-512 VNNI: x86_int8.py), depthwise on the vector ones (cpu_conv.py), the rest on TVM's
+    generic ones: (mod, {"kind", "layers", "depthwise", "reason"}) for compile.json."""
     if not layers.get("int8"):
-        return mod, {"kind": "none", "layers": 0, "reason": "no int8 layers"}
+        return mod, {"kind": "none", "layers": 0, "depthwise": 0, "reason": "no int8 layers"}
     if choice == "generic":
-        return mod, {"kind": "generic", "layers": 0, "reason": "--int8-kernels generic"}
-    from appliance.deploy import x86_int8
+        return mod, {"kind": "generic", "layers": 0, "depthwise": 0, "reason": "--int8-kernels generic"}
+    from appliance.deploy import cpu_conv, x86_int8
 
+    depthwise = 0
+    tile = cpu_conv.tile_for(target)
+    if tile is not None:
+        mod, depthwise = cpu_conv.use_depthwise_int8_kernels(mod, tile)
     if not x86_int8.has_vnni(target):
-        return mod, {"kind": "generic", "layers": 0,
-                     "reason": f"no dot-product kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()}
+        reason = f"no dot-product kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()
+        log(f"compile: {depthwise} depthwise int8 layers on {tile[0] if tile else 'no'} vector kernels; {reason}")
+        return mod, {"kind": "generic", "layers": 0, "depthwise": depthwise, "reason": reason}
     mod, count = x86_int8.use_vnni_kernels(mod)
-    log(f"compile: {count} of {layers['int8']} int8 layers on AVX-512 VNNI kernels (the rest: grouped or matmul)")
-    return mod, {"kind": "x86-vnni", "layers": count, "reason": None}
+    log(f"compile: {count} of {layers['int8']} int8 layers on AVX-512 VNNI kernels, {depthwise} depthwise on "
+        "vector kernels (the rest: matmul)")
+    return mod, {"kind": "x86-vnni", "layers": count, "depthwise": depthwise, "reason": None}
+
+
+def _fp32_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
+    """The float32 conv2d layers on register-tiled kernels (cpu_conv.py) where this build's CPU has a
+    vector unit they are sized for: (mod, {"kind", "layers", "reason"}) for compile.json."""
+    from appliance.deploy import cpu_conv
+
+    if not layers.get("fp32"):
+        return mod, {"kind": "none", "layers": 0, "reason": "no float32 layers"}
+    if choice == "generic":
+        return mod, {"kind": "generic", "layers": 0, "reason": "--fp32-kernels generic"}
+    tile = cpu_conv.tile_for(target)
+    if tile is None:
+        return mod, {"kind": "generic", "layers": 0,
+                     "reason": f"no float32 kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()}
+    mod, count = cpu_conv.use_fp32_kernels(mod, tile)
+    log(f"compile: {count} of {layers['fp32']} float32 layers on {tile[0]} register-tiled kernels "
+        "(the rest: grouped or matmul)")
+    return mod, {"kind": tile[0], "layers": count, "reason": None}
 
 
 def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log, rpc=None, rpc_key=""):

@@ -133,52 +133,22 @@ def use_vnni_kernels(mod):
     """mod with every int8 x int8 -> int32 conv2d of groups 1 (what int8_rewrite makes) computed by
     a VNNI kernel; returns (mod, how many). The int8 data are shifted to uint8 (+128) for the
     instruction, and 128 x the weights' sum per output channel taken off again: exact."""
-    from tvm import relax
+    from appliance.deploy.cpu_conv import rewrite_calls
 
-    @relax.expr_functor.mutator
-    class Rewriter(relax.PyExprMutator):
-        def __init__(self, module):
-            super().__init__(module)
-            self.module, self.count = module, 0
-
-        def run(self):
-            for gvar, func in self.module.functions_items():
-                if isinstance(func, relax.Function):
-                    self.builder_.update_func(gvar, self.visit_expr(func))
-            return self.builder_.get()
-
-        def visit_call_(self, call):
-            call = self.visit_expr_post_order(call)
-            replaced = _vnni_conv(self.builder_, call, self.count)
-            if replaced is None:
-                return call
-            self.count += 1
-            return replaced
-
-    rewriter = Rewriter(mod)
-    out = rewriter.run()
-    return out, rewriter.count
-
-
-def _static_shape(expr):
-    shape = getattr(expr.ty, "shape", None)
-    if shape is None:
-        return None
-    try:
-        return [int(v) for v in shape]
-    except (TypeError, ValueError):
-        return None
+    return rewrite_calls(mod, _vnni_conv)
 
 
 def _vnni_conv(builder, call, index):
     import tvm
     from tvm import relax
 
+    from appliance.deploy.cpu_conv import static_shape
+
     if not isinstance(call.op, tvm.ir.Op) or call.op.name != CONV:
         return None
     data, weight = call.args
     attrs = call.attrs
-    shape = _static_shape(data)
+    shape = static_shape(data)
     if (not isinstance(weight, tvm.ir.GenericConst) or shape is None or len(shape) != 4 or int(attrs.groups) != 1
             or getattr(data.ty, "dtype", None) != "int8" or getattr(weight.ty, "dtype", None) != "int8"
             or str(attrs.out_dtype) != "int32" or attrs.data_layout != "NCHW" or attrs.kernel_layout != "OIHW"

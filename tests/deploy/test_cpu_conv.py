@@ -1,0 +1,156 @@
+"""The register-tiled float32 and depthwise kernels (appliance/deploy/cpu_conv.py): against torch's
+float64 convolution on awkward shapes, with every CPU's tile built and run on this host (the tiles
+differ in size only; LLVM legalises the vectors for whichever CPU runs them). The whole-model
+builds with them are checked against onnxruntime in test_compile.py and, under qemu, the package
+and edge tests."""
+
+import numpy as np
+import pytest
+
+from appliance.deploy.compile import TARGETS
+
+
+def host_target():
+    from appliance.deploy.compile import target_for
+
+    return target_for("x86_64")
+
+
+def test_the_tile_is_chosen_by_the_build_cpu_not_by_the_machine_compiling():
+    from appliance.deploy.cpu_conv import tile_for
+
+    assert tile_for({**TARGETS["x86_64"], "mcpu": "sapphirerapids"}) == ("avx512", 2, 7)
+    assert tile_for({**TARGETS["x86_64"], "mcpu": "znver3"}) == ("avx2", 1, 6)
+    assert tile_for({**TARGETS["x86_64"], "mcpu": "nehalem"}) is None  # SSE only: TVM's generic kernels
+    assert tile_for(TARGETS["x86_64"]) is None  # no CPU named: no assumption
+    assert tile_for(TARGETS["aarch64"]) == ("neon", 1, 6)
+    assert tile_for(TARGETS["aarch64-dotprod"]) == ("neon", 1, 6)
+
+
+TILES = [("avx512", 2, 7), ("avx2", 1, 6), ("neon", 1, 6)]
+# (batch, channels in, size, channels out, kernel, stride, dilation, padding (top, left, bottom, right))
+SHAPES = [
+    (1, 64, 14, 64, 3, 1, 1, (1, 1, 1, 1)),   # a resnet block: 4 blocks of 16 outputs
+    (2, 3, 17, 10, 7, 2, 1, (3, 3, 3, 3)),    # a stem: 10 outputs (padded to 16, one block), batch 2, odd size
+    (1, 24, 9, 48, 1, 1, 1, (0, 0, 0, 0)),    # 1x1, 3 blocks (odd: one block per tile)
+    (1, 8, 12, 32, 3, 2, 2, (2, 1, 0, 2)),    # stride 2, dilation 2, uneven padding
+]
+
+
+def run_conv(x, w, stride, dilation, padding, groups, tile, out_dtype=None):
+    """A Relax conv2d of x with constant w through cpu_conv's rewrite, built for this host and run."""
+    import tvm
+    from tvm import relax
+
+    from appliance.deploy.cpu_conv import use_depthwise_int8_kernels, use_fp32_kernels
+
+    builder = relax.BlockBuilder()
+    data = relax.Var("x", relax.TensorType(x.shape, str(x.dtype)))
+    with builder.function("main", [data]):
+        with builder.dataflow():
+            out = builder.emit_output(relax.op.nn.conv2d(data, relax.const(w), strides=[stride, stride],
+                                                         padding=list(padding), dilation=[dilation, dilation],
+                                                         groups=groups, out_dtype=out_dtype))
+        builder.emit_func_output(out)
+    rewrite = use_depthwise_int8_kernels if x.dtype == np.int8 else use_fp32_kernels
+    mod, count = rewrite(builder.get(), tile)
+    assert count == 1
+    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(x)).numpy()
+
+
+def reference(x, w, stride, dilation, padding, groups):
+    import torch
+
+    top, left, bottom, right = padding
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (top, bottom), (left, right)))
+    return torch.nn.functional.conv2d(torch.from_numpy(xp), torch.from_numpy(w.astype(np.float64)),
+                                      stride=stride, dilation=dilation, groups=groups).numpy()
+
+
+@pytest.mark.parametrize("tile", TILES, ids=[t[0] for t in TILES])
+@pytest.mark.parametrize("n,c,size,o,k,stride,dilation,padding", SHAPES)
+def test_float32_conv_matches_a_float64_reference(n, c, size, o, k, stride, dilation, padding, tile):
+    rng = np.random.default_rng(n * 1000 + c * 10 + k)
+    x = rng.standard_normal((n, c, size, size)).astype(np.float32)
+    w = rng.standard_normal((o, c, k, k)).astype(np.float32)
+    got = run_conv(x, w, stride, dilation, padding, 1, tile)
+    expected = reference(x, w, stride, dilation, padding, 1)
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    # float32 sums of c*k*k unit products, in another order than the reference's
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.sqrt(c * k * k) * 10)
+
+
+# (batch, channels, size, kernel, stride, padding): 24 channels are 1.5 blocks of 16
+DEPTHWISE = [(1, 32, 14, 3, 1, (1, 1, 1, 1)), (2, 24, 15, 3, 2, (1, 1, 1, 1)), (1, 16, 8, 5, 1, (2, 2, 2, 2))]
+
+
+@pytest.mark.parametrize("n,c,size,k,stride,padding", DEPTHWISE)
+def test_depthwise_float32_and_int8_match_the_reference(n, c, size, k, stride, padding):
+    tile = host_tile()
+    rng = np.random.default_rng(c * 10 + k)
+    x = rng.standard_normal((n, c, size, size)).astype(np.float32)
+    w = rng.standard_normal((c, 1, k, k)).astype(np.float32)
+    got = run_conv(x, w, stride, 1, padding, c, tile)
+    np.testing.assert_allclose(got, reference(x, w, stride, 1, padding, c), rtol=0, atol=1e-5)
+    # int8 x int8 -> int32, as int8_rewrite emits it (its padding is explicit, with the zero point): exact
+    xq = rng.integers(-128, 128, (n, c, size, size), dtype=np.int8)
+    wq = rng.integers(-128, 128, (c, 1, k, k), dtype=np.int8)
+    got = run_conv(xq, wq, stride, 1, padding, c, tile, out_dtype="int32")
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, reference(xq, wq, stride, 1, padding, c).astype(np.int64))
+
+
+def host_tile():
+    from appliance.deploy.cpu_conv import tile_for
+
+    return tile_for(host_target()) or ("avx2", 1, 6)
+
+
+def test_other_convolutions_are_left_alone():
+    """Grouped (not depthwise), runtime weights, and int8 data with groups 1 (VNNI's or generic) stay
+    as they are."""
+    from tvm import relax
+
+    from appliance.deploy.cpu_conv import use_depthwise_int8_kernels, use_fp32_kernels
+
+    builder = relax.BlockBuilder()
+    data = relax.Var("x", relax.TensorType((1, 8, 6, 6), "float32"))
+    weight = relax.Var("w", relax.TensorType((8, 8, 3, 3), "float32"))
+    qdata = relax.Var("q", relax.TensorType((1, 8, 6, 6), "int8"))
+    with builder.function("main", [data, weight, qdata]):
+        with builder.dataflow():
+            grouped = builder.emit(relax.op.nn.conv2d(data, relax.const(np.ones((8, 4, 3, 3), np.float32)), groups=2))
+            runtime = builder.emit(relax.op.nn.conv2d(data, weight))
+            plain = builder.emit(relax.op.nn.conv2d(qdata, relax.const(np.ones((8, 8, 3, 3), np.int8)), out_dtype="int32"))
+            out = builder.emit_output(relax.Tuple([grouped, runtime, plain]))
+        builder.emit_func_output(out)
+    assert use_fp32_kernels(builder.get(), host_tile())[1] == 0
+    assert use_depthwise_int8_kernels(builder.get(), host_tile())[1] == 0
+
+
+def test_a_float_model_says_which_kernels_it_got(tmp_path):
+    """compile.json names the float32 kernels; --fp32-kernels generic turns them off, with the
+    same outputs within the float tolerance."""
+    import torch
+
+    from appliance.deploy.compile import compile_model
+    from appliance.deploy.cpu_conv import tile_for
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 20, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(20, 20, 3, padding=1, groups=20), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(20, 5)).eval()
+    path = tmp_path / "model.onnx"
+    torch.onnx.export(model, torch.zeros(1, 3, 16, 16), str(path), input_names=["input"], output_names=["logits"],
+                      dynamo=False)
+    lines = []
+    tiled = compile_model(path, "x86_64", tmp_path / "tiled", log=lines.append)
+    tile = tile_for(host_target())
+    if tile:
+        assert tiled["fp32_kernels"] == {"kind": tile[0], "layers": 2, "reason": None}
+        assert any("2 of 3 float32 layers" in line for line in lines), lines
+    else:
+        assert tiled["fp32_kernels"]["kind"] == "generic" and tiled["fp32_kernels"]["reason"]
+    generic = compile_model(path, "x86_64", tmp_path / "generic", fp32_kernels="generic", log=lambda line: None)
+    assert generic["fp32_kernels"] == {"kind": "generic", "layers": 0, "reason": "--fp32-kernels generic"}
+    assert tiled["check"]["passed"] and generic["check"]["passed"]
