@@ -6,10 +6,13 @@ kernel of its own here, the classic direct-convolution scheme:
 
     data    float32 [N, C, H, W]            padded beforehand; one scalar broadcast per product
     weights float32 [O/16, C, KH, KW, 16]   packed once at compile time (a constant)
-    output  float32 [N, O/16, OH, OW, 16]   16 output channels of one pixel: one vector
+    output  float32 [N, O, OH, OW]          NCHW, as the layers after it read it
 
 with a register tile of ROWS output pixels x BLOCKS x 16 channels (the accumulators stay in
-registers), the reduction over (C, KH, KW) outside it, and the tiles parallel over the cores. The
+registers, 16 channels of one pixel per vector), the reduction over (C, KH, KW) outside it, and
+the tiles parallel over the cores. The tile is written out channel by channel, a row of pixels
+each: scalar stores, but a separate transpose pass from a blocked output back to NCHW cost more
+(MobileNetV2's kernels and glue, timed one by one: 21.7 ms with the pass, 16.5 ms without). The
 16-wide vector is one zmm on AVX-512, two ymm on AVX2, four q registers on NEON; the tile is sized
 per CPU so the accumulators, the weights and a broadcast fit its vector registers.
 
@@ -67,7 +70,7 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
 def conv2d_kernel(n: int, c: int, h: int, w: int, o16: int, kh: int, kw: int, stride: tuple, dilation: tuple,
                   tile: tuple[str, int, int]):
     """The scheduled PrimFunc conv(data [n, c, h, w], weights [o16, c, kh, kw, 16]) ->
-    [n, o16, oh, ow, 16], all float32, for data already padded; returns (func, (oh, ow))."""
+    [n, o16 * 16, oh, ow], all float32, for data already padded; returns (func, (oh, ow))."""
     from tvm import s_tir
     from tvm.script import tirx as T
 
@@ -80,14 +83,14 @@ def conv2d_kernel(n: int, c: int, h: int, w: int, o16: int, kh: int, kw: int, st
 
     @T.prim_func(s_tir=True)
     def conv(X: T.Buffer((n, c, h, w), "float32"), Wp: T.Buffer((o16, c, kh, kw, 16), "float32"),
-             Y: T.Buffer((n, o16, oh, ow, 16), "float32")):
+             Y: T.Buffer((n, o16 * 16, oh, ow), "float32")):
         T.func_attr({"tir.noalias": True})
         for b, ob, y, x, oi, cc, r, s in T.grid(n, o16, oh, ow, 16, c, kh, kw):
             with T.sblock("conv"):
                 vb, vob, vy, vx, voi, vc, vr, vs = T.axis.remap("SSSSSRRR", [b, ob, y, x, oi, cc, r, s])
                 with T.init():
-                    Y[vb, vob, vy, vx, voi] = T.float32(0)
-                Y[vb, vob, vy, vx, voi] = Y[vb, vob, vy, vx, voi] + (
+                    Y[vb, vob * 16 + voi, vy, vx] = T.float32(0)
+                Y[vb, vob * 16 + voi, vy, vx] = Y[vb, vob * 16 + voi, vy, vx] + (
                     X[vb, vc, vy * sh + vr * dh, vx * sw + vs * dw] * Wp[vob, vc, vr, vs, voi])
 
     sch = s_tir.Schedule(conv)
@@ -99,16 +102,19 @@ def conv2d_kernel(n: int, c: int, h: int, w: int, o16: int, kh: int, kw: int, st
     # "global": LowerTVMBuiltin keeps only global-scope allocations under 1 KiB on the stack, where
     # LLVM promotes the tile to registers ("local" ones go to TVMBackendAllocWorkspace).
     acc = sch.cache_write(block, 0, "global")
+    # the tile channels-last, so each pixel's 16 channels are one vector in it
+    sch.transform_layout(block, ("write", 0), lambda b, c, y, x: (b, y, x, c))
     sch.reverse_compute_at(acc, xo)
     sch.parallel(sch.fuse(b, obo, y))
     sch.vectorize(oi)
     sch.unroll(xi)
     sch.unroll(obi)
     sch.decompose_reduction(block, cc)
-    *_, w_rows, w_blocks, w_lanes = sch.get_loops(acc)
-    sch.vectorize(w_lanes)  # the write-back unrolled too: a loop over the tile would keep it in memory
-    sch.unroll(w_blocks)
+    # written out channel by channel, a row of pixels each; unrolled, or a loop over the tile would
+    # keep it in memory
+    *_, w_channels, w_rows = sch.get_loops(acc)
     sch.unroll(w_rows)
+    sch.unroll(w_channels)
     # Scheduled: tuning and TVM's default schedules leave it alone; opaque: FuseOps fuses nothing into it.
     func = sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
     return func, (oh, ow)
@@ -117,7 +123,7 @@ def conv2d_kernel(n: int, c: int, h: int, w: int, o16: int, kh: int, kw: int, st
 def depthwise_kernel(n: int, c16: int, h: int, w: int, kh: int, kw: int, stride: tuple, dilation: tuple,
                      tile: tuple[str, int, int], dtype: str = "float32"):
     """The scheduled PrimFunc of a depthwise conv(data [n, c16, h, w, 16], weights [c16, kh, kw, 16])
-    -> [n, c16, oh, ow, 16], for data already padded: float32, or int8 with int32 sums. 16 channels
+    -> [n, c16 * 16, oh, ow], for data already padded: float32, or int8 with int32 sums. 16 channels
     per vector: each product is one vector multiply-add, the tile ROWS pixels of 16 channels."""
     from tvm import s_tir
     from tvm.script import tirx as T
@@ -131,14 +137,14 @@ def depthwise_kernel(n: int, c16: int, h: int, w: int, kh: int, kw: int, stride:
 
     @T.prim_func(s_tir=True)
     def conv(X: T.Buffer((n, c16, h, w, 16), dtype), Wp: T.Buffer((c16, kh, kw, 16), dtype),
-             Y: T.Buffer((n, c16, oh, ow, 16), acc_dtype)):
+             Y: T.Buffer((n, c16 * 16, oh, ow), acc_dtype)):
         T.func_attr({"tir.noalias": True})
         for b, cb, y, x, ci, r, s in T.grid(n, c16, oh, ow, 16, kh, kw):
             with T.sblock("conv"):
                 vb, vcb, vy, vx, vci, vr, vs = T.axis.remap("SSSSSRR", [b, cb, y, x, ci, r, s])
                 with T.init():
-                    Y[vb, vcb, vy, vx, vci] = T.cast(0, acc_dtype)
-                Y[vb, vcb, vy, vx, vci] = Y[vb, vcb, vy, vx, vci] + (
+                    Y[vb, vcb * 16 + vci, vy, vx] = T.cast(0, acc_dtype)
+                Y[vb, vcb * 16 + vci, vy, vx] = Y[vb, vcb * 16 + vci, vy, vx] + (
                     T.cast(X[vb, vcb, vy * sh + vr * dh, vx * sw + vs * dw, vci], acc_dtype)
                     * T.cast(Wp[vcb, vr, vs, vci], acc_dtype))
 
@@ -148,14 +154,15 @@ def depthwise_kernel(n: int, c16: int, h: int, w: int, kh: int, kw: int, stride:
     xo, xi = sch.split(x, [None, rows])
     sch.reorder(b, cb, y, xo, r, s, xi, ci)
     acc = sch.cache_write(block, 0, "global")  # on the stack, in registers: see conv2d_kernel
+    sch.transform_layout(block, ("write", 0), lambda b, c, y, x: (b, y, x, c))  # a pixel's channels: a vector
     sch.reverse_compute_at(acc, xo)
     sch.parallel(sch.fuse(b, cb, y))
     sch.vectorize(ci)
     sch.unroll(xi)
     sch.decompose_reduction(block, r)
-    *_, w_rows, w_lanes = sch.get_loops(acc)
-    sch.vectorize(w_lanes)
+    *_, w_channels, w_rows = sch.get_loops(acc)  # written out NCHW: a row of pixels per channel
     sch.unroll(w_rows)
+    sch.unroll(w_channels)
     func = sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
     return func, (oh, ow)
 
@@ -262,8 +269,7 @@ def _depthwise(builder, call, index, tile, dtype):
     emit = builder.emit
     blocked = emit(relax.op.permute_dims(relax.op.reshape(data, (n, c16, LANES, h + ph, wd + pw)), [0, 1, 3, 4, 2]))
     acc_dtype = "int32" if dtype == "int8" else dtype
-    out = emit(relax.call_tir(kernel, [blocked, relax.const(packed)], relax.TensorType((n, c16, oh, ow, LANES), acc_dtype)))
-    out = emit(relax.op.reshape(relax.op.permute_dims(out, [0, 1, 4, 2, 3]), (n, c16 * LANES, oh, ow)))
+    out = emit(relax.call_tir(kernel, [blocked, relax.const(packed)], relax.TensorType((n, c16 * LANES, oh, ow), acc_dtype)))
     if c16 * LANES != c:
         return relax.op.strided_slice(out, axes=[1], begin=[0], end=[c])
     return out
@@ -288,8 +294,7 @@ def _fp32_conv(builder, call, index, tile):
                                    tuple(int(v) for v in attrs.dilation), tile)
     kernel = builder.add_func(func.without_attr("global_symbol"), f"fp32_conv2d_{index}")
     emit = builder.emit
-    out = emit(relax.call_tir(kernel, [data, relax.const(packed)], relax.TensorType((n, o16, oh, ow, LANES), "float32")))
-    out = emit(relax.op.reshape(relax.op.permute_dims(out, [0, 1, 4, 2, 3]), (n, o16 * LANES, oh, ow)))
+    out = emit(relax.call_tir(kernel, [data, relax.const(packed)], relax.TensorType((n, o16 * LANES, oh, ow), "float32")))
     if o16 * LANES != o:
         return relax.op.strided_slice(out, axes=[1], begin=[0], end=[o])
     return out

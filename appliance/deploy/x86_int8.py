@@ -9,12 +9,14 @@ intrinsic passes <16 x i32>). So the x86_64 build of a host with VNNI gives each
 
     data    uint8  [N, C/4, H, W, 4]         4 input channels of one pixel: one 32-bit broadcast
     weights int8   [O/16, C/4, KH, KW, 16, 4]  packed once at compile time (a constant)
-    output  int32  [N, O/16, OH, OW, 16]     16 output channels of one pixel: one zmm register
+    output  int32  [N, O, OH, OW]            NCHW, as the layers after it read it
 
-with a register tile of ROWS output pixels x 16 channels (accumulators stay in registers), the
-reduction over (C/4, KH, KW) outside it and 4 channels per instruction inside, and the tiles
-parallel over the cores. Reshapes and transposes to and from NCHW surround each kernel; TVM fuses
-them with the elementwise ops next to them.
+with a register tile of ROWS output pixels x 16 channels (accumulators stay in registers, 16
+channels of one pixel per zmm), the reduction over (C/4, KH, KW) outside it and 4 channels per
+instruction inside, and the tiles parallel over the cores. The tile is written out channel by
+channel: a separate transpose pass back to NCHW cost more than the scalar stores (cpu_conv.py,
+measured). The reshape and transpose into the blocked data layout fuse with the elementwise ops
+before the kernel.
 
 uint8 data: the int8 activations of `int8_rewrite` shifted by +128 (their zero point too), so
 every product is exact and the zero-point correction stays the constant it was.
@@ -85,7 +87,7 @@ def _rows(ow: int) -> int:
 
 def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, stride: tuple, dilation: tuple):
     """The scheduled PrimFunc conv(data [n, c4, h, w, 4] u8, weights [o16, c4, kh, kw, 16, 4] s8) ->
-    [n, o16, oh, ow, 16] s32, for data already padded."""
+    [n, o16 * 16, oh, ow] s32, for data already padded."""
     from tvm import s_tir
     from tvm.script import tirx as T
 
@@ -95,14 +97,14 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
 
     @T.prim_func(s_tir=True)
     def conv(X: T.Buffer((n, c4, h, w, 4), "uint8"), Wp: T.Buffer((o16, c4, kh, kw, 16, 4), "int8"),
-             Y: T.Buffer((n, o16, oh, ow, 16), "int32")):
+             Y: T.Buffer((n, o16 * 16, oh, ow), "int32")):
         T.func_attr({"tir.noalias": True})
         for b, ob, y, x, oi, cb, r, s, ci in T.grid(n, o16, oh, ow, 16, c4, kh, kw, 4):
             with T.sblock("conv"):
                 vb, vob, vy, vx, voi, vcb, vr, vs, vci = T.axis.remap("SSSSSRRRR", [b, ob, y, x, oi, cb, r, s, ci])
                 with T.init():
-                    Y[vb, vob, vy, vx, voi] = 0
-                Y[vb, vob, vy, vx, voi] = Y[vb, vob, vy, vx, voi] + T.cast(
+                    Y[vb, vob * 16 + voi, vy, vx] = 0
+                Y[vb, vob * 16 + voi, vy, vx] = Y[vb, vob * 16 + voi, vy, vx] + T.cast(
                     X[vb, vcb, vy * sh + vr * dh, vx * sw + vs * dw, vci], "int32") * T.cast(
                     Wp[vob, vcb, vr, vs, voi, vci], "int32")
 
@@ -113,12 +115,16 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
     xo, xi = sch.split(x, [None, _rows(ow)])
     sch.reorder(b, ob, y, xo, cb, r, s, xi, oi, ci)
     tile = sch.cache_write(block, 0, "global")  # the intrinsic's accumulator is a global-scope buffer
+    # the tile channels-last (a pixel's 16 sums: the intrinsic's vector), written out NCHW
+    sch.transform_layout(block, ("write", 0), lambda b, c, y, x: (b, y, x, c))
     sch.reverse_compute_at(tile, xo)
     sch.parallel(sch.fuse(b, ob, y))
     init = sch.decompose_reduction(block, cb)
     sch.tensorize(oi, intrin)
     sch.unroll(xi)
-    sch.vectorize(sch.get_loops(tile)[-1])
+    *_, w_channels, w_rows = sch.get_loops(tile)
+    sch.unroll(w_rows)
+    sch.unroll(w_channels)
     sch.vectorize(sch.get_loops(init)[-1])
     # Scheduled: tuning and TVM's default schedules leave it alone; opaque: FuseOps fuses nothing
     # into it (the neighbours' elementwise work would land inside the tensorized loops).
@@ -170,8 +176,7 @@ def _vnni_conv(builder, call, index):
     # elementwise work before and after (a layout_transform stayed a kernel and a pass of its own).
     blocked = emit(relax.op.permute_dims(relax.op.reshape(shifted, (n, c4, GROUP, h, w)), [0, 1, 3, 4, 2]))
     acc = emit(relax.call_tir(kernel, [blocked, relax.const(packed)],
-                              relax.TensorType((n, o16, oh, ow, LANES), "int32")))
-    acc = emit(relax.op.reshape(relax.op.permute_dims(acc, [0, 1, 4, 2, 3]), (n, o16 * LANES, oh, ow)))
+                              relax.TensorType((n, o16 * LANES, oh, ow), "int32")))
     if o16 * LANES != o:
         acc = emit(relax.op.strided_slice(acc, axes=[1], begin=[0], end=[o]))
     shift = (128 * wq.astype(np.int64).reshape(o, -1).sum(1)).astype(np.int32).reshape(1, o, 1, 1)

@@ -13,6 +13,11 @@ def records(db):
     return (db / "database_tuning_record.json").read_text().splitlines()
 
 
+def untuned_records(lines) -> int:
+    """Records whose schedule trace is empty: the untuned kernel, timed like the candidates."""
+    return sum(1 for line in lines if json.loads(line)[1][0] == [[], []])
+
+
 def test_tune_writes_a_reusable_database_and_reuse_measures_nothing(tmp_path, exported, val_npz):
     model = exported / "model.onnx"
     db = tmp_path / "db"
@@ -26,7 +31,10 @@ def test_tune_writes_a_reusable_database_and_reuse_measures_nothing(tmp_path, ex
     from appliance.manifest import sha256_file
     assert header["model_sha256"] == sha256_file(model)
     tuned = records(db)
-    assert len(tuned) == header["records"] and header["tasks"] <= len(tuned) <= header["tasks"] * TRIALS
+    assert len(tuned) == header["records"] and header["tasks"] < len(tuned) <= header["tasks"] * (TRIALS + 1)
+    # every task's untuned kernel is a record too, so a candidate is applied only where it was faster
+    assert untuned_records(tuned) == header["tasks"] and 0 <= header["untuned_kept"] <= header["tasks"]
+    assert f"tuning: {header['untuned_kept']} of {header['tasks']} tasks keep their untuned kernel" in proc.stdout
     info = json.loads((tmp_path / "tuned" / "compile.json").read_text())
     assert info["tuning"]["reused"] is False
     manifest_inputs = [i["path"] for i in read_manifest(tmp_path / "tuned")["inputs"]]
