@@ -99,25 +99,29 @@ def conv2d_kernel(n: int, c: int, h: int, w: int, o16: int, kh: int, kw: int, st
     xo, xi = sch.split(x, [None, rows])
     obo, obi = sch.split(ob, [None, blocks])
     sch.reorder(b, obo, y, xo, cc, r, s, xi, obi, oi)
+    return _scheduled(sch, block, xo, (b, obo, y), oi, (xi, obi), cc), (oh, ow)
+
+
+def _scheduled(sch, block, xo, parallel: tuple, vector, unrolled: tuple, reduction):
+    """Both kernels' register tile: the accumulators of each xo step in a stack buffer LLVM keeps in
+    registers, channels-last (a pixel's 16 channels one vector), written out NCHW a row of pixels
+    per channel; `parallel` loops over the cores. Returns the scheduled PrimFunc."""
     # "global": LowerTVMBuiltin keeps only global-scope allocations under 1 KiB on the stack, where
     # LLVM promotes the tile to registers ("local" ones go to TVMBackendAllocWorkspace).
     acc = sch.cache_write(block, 0, "global")
-    # the tile channels-last, so each pixel's 16 channels are one vector in it
     sch.transform_layout(block, ("write", 0), lambda b, c, y, x: (b, y, x, c))
     sch.reverse_compute_at(acc, xo)
-    sch.parallel(sch.fuse(b, obo, y))
-    sch.vectorize(oi)
-    sch.unroll(xi)
-    sch.unroll(obi)
-    sch.decompose_reduction(block, cc)
-    # written out channel by channel, a row of pixels each; unrolled, or a loop over the tile would
-    # keep it in memory
+    sch.parallel(sch.fuse(*parallel))
+    sch.vectorize(vector)
+    for loop in unrolled:
+        sch.unroll(loop)
+    sch.decompose_reduction(block, reduction)
+    # the write-back unrolled too: a loop over the tile would keep it in memory
     *_, w_channels, w_rows = sch.get_loops(acc)
     sch.unroll(w_rows)
     sch.unroll(w_channels)
     # Scheduled: tuning and TVM's default schedules leave it alone; opaque: FuseOps fuses nothing into it.
-    func = sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
-    return func, (oh, ow)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
 
 
 def depthwise_kernel(n: int, c16: int, h: int, w: int, kh: int, kw: int, stride: tuple, dilation: tuple,
@@ -153,18 +157,7 @@ def depthwise_kernel(n: int, c16: int, h: int, w: int, kh: int, kw: int, stride:
     b, cb, y, x, ci, r, s = sch.get_loops(block)
     xo, xi = sch.split(x, [None, rows])
     sch.reorder(b, cb, y, xo, r, s, xi, ci)
-    acc = sch.cache_write(block, 0, "global")  # on the stack, in registers: see conv2d_kernel
-    sch.transform_layout(block, ("write", 0), lambda b, c, y, x: (b, y, x, c))  # a pixel's channels: a vector
-    sch.reverse_compute_at(acc, xo)
-    sch.parallel(sch.fuse(b, cb, y))
-    sch.vectorize(ci)
-    sch.unroll(xi)
-    sch.decompose_reduction(block, r)
-    *_, w_channels, w_rows = sch.get_loops(acc)  # written out NCHW: a row of pixels per channel
-    sch.unroll(w_rows)
-    sch.unroll(w_channels)
-    func = sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
-    return func, (oh, ow)
+    return _scheduled(sch, block, xo, (b, cb, y), ci, (xi,), r), (oh, ow)
 
 
 def static_shape(expr) -> list[int] | None:
