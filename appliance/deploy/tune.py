@@ -270,12 +270,14 @@ def keep_untuned_where_faster(contexts, builder, runner, database, target, log) 
     """Time each task's untuned kernel the way the candidates were timed and commit it as a record
     (an empty schedule trace): where no candidate beat it, the database's best record for that task
     is then the untuned kernel, and a tuned build is never slower than the untuned one kernel by
-    kernel. With a handful of random-search trials a search often finds nothing better (measured:
-    ResNet-18 int8 tuned with 8 trials x2.25 of onnxruntime where untuned was x1.72). Returns how
-    many tasks keep their untuned kernel."""
+    kernel, as timed here (inside the whole model it still can be: benchmarks/README.md). With a
+    handful of random-search trials a search often finds nothing better (measured: ResNet-18 int8
+    tuned with 8 trials x2.25 of onnxruntime where untuned was x1.72). Returns how many tasks keep
+    their untuned kernel."""
     from tvm import s_tir
     from tvm.s_tir import meta_schedule as ms
 
+    log(f"tuning: timing the {len(contexts)} untuned kernels, kept where no candidate was faster")
     kept = 0
     for context in contexts:
         mod = context.mod
