@@ -303,8 +303,8 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
         if name.startswith("compile-"):  # what each build computes: int8 or simulated layers, size, host speed
             info = result.info
             summary.setdefault("builds", {})[result.target] = {
-                k: info.get(k) for k in ("int8_compute", "layers", "int8_kernels", "tuned_tasks", "library_bytes",
-                                         "host_latency_ms")}
+                k: info.get(k) for k in ("int8_compute", "layers", "int8_kernels", "fp32_kernels", "tuned_tasks",
+                                         "library_bytes", "host_latency_ms")}
     package = results.get("package")
     if package is not None:
         summary["sizes_bytes"]["edge_package"] = package.bytes
