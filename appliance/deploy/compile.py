@@ -207,7 +207,8 @@ def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
         mod, depthwise = cpu_conv.use_depthwise_int8_kernels(mod, tile)
     if not x86_int8.has_vnni(target):
         reason = f"no dot-product kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()
-        log(f"compile: {depthwise} depthwise int8 layers on {tile[0] if tile else 'no'} vector kernels; {reason}")
+        log(f"compile: {depthwise} depthwise int8 layers on {tile[0]} vector kernels; {reason}" if tile else
+            f"compile: int8 layers on generic kernels; {reason}")
         return mod, {"kind": "generic", "layers": 0, "depthwise": depthwise, "reason": reason}
     mod, count = x86_int8.use_vnni_kernels(mod)
     log(f"compile: {count} of {layers['int8']} int8 layers on AVX-512 VNNI kernels, {depthwise} depthwise on "

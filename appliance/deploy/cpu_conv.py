@@ -212,27 +212,31 @@ def use_depthwise_int8_kernels(mod, tile: tuple[str, int, int]):
     return rewrite_calls(mod, lambda builder, call, index: _depthwise(builder, call, index, tile, "int8"))
 
 
-def _plain_conv(call, dtype: str, out_dtypes: tuple) -> bool:
-    """A conv2d call of static NCHW/OIHW shapes with `dtype` data and constant weights."""
+def _plain_conv(call, dtype: str, out_dtypes: tuple) -> list[int] | None:
+    """The data shape of a conv2d call of static NCHW/OIHW shapes with `dtype` data and constant
+    weights; None for any other call."""
     import tvm
 
     if not isinstance(call.op, tvm.ir.Op) or call.op.name != CONV:
-        return False
+        return None
     data, weight = call.args
     attrs = call.attrs
     shape = static_shape(data)
-    return (isinstance(weight, tvm.ir.GenericConst) and shape is not None and len(shape) == 4
+    if (isinstance(weight, tvm.ir.GenericConst) and shape is not None and len(shape) == 4
             and getattr(data.ty, "dtype", None) == dtype and getattr(weight.ty, "dtype", None) == dtype
             and str(attrs.out_dtype) in out_dtypes and attrs.data_layout == "NCHW"
-            and attrs.kernel_layout == "OIHW" and attrs.out_layout == "NCHW")
+            and attrs.kernel_layout == "OIHW" and attrs.out_layout == "NCHW"):
+        return shape
+    return None
 
 
-def _padded(builder, data, attrs, value: float = 0.0):
+def _padded(builder, data, attrs):
+    """data zero-padded as the conv's attrs say, and the rows and columns added."""
     from tvm import relax
 
     top, left, bottom, right = (int(p) for p in attrs.padding)
     if top or left or bottom or right:
-        data = builder.emit(relax.op.nn.pad(data, [0, 0, 0, 0, top, bottom, left, right], pad_value=value))
+        data = builder.emit(relax.op.nn.pad(data, [0, 0, 0, 0, top, bottom, left, right], pad_value=0.0))
     return data, (top + bottom, left + right)
 
 
@@ -240,11 +244,12 @@ def _depthwise(builder, call, index, tile, dtype):
     """conv2d with groups == channels, one filter per channel: blocked 16 channels per pixel."""
     from tvm import relax
 
-    if not _plain_conv(call, dtype, ("int32",) if dtype == "int8" else FLOAT_OUT):
+    shape = _plain_conv(call, dtype, ("int32",) if dtype == "int8" else FLOAT_OUT)
+    if shape is None:
         return None
     data, weight = call.args
     attrs = call.attrs
-    n, c, h, wd = static_shape(data)
+    n, c, h, wd = shape
     w = weight.value.numpy()
     if int(attrs.groups) != c or w.shape[0] != c or w.shape[1] != 1:
         return None
@@ -271,14 +276,15 @@ def _depthwise(builder, call, index, tile, dtype):
 def _fp32_conv(builder, call, index, tile):
     from tvm import relax
 
-    if not _plain_conv(call, "float32", FLOAT_OUT):
+    shape = _plain_conv(call, "float32", FLOAT_OUT)
+    if shape is None:
         return None
     if int(call.attrs.groups) != 1:
         return _depthwise(builder, call, index, tile, "float32")
     data, weight = call.args
     attrs = call.attrs
     w = weight.value.numpy()
-    n, c, h, wd = static_shape(data)
+    n, c, h, wd = shape
     o, _, kh, kw = w.shape
     packed = pack_weights(w)
     o16 = packed.shape[0]
