@@ -28,6 +28,8 @@ import functools
 
 import numpy as np
 
+from appliance.deploy.cpu_conv import _i64, fusable
+
 INTRIN = "appliance_dot_16x4_vnni"
 LANES, GROUP = 16, 4  # output channels per register, input channels per product group
 
@@ -97,7 +99,7 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
 
     @T.prim_func(s_tir=True)
     def conv(X: T.Buffer((n, c4, h, w, 4), "uint8"), Wp: T.Buffer((o16, c4, kh, kw, 16, 4), "int8"),
-             Y: T.Buffer((n, o16 * 16, oh, ow), "int32")):
+             Y: T.Buffer(_i64(n, o16 * 16, oh, ow), "int32")):
         T.func_attr({"tir.noalias": True})
         for b, ob, y, x, oi, cb, r, s, ci in T.grid(n, o16, oh, ow, 16, c4, kh, kw, 4):
             with T.sblock("conv"):
@@ -126,10 +128,7 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
     sch.unroll(w_rows)
     sch.unroll(w_channels)
     sch.vectorize(sch.get_loops(init)[-1])
-    # Scheduled: tuning and TVM's default schedules leave it alone; opaque: FuseOps fuses nothing
-    # into it (the neighbours' elementwise work would land inside the tensorized loops).
-    func = sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
-    return func, (oh, ow)
+    return fusable(sch.mod["main"]), (oh, ow)
 
 
 CONV = "relax.nn.conv2d"
