@@ -155,7 +155,7 @@ def fuse_epilogues(mod):
         if not scheduled:  # a kernel with the functions FuseOps joined to it
             inlined = _inline_epilogue(func, order)
             if inlined is not None:
-                func, fused = inlined, fused + 1
+                func, fused = inlined[0], fused + inlined[1]
             func = func.with_attr("tirx.is_scheduled", True)  # else as FuseTIR made it: correct, slower
         # opaque from now on: a second FuseOps (the tuning pipeline's) joins nothing more to it
         mod[gvar] = func.with_attr("op_pattern", OPAQUE)
@@ -199,29 +199,58 @@ def depthwise_kernel(n: int, c16: int, h: int, w: int, kh: int, kw: int, stride:
 
 
 def _inline_epilogue(func, order: list):
-    """func (a kernel and the elementwise functions FuseOps joined to it) with all of them computed in
-    the kernel's write-back, vectorised over the tile's 16 channels where the channels need no
-    bounds check; None where TVM cannot inline them."""
+    """func (a kernel and the elementwise functions FuseOps joined to it) with them computed in the
+    kernel's write-back, vectorised over the tile's 16 channels where the channels need no bounds
+    check: (func, all of them inlined?). Where TVM refuses a block, the ones before it are inlined
+    and it and the rest stay loops of their own (correct, slower); None where none could be, or
+    TVM failed (the function then stays as FuseTIR made it)."""
+    import tvm
     from tvm import s_tir
 
     k = order.index(WRITE_BACK)
-    for vectorised in (True, False):
-        sch = s_tir.Schedule(func)
+    before = [name for name in order[:k] if not name.startswith(KERNEL_BLOCK)]
+    after = order[k + 1:]
+    count, vectorised = _chain(func, order[k:]), True
+    while True:
+        sch, done = s_tir.Schedule(func), 0
         try:
-            for name in order[:k]:  # the other inputs' elementwise work (a residual's dequantize)
-                if not name.startswith(KERNEL_BLOCK):
-                    sch.compute_inline(sch.get_sblock(name))
-            for name in order[k + 1:]:  # in order: each block into the write-back it now follows
+            for name in before:  # the other inputs' elementwise work (a residual's dequantize)
+                sch.compute_inline(sch.get_sblock(name))
+            for name in after[:count]:  # in order: each block into the write-back it now follows
                 sch.reverse_compute_inline(sch.get_sblock(name))
+                done += 1
             if vectorised:  # a pixel's 16 channels: one vector load of the tile, one vector epilogue
                 *_, channels, rows = sch.get_loops(sch.get_sblock(WRITE_BACK))
                 sch.reorder(rows, channels)
                 sch.vectorize(channels)
                 sch.unroll(rows)
-        except s_tir.schedule.ScheduleError:  # e.g. 24 channels of 32: a bounds check on each
-            continue
-        return sch.mod["main"]
-    return None
+            return (sch.mod["main"], count == len(after)) if count else None
+        except tvm.error.InternalError:  # TVM 0.27's reverse_compute_inline fails inside on some
+            return None  # MobileNetV3 and EfficientNet epilogues, and may leave the IR half-changed
+        except s_tir.schedule.ScheduleError:  # refused, nothing changed: e.g. 24 channels of 32
+            if done < count:
+                count = done
+            elif vectorised:
+                vectorised = False
+            else:
+                return None
+
+
+def _chain(func, blocks: list) -> int:
+    """How many of blocks[1:] form a chain from the write-back blocks[0]: each the only reader of
+    the one before's output. reverse_compute_inline of a block whose input has other readers
+    (x * sigmoid(x), SiLU) drops that input's producer: TVM 0.27 does not refuse it."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    found = [sch.get(sch.get_sblock(name)) for name in blocks]
+    reads = [{region.source.name for region in block.reads} for block in found]
+    current = found[0].writes[0].source.name
+    for j in range(1, len(found)):
+        if [i for i in range(j, len(found)) if current in reads[i]] != [j]:
+            return j - 1
+        current = found[j].writes[0].source.name
+    return len(found) - 1
 
 
 def static_shape(expr) -> list[int] | None:
