@@ -14,7 +14,9 @@ the tiles parallel over the cores. The tile is written out channel by channel, a
 each: scalar stores, but a separate transpose pass from a blocked output back to NCHW cost more
 (MobileNetV2's kernels and glue, timed one by one: 21.7 ms with the pass, 16.5 ms without). The
 16-wide vector is one zmm on AVX-512, two ymm on AVX2, four q registers on NEON; the tile is sized
-per CPU so the accumulators, the weights and a broadcast fit its vector registers.
+per CPU so the accumulators, the weights and a broadcast fit its vector registers. The
+elementwise ops after a kernel (bias, activation, requantize) join it and run in its write-back
+(`fuse_epilogues`).
 
 Two TVM 0.27 details decide the speed (measured, 64x56x56 3x3, 2 cores): the accumulator tile is
 allocated in "global" scope, because LowerTVMBuiltin puts only global allocations under 1 KiB on the
@@ -86,7 +88,7 @@ def conv2d_kernel(n: int, c: int, h: int, w: int, o16: int, kh: int, kw: int, st
 
     @T.prim_func(s_tir=True)
     def conv(X: T.Buffer((n, c, h, w), "float32"), Wp: T.Buffer((o16, c, kh, kw, 16), "float32"),
-             Y: T.Buffer(_i64(n, o16 * 16, oh, ow), "float32")):
+             Y: T.Buffer(shape64(n, o16 * 16, oh, ow), "float32")):
         T.func_attr({"tir.noalias": True})
         for b, ob, y, x, oi, cc, r, s in T.grid(n, o16, oh, ow, 16, c, kh, kw):
             with T.sblock("conv"):
@@ -179,7 +181,7 @@ def depthwise_kernel(n: int, c16: int, h: int, w: int, kh: int, kw: int, stride:
 
     @T.prim_func(s_tir=True)
     def conv(X: T.Buffer((n, c16, h, w, 16), dtype), Wp: T.Buffer((c16, kh, kw, 16), dtype),
-             Y: T.Buffer(_i64(n, c16 * 16, oh, ow), acc_dtype)):
+             Y: T.Buffer(shape64(n, c16 * 16, oh, ow), acc_dtype)):
         T.func_attr({"tir.noalias": True})
         for b, cb, y, x, ci, r, s in T.grid(n, c16, oh, ow, 16, kh, kw):
             with T.sblock("conv"):
@@ -391,7 +393,7 @@ def _fp32_conv(builder, call, index, tile):
     return out
 
 
-def _i64(*dims):
+def shape64(*dims):
     """A buffer shape in int64, as LegalizeOps writes the kernels around ours: FuseTIR maps one
     relax tensor to one buffer and refuses a int32 shape where the other side has int64."""
     from tvm import tirx
