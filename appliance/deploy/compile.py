@@ -139,6 +139,13 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     target = target_for(target_name)
     mod, kernels = _int8_kernels(mod, target, layers, int8_kernels, log)
     mod, fp32 = _fp32_kernels(mod, target, layers, fp32_kernels, log)
+    epilogues = {"kernels": 0, "fused": 0}
+    if fp32["layers"] or kernels["layers"] or kernels["depthwise"]:
+        from appliance.deploy.cpu_conv import fuse_epilogues
+
+        mod, epilogues["kernels"], epilogues["fused"] = fuse_epilogues(mod)
+        log(f"compile: {epilogues['fused']} of {epilogues['kernels']} kernels compute the elementwise ops after "
+            "them in their write-back")
     tuning, installed, tuned_tasks = None, [], 0
     if tune_trials or tuning_db:
         mod, target, tuning = _tuned(mod, model_path, target_name, target, out_dir, tune_trials, tuning_db, log,
@@ -163,7 +170,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     info = {"made_by": "appliance compile", "source_model": str(model_path.resolve()), "target": target_name,
             "tvm_target": target, "input": {"name": inp.name, "shape": shape, "dtype": "float32"},
             "precision": model_precision, "int8_compute": int8_compute, "layers": layers, "int8_kernels": kernels,
-            "fp32_kernels": fp32,
+            "fp32_kernels": fp32, "kernel_epilogues": epilogues,
             "tuned_tasks": tuned_tasks, "installed_tuning": installed,
             "library": str(library), "library_bytes": library.stat().st_size,
             "compile_seconds": round(seconds, 2), "host_latency_ms": None, **meta}

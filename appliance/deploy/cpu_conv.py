@@ -14,7 +14,9 @@ the tiles parallel over the cores. The tile is written out channel by channel, a
 each: scalar stores, but a separate transpose pass from a blocked output back to NCHW cost more
 (MobileNetV2's kernels and glue, timed one by one: 21.7 ms with the pass, 16.5 ms without). The
 16-wide vector is one zmm on AVX-512, two ymm on AVX2, four q registers on NEON; the tile is sized
-per CPU so the accumulators, the weights and a broadcast fit its vector registers.
+per CPU so the accumulators, the weights and a broadcast fit its vector registers. The
+elementwise ops after a kernel (bias, activation, requantize) join it and run in its write-back
+(`fuse_epilogues`).
 
 Two TVM 0.27 details decide the speed (measured, 64x56x56 3x3, 2 cores): the accumulator tile is
 allocated in "global" scope, because LowerTVMBuiltin puts only global allocations under 1 KiB on the
@@ -30,6 +32,9 @@ LANES = 16  # output channels per vector
 STACK_BYTES = 1024  # tvm::runtime::kMaxStackAlloca: larger tiles leave the stack, and the registers
 CONV = "relax.nn.conv2d"
 FLOAT_OUT = ("None", "", "void", "float32")  # conv2d's out_dtype of a float32 layer
+OUT_EWISE_FUSABLE, OPAQUE = 4, 8  # TVM's OpPatternKind values kOutEWiseFusable, kOpaque
+KERNEL_BLOCK = "conv"  # every kernel's compute block: conv, conv_init, conv_update_o
+WRITE_BACK = "Y_global"  # the block that cache_write of the kernel's output Y makes: the tile written out
 
 
 def tile_for(tvm_target: dict) -> tuple[str, int, int] | None:
@@ -83,7 +88,7 @@ def conv2d_kernel(n: int, c: int, h: int, w: int, o16: int, kh: int, kw: int, st
 
     @T.prim_func(s_tir=True)
     def conv(X: T.Buffer((n, c, h, w), "float32"), Wp: T.Buffer((o16, c, kh, kw, 16), "float32"),
-             Y: T.Buffer((n, o16 * 16, oh, ow), "float32")):
+             Y: T.Buffer(shape64(n, o16 * 16, oh, ow), "float32")):
         T.func_attr({"tir.noalias": True})
         for b, ob, y, x, oi, cc, r, s in T.grid(n, o16, oh, ow, 16, c, kh, kw):
             with T.sblock("conv"):
@@ -120,8 +125,43 @@ def _scheduled(sch, block, xo, parallel: tuple, vector, unrolled: tuple, reducti
     *_, w_channels, w_rows = sch.get_loops(acc)
     sch.unroll(w_rows)
     sch.unroll(w_channels)
-    # Scheduled: tuning and TVM's default schedules leave it alone; opaque: FuseOps fuses nothing into it.
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+    return fusable(sch.mod["main"])
+
+
+def fusable(func):
+    """A kernel of ours as TVM's FuseOps should see it: scheduled (tuning and TVM's default schedules
+    leave it alone), and out-elementwise fusable (the elementwise ops after it join its function,
+    where `fuse_epilogues` computes them in the write-back)."""
+    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OUT_EWISE_FUSABLE)
+
+
+def fuse_epilogues(mod):
+    """mod legalized and fused by TVM (relax's "zero" pipeline), with the elementwise ops that FuseOps
+    put after a kernel of ours (bias, activation, requantize, a residual add, the next layer's
+    uint8 shift) computed in the kernel's write-back, on the tile still in registers, a vector of
+    16 channels at a time. Each of them was a pass of its own over the whole tensor, on one core
+    (ResNet-18 int8: 9.6 of 20.3 ms). Returns (mod, kernels, how many got their epilogue)."""
+    from tvm import relax, s_tir, tirx
+
+    mod = relax.get_pipeline("zero")(mod)
+    kernels = fused = 0
+    for gvar, func in list(mod.functions_items()):
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        sch = s_tir.Schedule(func)
+        order = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+        if WRITE_BACK not in order:
+            continue
+        kernels += 1
+        scheduled = func.attrs is not None and bool(func.attrs.get("tirx.is_scheduled", False))
+        if not scheduled:  # a kernel with the functions FuseOps joined to it
+            inlined = _inline_epilogue(func, order)
+            if inlined is not None:
+                func, fused = inlined[0], fused + inlined[1]
+            func = func.with_attr("tirx.is_scheduled", True)  # else as FuseTIR made it: correct, slower
+        # opaque from now on: a second FuseOps (the tuning pipeline's) joins nothing more to it
+        mod[gvar] = func.with_attr("op_pattern", OPAQUE)
+    return mod, kernels, fused
 
 
 def depthwise_kernel(n: int, c16: int, h: int, w: int, kh: int, kw: int, stride: tuple, dilation: tuple,
@@ -141,7 +181,7 @@ def depthwise_kernel(n: int, c16: int, h: int, w: int, kh: int, kw: int, stride:
 
     @T.prim_func(s_tir=True)
     def conv(X: T.Buffer((n, c16, h, w, 16), dtype), Wp: T.Buffer((c16, kh, kw, 16), dtype),
-             Y: T.Buffer((n, c16 * 16, oh, ow), acc_dtype)):
+             Y: T.Buffer(shape64(n, c16 * 16, oh, ow), acc_dtype)):
         T.func_attr({"tir.noalias": True})
         for b, cb, y, x, ci, r, s in T.grid(n, c16, oh, ow, 16, kh, kw):
             with T.sblock("conv"):
@@ -158,6 +198,61 @@ def depthwise_kernel(n: int, c16: int, h: int, w: int, kh: int, kw: int, stride:
     xo, xi = sch.split(x, [None, rows])
     sch.reorder(b, cb, y, xo, r, s, xi, ci)
     return _scheduled(sch, block, xo, (b, cb, y), ci, (xi,), r), (oh, ow)
+
+
+def _inline_epilogue(func, order: list):
+    """func (a kernel and the elementwise functions FuseOps joined to it) with them computed in the
+    kernel's write-back, vectorised over the tile's 16 channels where the channels need no bounds
+    check: (func, all of them inlined?). Where TVM refuses a block, the ones before it are inlined
+    and it and the rest stay loops of their own (correct, slower); None where none could be, or
+    TVM failed (the function then stays as FuseTIR made it)."""
+    import tvm
+    from tvm import s_tir
+
+    k = order.index(WRITE_BACK)
+    before = [name for name in order[:k] if not name.startswith(KERNEL_BLOCK)]
+    after = order[k + 1:]
+    count, vectorised = _chain(func, order[k:]), True
+    while True:
+        sch, done = s_tir.Schedule(func), 0
+        try:
+            for name in before:  # the other inputs' elementwise work (a residual's dequantize)
+                sch.compute_inline(sch.get_sblock(name))
+            for name in after[:count]:  # in order: each block into the write-back it now follows
+                sch.reverse_compute_inline(sch.get_sblock(name))
+                done += 1
+            if vectorised:  # a pixel's 16 channels: one vector load of the tile, one vector epilogue
+                *_, channels, rows = sch.get_loops(sch.get_sblock(WRITE_BACK))
+                sch.reorder(rows, channels)
+                sch.vectorize(channels)
+                sch.unroll(rows)
+            return (sch.mod["main"], count == len(after)) if count else None
+        except tvm.error.InternalError:  # TVM 0.27's reverse_compute_inline fails inside on some
+            return None  # MobileNetV3 and EfficientNet epilogues, and may leave the IR half-changed
+        except s_tir.schedule.ScheduleError:  # refused, nothing changed: e.g. 24 channels of 32
+            if done < count:
+                count = done
+            elif vectorised:
+                vectorised = False
+            else:
+                return None
+
+
+def _chain(func, blocks: list) -> int:
+    """How many of blocks[1:] form a chain from the write-back blocks[0]: each the only reader of
+    the one before's output. reverse_compute_inline of a block whose input has other readers
+    (x * sigmoid(x), SiLU) drops that input's producer: TVM 0.27 does not refuse it."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    found = [sch.get(sch.get_sblock(name)) for name in blocks]
+    reads = [{region.source.name for region in block.reads} for block in found]
+    current = found[0].writes[0].source.name
+    for j in range(1, len(found)):
+        if [i for i in range(j, len(found)) if current in reads[i]] != [j]:
+            return j - 1
+        current = found[j].writes[0].source.name
+    return len(found) - 1
 
 
 def static_shape(expr) -> list[int] | None:
@@ -267,10 +362,10 @@ def _depthwise(builder, call, index, tile, dtype):
     emit = builder.emit
     blocked = emit(relax.op.permute_dims(relax.op.reshape(data, (n, c16, LANES, h + ph, wd + pw)), [0, 1, 3, 4, 2]))
     acc_dtype = "int32" if dtype == "int8" else dtype
-    out = emit(relax.call_tir(kernel, [blocked, relax.const(packed)], relax.TensorType((n, c16 * LANES, oh, ow), acc_dtype)))
+    out = relax.call_tir(kernel, [blocked, relax.const(packed)], relax.TensorType((n, c16 * LANES, oh, ow), acc_dtype))
     if c16 * LANES != c:
-        return relax.op.strided_slice(out, axes=[1], begin=[0], end=[c])
-    return out
+        return relax.op.strided_slice(emit(out), axes=[1], begin=[0], end=[c])
+    return out  # not bound here: a binding of its own (a var alias) would keep FuseOps from the ops after it
 
 
 def _fp32_conv(builder, call, index, tile):
@@ -292,8 +387,15 @@ def _fp32_conv(builder, call, index, tile):
     func, (oh, ow) = conv2d_kernel(n, c, h + ph, wd + pw, o16, kh, kw, tuple(int(v) for v in attrs.strides),
                                    tuple(int(v) for v in attrs.dilation), tile)
     kernel = builder.add_func(func.without_attr("global_symbol"), f"fp32_conv2d_{index}")
-    emit = builder.emit
-    out = emit(relax.call_tir(kernel, [data, relax.const(packed)], relax.TensorType((n, o16 * LANES, oh, ow), "float32")))
+    out = relax.call_tir(kernel, [data, relax.const(packed)], relax.TensorType((n, o16 * LANES, oh, ow), "float32"))
     if o16 * LANES != o:
-        return relax.op.strided_slice(out, axes=[1], begin=[0], end=[o])
+        return relax.op.strided_slice(builder.emit(out), axes=[1], begin=[0], end=[o])
     return out
+
+
+def shape64(*dims):
+    """A buffer shape in int64, as LegalizeOps writes the kernels around ours: FuseTIR maps one
+    relax tensor to one buffer and refuses a int32 shape where the other side has int64."""
+    from tvm import tirx
+
+    return tuple(tirx.IntImm("int64", d) for d in dims)

@@ -15,8 +15,9 @@ with a register tile of ROWS output pixels x 16 channels (accumulators stay in r
 channels of one pixel per zmm), the reduction over (C/4, KH, KW) outside it and 4 channels per
 instruction inside, and the tiles parallel over the cores. The tile is written out channel by
 channel: a separate transpose pass back to NCHW cost more than the scalar stores (cpu_conv.py,
-measured). The reshape and transpose into the blocked data layout fuse with the elementwise ops
-before the kernel.
+measured). The elementwise ops after the kernel (zero-point correction, requantize, a residual
+add, the next layer's uint8 shift) run in its write-back (cpu_conv.fuse_epilogues); the padding,
+reshape and transpose into the blocked data layout are a function of their own.
 
 uint8 data: the int8 activations of `int8_rewrite` shifted by +128 (their zero point too), so
 every product is exact and the zero-point correction stays the constant it was.
@@ -27,6 +28,8 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+
+from appliance.deploy.cpu_conv import shape64, fusable
 
 INTRIN = "appliance_dot_16x4_vnni"
 LANES, GROUP = 16, 4  # output channels per register, input channels per product group
@@ -97,7 +100,7 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
 
     @T.prim_func(s_tir=True)
     def conv(X: T.Buffer((n, c4, h, w, 4), "uint8"), Wp: T.Buffer((o16, c4, kh, kw, 16, 4), "int8"),
-             Y: T.Buffer((n, o16 * 16, oh, ow), "int32")):
+             Y: T.Buffer(shape64(n, o16 * 16, oh, ow), "int32")):
         T.func_attr({"tir.noalias": True})
         for b, ob, y, x, oi, cb, r, s, ci in T.grid(n, o16, oh, ow, 16, c4, kh, kw, 4):
             with T.sblock("conv"):
@@ -126,10 +129,7 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
     sch.unroll(w_rows)
     sch.unroll(w_channels)
     sch.vectorize(sch.get_loops(init)[-1])
-    # Scheduled: tuning and TVM's default schedules leave it alone; opaque: FuseOps fuses nothing
-    # into it (the neighbours' elementwise work would land inside the tensorized loops).
-    func = sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
-    return func, (oh, ow)
+    return fusable(sch.mod["main"]), (oh, ow)
 
 
 CONV = "relax.nn.conv2d"

@@ -154,3 +154,41 @@ def test_a_float_model_says_which_kernels_it_got(tmp_path):
     generic = compile_model(path, "x86_64", tmp_path / "generic", fp32_kernels="generic", log=lambda line: None)
     assert generic["fp32_kernels"] == {"kind": "generic", "layers": 0, "reason": "--fp32-kernels generic"}
     assert tiled["check"]["passed"] and generic["check"]["passed"]
+
+
+@pytest.mark.parametrize("channels", [32, 24])
+def test_the_ops_after_a_kernel_run_in_its_write_back(channels):
+    """bias + residual add + ReLU6 after a float32 conv: FuseOps joins them to the kernel and
+    fuse_epilogues computes them on the tile before it is stored, so no function of the built module
+    but the padding reads the kernel's output again. 32 channels: the vector write-back; 24 (1.5
+    blocks, each channel bounds-checked): the scalar one. Against torch's float64 ops."""
+    import torch
+    import tvm
+    from tvm import relax
+
+    from appliance.deploy.cpu_conv import fuse_epilogues, use_fp32_kernels
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 16, 10, 10)).astype(np.float32)
+    skip = rng.standard_normal((1, channels, 10, 10)).astype(np.float32)
+    w = rng.standard_normal((channels, 16, 3, 3)).astype(np.float32) * 0.2
+    bias = rng.standard_normal((1, channels, 1, 1)).astype(np.float32)
+    builder = relax.BlockBuilder()
+    data, residual = relax.Var("x", relax.TensorType(x.shape, "float32")), relax.Var("r", relax.TensorType(skip.shape, "float32"))
+    with builder.function("main", [data, residual]):
+        with builder.dataflow():
+            conv = builder.emit(relax.op.nn.conv2d(data, relax.const(w), padding=[1, 1, 1, 1]))
+            summed = builder.emit(relax.op.add(relax.op.add(conv, relax.const(bias)), residual))
+            out = builder.emit_output(relax.op.clip(summed, 0.0, 6.0))
+        builder.emit_func_output(out)
+    mod, count = use_fp32_kernels(builder.get(), host_tile())
+    assert count == 1
+    mod, kernels, fused = fuse_epilogues(mod)
+    assert (kernels, fused) == (1, 1)
+    called = [f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(called) == 2  # the input's padding, and the kernel with add, add and clip in it
+    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(skip)).numpy()
+    ref = torch.nn.functional.conv2d(torch.from_numpy(x).double(), torch.from_numpy(w).double(), padding=1)
+    ref = (ref + torch.from_numpy(bias).double() + torch.from_numpy(skip).double()).clamp(0, 6).numpy()
+    np.testing.assert_allclose(got, ref, atol=1e-4)
