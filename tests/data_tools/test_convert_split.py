@@ -1,7 +1,6 @@
 """`appliance data convert IMAGE_DIR --val-fraction F`: a seeded, stratified split with near
 duplicates kept on one side, proven on real image files and on the shards it writes."""
 
-import io
 import json
 
 import numpy as np

@@ -237,7 +237,7 @@ def test_planted_pickle_is_never_executed(tmp_path):
 def test_full_disk_refuses_before_writing_anything(tmp_path):
     model, opt = _trained()
     manager = CheckpointManager(tmp_path / "ck", min_free_bytes=10**18)
-    with pytest.raises(EnvironmentProblem, match="not enough free disk for a checkpoint") as err:
+    with pytest.raises(EnvironmentProblem, match="not enough free disk for a checkpoint"):
         _save(manager, 1, model, opt)
     assert list((tmp_path / "ck").iterdir()) == []
 
