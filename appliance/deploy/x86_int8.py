@@ -29,7 +29,7 @@ import functools
 
 import numpy as np
 
-from appliance.deploy.cpu_conv import shape64, fusable
+from appliance.deploy.cpu_conv import fusable, rewrite_calls, shape64, static_shape
 
 INTRIN = "appliance_dot_16x4_vnni"
 LANES, GROUP = 16, 4  # output channels per register, input channels per product group
@@ -139,16 +139,12 @@ def use_vnni_kernels(mod):
     """mod with every int8 x int8 -> int32 conv2d of groups 1 (what int8_rewrite makes) computed by
     a VNNI kernel; returns (mod, how many). The int8 data are shifted to uint8 (+128) for the
     instruction, and 128 x the weights' sum per output channel taken off again: exact."""
-    from appliance.deploy.cpu_conv import rewrite_calls
-
     return rewrite_calls(mod, _vnni_conv)
 
 
 def _vnni_conv(builder, call, index):
     import tvm
     from tvm import relax
-
-    from appliance.deploy.cpu_conv import static_shape
 
     if not isinstance(call.op, tvm.ir.Op) or call.op.name != CONV:
         return None
