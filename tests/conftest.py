@@ -39,3 +39,24 @@ def interop_python() -> Path:
     if not INTEROP_PYTHON.exists():
         pytest.fail(".venv-interop missing: run installer/bootstrap.sh --interop")
     return INTEROP_PYTHON
+
+
+@pytest.fixture(autouse=True)
+def _disk_turns(request, tmp_path_factory):
+    """A test marked disk_heavy runs with no other test running on any pytest worker.
+
+    The site flow holds a multi-GB bundle, its private copy, the extracted wheels and a venv at
+    once (about 17 GB); next to another worker's test that once left it 2.7 GB short on CI.
+    Two lock files shared by the workers: every test passes the gate, then holds `run` shared;
+    a heavy test holds the gate (so no new test starts) and waits for `run` exclusively.
+    """
+    import fcntl
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if base.name.startswith("popen-gw") else base  # pytest-xdist: one folder per worker
+    heavy = request.node.get_closest_marker("disk_heavy") is not None
+    with open(shared / "disk-turns.gate", "a") as gate, open(shared / "disk-turns.run", "a") as run:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(run, fcntl.LOCK_EX if heavy else fcntl.LOCK_SH)
+        if not heavy:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield

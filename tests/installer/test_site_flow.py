@@ -78,13 +78,14 @@ def test_site_profile_is_the_cpu_training_host():
 
 @pytest.fixture
 def site_dir(tmp_path):
-    """tmp_path, less the 3.5 GB bundle and the 7 GB venv afterwards (pytest keeps three runs' tmp)."""
+    """tmp_path, less the 3.5 GB bundle and the 7 GB venv afterwards (a failed run's tmp_path is kept)."""
     yield tmp_path
     shutil.rmtree(tmp_path / "bundle", ignore_errors=True)
     shutil.rmtree(tmp_path / "opt-appliance" / "releases", ignore_errors=True)
     shutil.rmtree(tmp_path / "home", ignore_errors=True)
 
 
+@pytest.mark.disk_heavy
 def test_bundle_installed_offline_runs_the_demo_offline(site_dir):
     tmp_path = site_dir
     timings = {}
@@ -114,6 +115,7 @@ def test_bundle_installed_offline_runs_the_demo_offline(site_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "signature: verified" in proc.stderr and f"installing profile {SITE} " in proc.stderr
     assert "appliance doctor: ready to train" in proc.stderr
+    shutil.rmtree(tmp_path / "bundle")  # installed: the carried tar (3.5 GB) is no longer needed
     appliance = prefix / "current" / "venv" / "bin" / "appliance"
 
     # 3. The demo from the installed venv only: a clean shell, cwd outside the checkout, no network but loopback.
