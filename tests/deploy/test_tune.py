@@ -14,8 +14,31 @@ def records(db):
 
 
 def untuned_records(lines) -> int:
-    """Records whose schedule trace is empty: the untuned kernel, timed like the candidates."""
-    return sum(1 for line in lines if json.loads(line)[1][0] == [[], []])
+    """Records whose schedule only looks up the root block: the untuned kernel, timed like the candidates."""
+    return sum(1 for line in lines if json.loads(line)[1][0] == [[["GetSBlock", [], ["root", "main"], ["b0"]]], []])
+
+
+def assert_database_answers_with_its_fastest_record(db) -> None:
+    """TVM's own query of every workload sees all its records, the untuned kernel's included, and
+    answers with the fastest (TVM drops a record with an empty trace: the untuned kernel never won)."""
+    from appliance.deploy.tune import open_database, prepare_meta_schedule
+
+    def mean(secs):
+        return sum(float(t) for t in secs) / len(secs)
+
+    in_file = {}
+    for workload, record in (json.loads(line) for line in records(db)):
+        in_file.setdefault(workload, []).append(mean(record[1]))
+    prepare_meta_schedule()
+    database = open_database(db)
+    workloads = []
+    for record in database.get_all_tuning_records():
+        if not any(record.workload.same_as(w) for w in workloads):
+            workloads.append(record.workload)
+    answered = sorted(sorted(mean(r.run_secs) for r in database.get_top_k(w, 10_000)) for w in workloads)
+    expected = sorted(sorted(times) for times in in_file.values())
+    assert [len(a) for a in answered] == [len(e) for e in expected]  # every record is seen, untuned ones too
+    assert answered == expected  # the same times, so TVM's answer, the first of each, is the fastest
 
 
 def test_tune_writes_a_reusable_database_and_reuse_measures_nothing(tmp_path, exported, val_npz):
@@ -35,6 +58,7 @@ def test_tune_writes_a_reusable_database_and_reuse_measures_nothing(tmp_path, ex
     # every task's untuned kernel is a record too, so a candidate is applied only where it was faster
     assert untuned_records(tuned) == header["tasks"] and 0 <= header["untuned_kept"] <= header["tasks"]
     assert f"tuning: {header['untuned_kept']} of {header['tasks']} tasks keep their untuned kernel" in proc.stdout
+    assert_database_answers_with_its_fastest_record(db)
     info = json.loads((tmp_path / "tuned" / "compile.json").read_text())
     assert info["tuning"]["reused"] is False
     manifest_inputs = [i["path"] for i in read_manifest(tmp_path / "tuned")["inputs"]]
