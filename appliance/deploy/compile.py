@@ -201,12 +201,14 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
 def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
     """The int8 conv2d layers on this build's CPU kernels: groups 1 on the dot-product ones (x86_64
     with AVX-512 VNNI: x86_int8.py), depthwise on the vector ones (cpu_conv.py), the rest on TVM's
-    generic ones: (mod, {"kind", "layers", "depthwise", "reason"}) for compile.json."""
+    generic ones: (mod, {"kind", "layers", "depthwise", "matmuls", "reason"}) for compile.json. With
+    VNNI the int8 matmuls run on its kernels too, as 1x1 convolutions (cpu_dense.py)."""
     if not layers.get("int8"):
-        return mod, {"kind": "none", "layers": 0, "depthwise": 0, "reason": "no int8 layers"}
+        return mod, {"kind": "none", "layers": 0, "depthwise": 0, "matmuls": 0, "reason": "no int8 layers"}
     if choice == "generic":
-        return mod, {"kind": "generic", "layers": 0, "depthwise": 0, "reason": "--int8-kernels generic"}
+        return mod, {"kind": "generic", "layers": 0, "depthwise": 0, "matmuls": 0, "reason": "--int8-kernels generic"}
     from appliance.deploy import cpu_conv, x86_int8
+    from appliance.deploy.cpu_dense import matmuls_as_convs
 
     depthwise = 0
     tile = cpu_conv.tile_for(target)
@@ -216,30 +218,34 @@ def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
         reason = f"no dot-product kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()
         log(f"compile: {depthwise} depthwise int8 layers on {tile[0]} vector kernels; {reason}" if tile else
             f"compile: int8 layers on generic kernels; {reason}")
-        return mod, {"kind": "generic", "layers": 0, "depthwise": depthwise, "reason": reason}
+        return mod, {"kind": "generic", "layers": 0, "depthwise": depthwise, "matmuls": 0, "reason": reason}
+    mod, matmuls = matmuls_as_convs(mod, {"int8"})
     mod, count = x86_int8.use_vnni_kernels(mod)
-    log(f"compile: {count} of {layers['int8']} int8 layers on AVX-512 VNNI kernels, {depthwise} depthwise on "
-        "vector kernels (the rest: matmul)")
-    return mod, {"kind": "x86-vnni", "layers": count, "depthwise": depthwise, "reason": None}
+    log(f"compile: {count} of {layers['int8']} int8 layers on AVX-512 VNNI kernels ({matmuls} of them matmuls, as "
+        f"1x1 convolutions), {depthwise} depthwise on vector kernels")
+    return mod, {"kind": "x86-vnni", "layers": count, "depthwise": depthwise, "matmuls": matmuls, "reason": None}
 
 
 def _fp32_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
     """The float32 conv2d layers on register-tiled kernels (cpu_conv.py) where this build's CPU has a
-    vector unit they are sized for: (mod, {"kind", "layers", "reason"}) for compile.json."""
+    vector unit they are sized for, matmuls with constant weights as 1x1 convolutions (cpu_dense.py):
+    (mod, {"kind", "layers", "matmuls", "reason"}) for compile.json."""
     from appliance.deploy import cpu_conv
+    from appliance.deploy.cpu_dense import matmuls_as_convs
 
     if not layers.get("fp32"):
-        return mod, {"kind": "none", "layers": 0, "reason": "no float32 layers"}
+        return mod, {"kind": "none", "layers": 0, "matmuls": 0, "reason": "no float32 layers"}
     if choice == "generic":
-        return mod, {"kind": "generic", "layers": 0, "reason": "--fp32-kernels generic"}
+        return mod, {"kind": "generic", "layers": 0, "matmuls": 0, "reason": "--fp32-kernels generic"}
     tile = cpu_conv.tile_for(target)
     if tile is None:
-        return mod, {"kind": "generic", "layers": 0,
+        return mod, {"kind": "generic", "layers": 0, "matmuls": 0,
                      "reason": f"no float32 kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()}
+    mod, matmuls = matmuls_as_convs(mod, {"float32"})
     mod, count = cpu_conv.use_fp32_kernels(mod, tile)
-    log(f"compile: {count} of {layers['fp32']} float32 layers on {tile[0]} register-tiled kernels "
-        "(the rest: grouped or matmul)")
-    return mod, {"kind": tile[0], "layers": count, "reason": None}
+    log(f"compile: {count} of {layers['fp32']} float32 layers on {tile[0]} register-tiled kernels ({matmuls} of "
+        "them matmuls, as 1x1 convolutions; the rest: grouped)")
+    return mod, {"kind": tile[0], "layers": count, "matmuls": matmuls, "reason": None}
 
 
 def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log, rpc=None, rpc_key=""):
@@ -290,8 +296,10 @@ def check_against_ort(library, model_path, shape, sample_files, meta, tolerance,
         samples = load_samples(sample_files, meta.get("preprocessing", {}), limit=32)
         check_input_shape(samples, shape, input_name, model_path)
         x = samples.x
+        if len(x) % shape[0]:  # a fixed batch: whole batches only, the samples repeated to fill the last
+            x = np.resize(x, (-(-len(x) // shape[0]) * shape[0], *x.shape[1:]))
     else:
-        x = np.random.default_rng(0).standard_normal((8, *shape[1:])).astype(np.float32)
+        x = np.random.default_rng(0).standard_normal((-(-8 // shape[0]) * shape[0], *shape[1:])).astype(np.float32)
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())
     got = np.concatenate([vm["main"](tvm.runtime.tensor(x[i:i + shape[0]])).numpy() for i in range(0, len(x), shape[0])])
     expected = run_ort(ort_session(model_path, optimize=False), x)

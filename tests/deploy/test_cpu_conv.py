@@ -147,13 +147,34 @@ def test_a_float_model_says_which_kernels_it_got(tmp_path):
     tiled = compile_model(path, "x86_64", tmp_path / "tiled", log=lines.append)
     tile = tile_for(host_target())
     if tile:
-        assert tiled["fp32_kernels"] == {"kind": tile[0], "layers": 2, "reason": None}
-        assert any("2 of 3 float32 layers" in line for line in lines), lines
+        # both convolutions, and the classifier as a 1x1 convolution (cpu_dense.py)
+        assert tiled["fp32_kernels"] == {"kind": tile[0], "layers": 3, "matmuls": 1, "reason": None}
+        assert any("3 of 3 float32 layers" in line and "1 of them matmuls" in line for line in lines), lines
     else:
         assert tiled["fp32_kernels"]["kind"] == "generic" and tiled["fp32_kernels"]["reason"]
     generic = compile_model(path, "x86_64", tmp_path / "generic", fp32_kernels="generic", log=lambda line: None)
-    assert generic["fp32_kernels"] == {"kind": "generic", "layers": 0, "reason": "--fp32-kernels generic"}
+    assert generic["fp32_kernels"] == {"kind": "generic", "layers": 0, "matmuls": 0, "reason": "--fp32-kernels generic"}
     assert tiled["check"]["passed"] and generic["check"]["passed"]
+
+
+def test_a_classifier_of_several_rows_runs_on_the_conv_kernels(tmp_path):
+    """matmul(x [M, K], W) as a 1x1 convolution with the M rows as its batch (cpu_dense.py): a batch of
+    3 through a Linear of 70 -> 37 outputs (not a whole number of 16-channel vectors) matches onnxruntime."""
+    import torch
+
+    from appliance.deploy.compile import compile_model
+    from appliance.deploy.cpu_conv import tile_for
+
+    if not tile_for(host_target()):
+        pytest.skip("this CPU has no vector unit the float32 kernels are sized for")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 5 * 5, 70), torch.nn.ReLU(),
+                                torch.nn.Linear(70, 37)).eval()
+    path = tmp_path / "model.onnx"
+    torch.onnx.export(model, torch.zeros(3, 3, 5, 5), str(path), input_names=["input"], output_names=["logits"],
+                      dynamo=False)
+    info = compile_model(path, "x86_64", tmp_path / "tvm", batch=3, log=lambda line: None)
+    assert info["fp32_kernels"]["matmuls"] == 2 and info["fp32_kernels"]["layers"] == 2
+    assert info["check"]["passed"] and info["input"]["shape"] == [3, 3, 5, 5]
 
 
 @pytest.mark.parametrize("channels", [32, 24])
