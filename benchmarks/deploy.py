@@ -9,7 +9,8 @@ makes them, untuned: FP32, and int8 (the S8S8 QDQ model with int8 compute; where
 AVX-512 VNNI also the same build on TVM's generic kernels, `--int8-kernels generic`) and, for the models in
 --tune-models, both tuned by `appliance compile --tune N` (N = --tune-trials trials per task; the
 tuning time is printed). Prints median latency, the median over rounds of each route's ratio to
-onnxruntime FP32 in that round, and file sizes. Targets from the issue: TVM int8 tuned <= 1.0x,
+onnxruntime FP32 in that round (each route's figure in a round: the median of 5 calls after 2
+warm-up calls), and file sizes. Targets from the issue: TVM int8 tuned <= 1.0x,
 TVM FP32 tuned <= 1.5x ORT FP32.
 """
 
@@ -25,13 +26,14 @@ from pathlib import Path
 import numpy as np
 
 
-def interleaved_rounds(fns: dict, runs: int, budget_s: float = 90.0) -> dict:
-    """ms per call of each function, timed round-robin (one call of each per round) so that load
-    from other processes on a shared machine hits every route alike; 2 warm-up rounds. A route
-    stops after 5 calls once it has used budget_s (untuned TVM is slow): None for its later rounds."""
-    for _ in range(2):
-        for fn in fns.values():
-            fn()
+def interleaved_rounds(fns: dict, runs: int, budget_s: float = 90.0, calls: int = 5, warmup: int = 2) -> dict:
+    """ms per call of each function: the median of `calls` calls after `warmup` untimed ones, one such
+    block of each route per round, round-robin, so that load from other processes on a shared machine
+    hits every route alike. The warm-up calls absorb what the route before left behind: its threads
+    still spinning on the cores (onnxruntime's and TVM's pools both spin after a call) and its weights
+    in the caches; timed alone, one call right after another route measured onnxruntime FP32 at
+    14.9 ms where it runs 5.7 ms. A route stops after 5 rounds once it has used budget_s (untuned
+    TVM on generic kernels is slow): None for its later rounds."""
     times = {name: [] for name in fns}
     spent = dict.fromkeys(fns, 0.0)
     for _ in range(runs):
@@ -40,11 +42,15 @@ def interleaved_rounds(fns: dict, runs: int, budget_s: float = 90.0) -> dict:
             if len(done) >= 5 and spent[name] > budget_s:
                 times[name].append(None)
                 continue
-            t = time.perf_counter()
-            fn()
-            elapsed = time.perf_counter() - t
-            spent[name] += elapsed
-            times[name].append(elapsed * 1000)
+            for _ in range(warmup):
+                fn()
+            block = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                fn()
+                block.append(time.perf_counter() - t)
+            spent[name] += sum(block)
+            times[name].append(statistics.median(block) * 1000)
     return times
 
 
@@ -54,7 +60,7 @@ def summarise(times: dict, base: str = "ort_fp32") -> dict:
     for name, ts in times.items():
         ratios = [t / b for t, b in zip(ts, times[base]) if t is not None]
         done = [t for t in ts if t is not None]
-        out[name] = {"ms": statistics.median(done), "calls": len(done), "ratio": statistics.median(ratios)}
+        out[name] = {"ms": statistics.median(done), "rounds": len(done), "ratio": statistics.median(ratios)}
     return out
 
 
@@ -158,7 +164,7 @@ def main() -> None:
                                        args.tune_trials if arch in args.tune_models else 0, args.size,
                                        ort_spinning=not args.ort_no_spin))
         r = results[-1]
-        cells = " | ".join(f"{LABELS[name]} {v['ms']:.2f} ms (x{v['ratio']:.2f}, {v['calls']} calls)"
+        cells = " | ".join(f"{LABELS[name]} {v['ms']:.2f} ms (x{v['ratio']:.2f}, {v['rounds']} rounds)"
                            for name, v in r["routes"].items())
         print(f"{arch:>13}  {cells}", flush=True)
         print(f"{arch:>13}  rel err vs FP32: ORT S8S8 {r['int8_rel_err']:.3f}, ORT U8S8-rr {r['u8s8_rel_err']:.3f}; "

@@ -166,7 +166,7 @@ def main(argv=None) -> int:
             for _ in range(args.calls):
                 session.run(None, {"A": a})
 
-        times = interleaved_rounds({"ort": ort_calls, "tvm": tvm_calls}, args.rounds, budget_s=1e9)
+        times = interleaved_rounds({"ort": ort_calls, "tvm": tvm_calls}, args.rounds, budget_s=1e9, calls=1, warmup=1)
         summary = summarise(times, base="ort")
         ops = 2 * M * N * K
         tvm_ms, ort_ms = summary["tvm"]["ms"] / args.calls, summary["ort"]["ms"] / args.calls
