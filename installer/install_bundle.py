@@ -387,7 +387,8 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
     prefix = release_dir.parent.parent
     (staging / "extracted").mkdir()
     root = extract(copy, staging / "extracted")
-    log(f"extracted {root.name} safely from the verified copy")
+    copy.discard()  # peak disk: the extracted bundle and the venv, not the copy too
+    log(f"extracted {root.name} safely from the verified copy (copy removed)")
     timings = {"verify_and_extract_s": round(time.monotonic() - started, 2)}
     find_links = staging / "find-links"  # only this profile's files: pins never see another profile's
     find_links.mkdir()
@@ -492,8 +493,9 @@ def install(args) -> int:
         except Refusal as err:  # say what would fit: the engineer may have carried the wrong bundle
             raise Refusal(f"{err}; the bundle holds {bundle_holds(manifest)}") from None
         refuse_downgrade(prefix, current, manifest["version"], bundle, args.allow_downgrade)
-        # Room for the extracted bundle and an unpacked venv (about 2x its wheels), checked up front.
-        need = copy.size + 2 * manifest["profiles"][name]["bytes"]
+        # Room for the extracted bundle (about the copy's size), then, with the copy deleted once
+        # extracted, for an unpacked venv (about 2x its wheels), checked up front.
+        need = max(copy.size, 2 * manifest["profiles"][name]["bytes"])
         free = shutil.disk_usage(prefix).free
         if free < need:
             raise Refusal(f"{prefix}: {free / 1e9:.1f} GB free, installing this bundle needs about "

@@ -57,6 +57,12 @@ class PrivateCopy:
     def close(self) -> None:
         self.file.close()
 
+    def discard(self) -> None:
+        """Close and delete the copy once it is extracted: the venv needs the room (a CPU site's
+        bundle is 3.5 GB), and nothing reads the copy after extraction."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
 
 def check_private(directory: Path) -> None:
     """directory must be a real directory owned by this user that nobody else can write or enter."""
