@@ -139,13 +139,16 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     target = target_for(target_name)
     mod, kernels = _int8_kernels(mod, target, layers, int8_kernels, log)
     mod, fp32 = _fp32_kernels(mod, target, layers, fp32_kernels, log)
-    epilogues = {"kernels": 0, "fused": 0}
+    epilogues = {"kernels": 0, "fused": 0, "glue_scheduled": 0}
     if fp32["layers"] or kernels["layers"] or kernels["depthwise"]:
         from appliance.deploy.cpu_conv import fuse_epilogues
 
+        from appliance.deploy.cpu_glue import schedule_glue
+
         mod, epilogues["kernels"], epilogues["fused"] = fuse_epilogues(mod)
+        mod, epilogues["glue_scheduled"] = schedule_glue(mod)
         log(f"compile: {epilogues['fused']} of {epilogues['kernels']} kernels compute the elementwise ops after "
-            "them in their write-back")
+            f"them in their write-back; {epilogues['glue_scheduled']} glue functions (padding, layout) run on all cores")
     tuning, installed, tuned_tasks = None, [], 0
     if tune_trials or tuning_db:
         mod, target, tuning = _tuned(mod, model_path, target_name, target, out_dir, tune_trials, tuning_db, log,

@@ -213,3 +213,37 @@ def test_the_ops_after_a_kernel_run_in_its_write_back(channels):
     ref = torch.nn.functional.conv2d(torch.from_numpy(x).double(), torch.from_numpy(w).double(), padding=1)
     ref = (ref + torch.from_numpy(bias).double() + torch.from_numpy(skip).double()).clamp(0, 6).numpy()
     np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
+def test_glue_runs_on_all_cores_and_gives_the_same_bits():
+    """A pad + reshape + transpose into a blocked layout (what feeds a depthwise kernel) becomes one
+    parallel loop nest (cpu_glue.py); a reduction next to it is left alone; the outputs are the bits
+    of TVM's default lowering."""
+    import tvm
+    from tvm import relax, tirx
+
+    from appliance.deploy.cpu_glue import schedule_glue
+
+    builder = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 32, 56, 56), "float32"))
+    with builder.function("main", [x]):
+        with builder.dataflow():
+            padded = builder.emit(relax.op.nn.pad(x, [0, 0, 0, 0, 1, 1, 1, 1], pad_value=0.0))
+            blocked = builder.emit(relax.op.permute_dims(relax.op.reshape(padded, (1, 2, 16, 58, 58)), [0, 1, 3, 4, 2]))
+            pooled = builder.emit(relax.op.mean(x, axis=[2, 3], keepdims=True))
+            out = builder.emit_output(relax.Tuple([blocked, pooled]))
+        builder.emit_func_output(out)
+    plain = relax.get_pipeline("zero")(builder.get())
+    scheduled, count = schedule_glue(relax.get_pipeline("zero")(builder.get()))
+    assert count == 1
+    funcs = {gv.name_hint: f for gv, f in scheduled.functions_items() if isinstance(f, tirx.PrimFunc)}
+    glue = [f for name, f in funcs.items() if "transpose" in name]
+    assert len(glue) == 1 and "T.parallel" in glue[0].script()
+    assert not any("T.parallel" in f.script() for name, f in funcs.items() if "mean" in name)
+    data = np.random.default_rng(0).standard_normal((1, 32, 56, 56)).astype(np.float32)
+    outputs = []
+    for mod in (plain, scheduled):
+        vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
+        outputs.append([o.numpy() for o in vm["main"](tvm.runtime.tensor(data))])
+    assert all(np.array_equal(a, b) for a, b in zip(*outputs))
+    np.testing.assert_array_equal(outputs[1][0][0, 1, 1:-1, 1:-1, 3], data[0, 19])
