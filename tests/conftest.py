@@ -45,8 +45,8 @@ def interop_python() -> Path:
 def _disk_turns(request, tmp_path_factory):
     """A test marked disk_heavy runs with no other test running on any pytest worker.
 
-    The site flow holds a multi-GB bundle, its private copy, the extracted wheels and a venv at
-    once (about 17 GB); next to another worker's test that once left it 2.7 GB short on CI.
+    The site flow holds a 3.5 GB bundle, the installer's copy of it, the extracted wheels and a
+    venv (15 GB at its peak, measured); next to another worker's tests it was 2.7 GB short on CI.
     Two lock files shared by the workers: every test passes the gate, then holds `run` shared;
     a heavy test holds the gate (so no new test starts) and waits for `run` exclusively.
     """
