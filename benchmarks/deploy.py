@@ -32,7 +32,7 @@ def interleaved_rounds(fns: dict, runs: int, budget_s: float = 90.0, calls: int 
     hits every route alike. The warm-up calls absorb what the route before left behind: its threads
     still spinning on the cores (onnxruntime's and TVM's pools both spin after a call) and its weights
     in the caches; timed alone, one call right after another route measured onnxruntime FP32 at
-    14.9 ms where it runs 5.7 ms. A route stops after 5 rounds once it has used budget_s (untuned
+    14.9 ms where it runs 4.6-5.7 ms. A route stops after 5 rounds once it has used budget_s (untuned
     TVM on generic kernels is slow): None for its later rounds."""
     times = {name: [] for name in fns}
     spent = dict.fromkeys(fns, 0.0)

@@ -1,3 +1,4 @@
+import fcntl
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,6 @@ def _disk_turns(request, tmp_path_factory):
     Two lock files shared by the workers: every test passes the gate, then holds `run` shared;
     a heavy test holds the gate (so no new test starts) and waits for `run` exclusively.
     """
-    import fcntl
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if base.name.startswith("popen-gw") else base  # pytest-xdist: one folder per worker
     heavy = request.node.get_closest_marker("disk_heavy") is not None

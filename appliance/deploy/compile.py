@@ -142,7 +142,6 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     epilogues = {"kernels": 0, "fused": 0, "glue_scheduled": 0}
     if fp32["layers"] or kernels["layers"] or kernels["depthwise"]:
         from appliance.deploy.cpu_conv import fuse_epilogues
-
         from appliance.deploy.cpu_glue import schedule_glue
 
         mod, epilogues["kernels"], epilogues["fused"] = fuse_epilogues(mod)

@@ -12,6 +12,8 @@ never helped them; they are scheduled here and tuning leaves them alone.
 
 from __future__ import annotations
 
+import math
+
 PARALLEL_MIN = 1 << 14  # elements: below this a thread pool wake-up costs more than it saves
 
 
@@ -36,14 +38,14 @@ def schedule_glue(mod):
 def _schedule(func):
     """The scheduled func, or None where it has a reduction, a dynamic shape or too little work."""
     import tvm
-    from tvm import s_tir
+    from tvm import s_tir, tirx
 
     sch = s_tir.Schedule(func)
     try:
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
-    except (s_tir.schedule.ScheduleError, tvm.error.TVMError):
+    except (s_tir.schedule.ScheduleError, tvm.error.TVMError):  # no root block: not LegalizeOps' making
         return None
-    if not blocks or any(iv.iter_type != 0 for b in blocks for iv in sch.get(b).iter_vars):  # 0: data parallel
+    if not blocks or any(iv.iter_type != tirx.IterVar.DataPar for b in blocks for iv in sch.get(b).iter_vars):
         return None
     for block in blocks[:-1]:
         try:
@@ -56,9 +58,7 @@ def _schedule(func):
         extents = [int(sch.get(loop).extent) for loop in loops]
     except TypeError:  # a symbolic extent
         return None
-    total = 1
-    for extent in extents:
-        total *= extent
+    total = math.prod(extents)
     if len(loops) < 2 or total < PARALLEL_MIN:
         return None
     # the two innermost loops stay a row for each thread, unless that leaves too few rows to share

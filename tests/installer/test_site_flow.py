@@ -78,7 +78,8 @@ def test_site_profile_is_the_cpu_training_host():
 
 @pytest.fixture
 def site_dir(tmp_path):
-    """tmp_path, less the 3.5 GB bundle and the 7 GB venv afterwards (a failed run's tmp_path is kept)."""
+    """tmp_path, less the 3.5 GB bundle and the 7 GB venv afterwards: pytest keeps a failed run's
+    tmp_path for reading, and the logs are what is worth reading there."""
     yield tmp_path
     shutil.rmtree(tmp_path / "bundle", ignore_errors=True)
     shutil.rmtree(tmp_path / "opt-appliance" / "releases", ignore_errors=True)
