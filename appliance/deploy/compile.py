@@ -206,9 +206,9 @@ def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
     generic ones: (mod, {"kind", "layers", "depthwise", "matmuls", "reason"}) for compile.json. With
     VNNI the int8 matmuls run on its kernels too, as 1x1 convolutions (cpu_dense.py)."""
     if not layers.get("int8"):
-        return mod, {"kind": "none", "layers": 0, "depthwise": 0, "matmuls": 0, "reason": "no int8 layers"}
+        return mod, {"kind": "none", "layers": 0, "depthwise": 0, "matmuls": 0, "pixels": 0, "reason": "no int8 layers"}
     if choice == "generic":
-        return mod, {"kind": "generic", "layers": 0, "depthwise": 0, "matmuls": 0, "reason": "--int8-kernels generic"}
+        return mod, {"kind": "generic", "layers": 0, "depthwise": 0, "matmuls": 0, "pixels": 0, "reason": "--int8-kernels generic"}
     from appliance.deploy import cpu_conv, x86_int8
     from appliance.deploy.cpu_dense import matmuls_as_convs
 
@@ -220,12 +220,32 @@ def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
         reason = f"no dot-product kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()
         log(f"compile: {depthwise} depthwise int8 layers on {tile[0]} vector kernels; {reason}" if tile else
             f"compile: int8 layers on generic kernels; {reason}")
-        return mod, {"kind": "generic", "layers": 0, "depthwise": depthwise, "matmuls": 0, "reason": reason}
+        return mod, {"kind": "generic", "layers": 0, "depthwise": depthwise, "matmuls": 0, "pixels": 0, "reason": reason}
     mod, matmuls = matmuls_as_convs(mod, {"int8"})
     mod, count = x86_int8.use_vnni_kernels(mod)
+    pixels = _pixel_kernels(mod, "vnni_conv2d_pixels_")
     log(f"compile: {count} of {layers['int8']} int8 layers on AVX-512 VNNI kernels ({matmuls} of them matmuls, as "
-        f"1x1 convolutions), {depthwise} depthwise on vector kernels")
-    return mod, {"kind": "x86-vnni", "layers": count, "depthwise": depthwise, "matmuls": matmuls, "reason": None}
+        f"1x1 convolutions; {pixels} with 16 pixels a vector), {depthwise} depthwise on vector kernels")
+    return mod, {"kind": "x86-vnni", "layers": count, "depthwise": depthwise, "matmuls": matmuls, "pixels": pixels,
+                 "reason": None}
+
+
+def _pixel_kernels(mod, prefix: str) -> int:
+    """How many layers of mod run on a kernel with 16 pixels a vector (cpu_pixels.py): its calls of
+    the functions added under that name (layers of the same shapes share one function)."""
+    from tvm import relax
+
+    calls = [0]
+
+    def visit(expr):
+        if (isinstance(expr, relax.Call) and getattr(expr.op, "name", None) == "relax.call_tir"
+                and expr.args[0].name_hint.startswith(prefix)):
+            calls[0] += 1
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return calls[0]
 
 
 def _fp32_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
@@ -236,18 +256,19 @@ def _fp32_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
     from appliance.deploy.cpu_dense import matmuls_as_convs
 
     if not layers.get("fp32"):
-        return mod, {"kind": "none", "layers": 0, "matmuls": 0, "reason": "no float32 layers"}
+        return mod, {"kind": "none", "layers": 0, "matmuls": 0, "pixels": 0, "reason": "no float32 layers"}
     if choice == "generic":
-        return mod, {"kind": "generic", "layers": 0, "matmuls": 0, "reason": "--fp32-kernels generic"}
+        return mod, {"kind": "generic", "layers": 0, "matmuls": 0, "pixels": 0, "reason": "--fp32-kernels generic"}
     tile = cpu_conv.tile_for(target)
     if tile is None:
-        return mod, {"kind": "generic", "layers": 0, "matmuls": 0,
+        return mod, {"kind": "generic", "layers": 0, "matmuls": 0, "pixels": 0,
                      "reason": f"no float32 kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()}
     mod, matmuls = matmuls_as_convs(mod, {"float32"})
     mod, count = cpu_conv.use_fp32_kernels(mod, tile)
+    pixels = _pixel_kernels(mod, "fp32_conv2d_pixels_")
     log(f"compile: {count} of {layers['fp32']} float32 layers on {tile[0]} register-tiled kernels ({matmuls} of "
-        "them matmuls, as 1x1 convolutions; the rest: grouped)")
-    return mod, {"kind": tile[0], "layers": count, "matmuls": matmuls, "reason": None}
+        f"them matmuls, as 1x1 convolutions; {pixels} with 16 pixels a vector; the rest: grouped)")
+    return mod, {"kind": tile[0], "layers": count, "matmuls": matmuls, "pixels": pixels, "reason": None}
 
 
 def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log, rpc=None, rpc_key=""):

@@ -209,10 +209,13 @@ def _inline_epilogue(func, order: list):
     import tvm
     from tvm import s_tir
 
+    from appliance.deploy.cpu_pixels import BLOCKS as PIXEL_BLOCKS
+
     k = order.index(WRITE_BACK)
     before = [name for name in order[:k] if not name.startswith(KERNEL_BLOCK)]
     after = order[k + 1:]
-    count, vectorised = _chain(func, order[k:]), True
+    # a kernel with pixels as its vector lanes (cpu_pixels.py) has its write-back vectorised already
+    count, vectorised = _chain(func, order[k:]), not any(name.startswith(PIXEL_BLOCKS) for name in order[:k])
     while True:
         sch, done = s_tir.Schedule(func), 0
         try:
@@ -381,6 +384,14 @@ def _fp32_conv(builder, call, index, tile):
     w = weight.value.numpy()
     n, c, h, wd = shape
     o, _, kh, kw = w.shape
+    pixels = pixel_tile(attrs, w.shape, h * wd, tile[0])
+    if pixels is not None:
+        from appliance.deploy import cpu_pixels
+
+        func = cpu_pixels.fp32_kernel(n, c, h, wd, o, *pixels)
+        kernel = builder.add_func(func.without_attr("global_symbol"), f"fp32_conv2d_pixels_{index}")
+        return relax.call_tir(kernel, [data, relax.const(cpu_pixels.pack_fp32(w, pixels[0]))],
+                              relax.TensorType((n, o, h, wd), "float32"))
     packed = pack_weights(w)
     o16 = packed.shape[0]
     data, (ph, pw) = _padded(builder, data, attrs)
@@ -391,6 +402,19 @@ def _fp32_conv(builder, call, index, tile):
     if o16 * LANES != o:
         return relax.op.strided_slice(builder.emit(out), axes=[1], begin=[0], end=[o])
     return out
+
+
+def pixel_tile(attrs, weight_shape, pixels: int, unit: str) -> tuple[int, int] | None:
+    """cpu_pixels' register tile for a conv2d of these attrs and OIHW weights where it has one: a
+    1x1 convolution of stride 1, no padding, groups 1, on an AVX-512 CPU (`unit`, as tile_for
+    names it); else None."""
+    from appliance.deploy import cpu_pixels
+
+    o, _, kh, kw = weight_shape
+    if (unit != "avx512" or (kh, kw) != (1, 1) or any(int(v) != 1 for v in attrs.strides)
+            or any(int(v) for v in attrs.padding) or int(attrs.groups) != 1):
+        return None
+    return cpu_pixels.tile(o, pixels)
 
 
 def shape64(*dims):

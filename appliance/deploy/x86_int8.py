@@ -29,7 +29,7 @@ import functools
 
 import numpy as np
 
-from appliance.deploy.cpu_conv import fusable, rewrite_calls, shape64, static_shape
+from appliance.deploy.cpu_conv import fusable, pixel_tile, rewrite_calls, shape64, static_shape
 
 INTRIN = "appliance_dot_16x4_vnni"
 LANES, GROUP = 16, 4  # output channels per register, input channels per product group
@@ -159,11 +159,21 @@ def _vnni_conv(builder, call, index):
     wq = weight.value.numpy()
     n, c, h, w = shape
     o, _, kh, kw = wq.shape
-    packed = pack_weights(wq)
-    o16, c4 = packed.shape[0], packed.shape[1]
-    func, (oh, ow) = conv2d_kernel(n, c4, h, w, o16, kh, kw, tuple(int(v) for v in attrs.strides),
-                                   tuple(int(v) for v in attrs.dilation))
-    kernel = builder.add_func(func.without_attr("global_symbol"), f"vnni_conv2d_{index}")
+    pixels = pixel_tile(attrs, wq.shape, h * w, "avx512")  # VNNI CPUs have AVX-512
+    if pixels is not None:  # 16 pixels a vector (cpu_pixels.py): for the 1x1 layers of short reductions
+        from appliance.deploy import cpu_pixels
+
+        c4, channels = -(-c // GROUP), o
+        func, (oh, ow) = cpu_pixels.vnni_kernel(n, c4, h, w, o, *pixels), (h, w)
+        packed = cpu_pixels.pack_int8(wq, pixels[0])
+        kernel = builder.add_func(func.without_attr("global_symbol"), f"vnni_conv2d_pixels_{index}")
+    else:
+        packed = pack_weights(wq)
+        o16, c4 = packed.shape[0], packed.shape[1]
+        channels = o16 * LANES  # whole vectors of 16: the padding channels are sliced off below
+        func, (oh, ow) = conv2d_kernel(n, c4, h, w, o16, kh, kw, tuple(int(v) for v in attrs.strides),
+                                       tuple(int(v) for v in attrs.dilation))
+        kernel = builder.add_func(func.without_attr("global_symbol"), f"vnni_conv2d_{index}")
     emit = builder.emit  # bound, so each step has its type for the next
     shifted = emit(relax.op.astype(relax.op.add(relax.op.astype(data, "int16"), relax.const(128, "int16")), "uint8"))
     if c4 * GROUP != c:  # whole groups of 4 channels: zeros meet the zero weights packed there
@@ -171,9 +181,8 @@ def _vnni_conv(builder, call, index):
     # reshape + permute_dims rather than layout_transform: injective, so TVM fuses them with the
     # elementwise work before and after (a layout_transform stayed a kernel and a pass of its own).
     blocked = emit(relax.op.permute_dims(relax.op.reshape(shifted, (n, c4, GROUP, h, w)), [0, 1, 3, 4, 2]))
-    acc = emit(relax.call_tir(kernel, [blocked, relax.const(packed)],
-                              relax.TensorType((n, o16 * LANES, oh, ow), "int32")))
-    if o16 * LANES != o:
+    acc = emit(relax.call_tir(kernel, [blocked, relax.const(packed)], relax.TensorType((n, channels, oh, ow), "int32")))
+    if channels != o:
         acc = emit(relax.op.strided_slice(acc, axes=[1], begin=[0], end=[o]))
     shift = (128 * wq.astype(np.int64).reshape(o, -1).sum(1)).astype(np.int32).reshape(1, o, 1, 1)
     return relax.op.subtract(acc, relax.const(shift))

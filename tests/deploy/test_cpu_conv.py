@@ -34,6 +34,7 @@ SHAPES = [
     (2, 3, 17, 10, 7, 2, 1, (3, 3, 3, 3)),    # a stem: 10 outputs (padded to 16, one block), batch 2, odd size
     (1, 24, 9, 48, 1, 1, 1, (0, 0, 0, 0)),    # 1x1, 3 blocks (odd: one block per tile)
     (1, 8, 12, 32, 3, 2, 2, (2, 1, 0, 2)),    # stride 2, dilation 2, uneven padding
+    (2, 20, 8, 30, 1, 1, 1, (0, 0, 0, 0)),    # 1x1 of 64 pixels: AVX-512 puts 16 pixels in a vector (cpu_pixels.py)
 ]
 
 
@@ -148,12 +149,13 @@ def test_a_float_model_says_which_kernels_it_got(tmp_path):
     tile = tile_for(host_target())
     if tile:
         # both convolutions, and the classifier as a 1x1 convolution (cpu_dense.py)
-        assert tiled["fp32_kernels"] == {"kind": tile[0], "layers": 3, "matmuls": 1, "reason": None}
+        assert tiled["fp32_kernels"] == {"kind": tile[0], "layers": 3, "matmuls": 1, "pixels": 0, "reason": None}
         assert any("3 of 3 float32 layers" in line and "1 of them matmuls" in line for line in lines), lines
     else:
         assert tiled["fp32_kernels"]["kind"] == "generic" and tiled["fp32_kernels"]["reason"]
     generic = compile_model(path, "x86_64", tmp_path / "generic", fp32_kernels="generic", log=lambda line: None)
-    assert generic["fp32_kernels"] == {"kind": "generic", "layers": 0, "matmuls": 0, "reason": "--fp32-kernels generic"}
+    assert generic["fp32_kernels"] == {"kind": "generic", "layers": 0, "matmuls": 0, "pixels": 0,
+                                       "reason": "--fp32-kernels generic"}
     assert tiled["check"]["passed"] and generic["check"]["passed"]
 
 
@@ -247,3 +249,52 @@ def test_glue_runs_on_all_cores_and_gives_the_same_bits():
         outputs.append([o.numpy() for o in vm["main"](tvm.runtime.tensor(data))])
     assert all(np.array_equal(a, b) for a, b in zip(*outputs))
     np.testing.assert_array_equal(outputs[1][0][0, 1, 1:-1, 1:-1, 3], data[0, 19])
+
+
+def test_a_1x1_conv_puts_pixels_in_the_vectors_and_its_epilogue_in_the_write_back():
+    """A 1x1 float32 conv of stride 1 over whole vectors of 16 pixels, on an AVX-512 build: the
+    pixel kernel (cpu_pixels.py), with the bias, residual add and ReLU6 computed in its vectorised
+    write-back; one function in all. Against torch's float64 ops. Other CPUs keep the channel kernels."""
+    import torch
+    import tvm
+    from tvm import relax
+
+    from appliance.deploy.cpu_conv import fuse_epilogues, use_fp32_kernels
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 24, 8, 12)).astype(np.float32)  # 96 pixels: 6 vectors
+    skip = rng.standard_normal((1, 36, 8, 12)).astype(np.float32)
+    w = rng.standard_normal((36, 24, 1, 1)).astype(np.float32) * 0.2
+    bias = rng.standard_normal((1, 36, 1, 1)).astype(np.float32)
+    builder = relax.BlockBuilder()
+    data, residual = relax.Var("x", relax.TensorType(x.shape, "float32")), relax.Var("r", relax.TensorType(skip.shape, "float32"))
+    with builder.function("main", [data, residual]):
+        with builder.dataflow():
+            conv = builder.emit(relax.op.nn.conv2d(data, relax.const(w)))
+            summed = builder.emit(relax.op.add(relax.op.add(conv, relax.const(bias)), residual))
+            out = builder.emit_output(relax.op.clip(summed, 0.0, 6.0))
+        builder.emit_func_output(out)
+    for tile, kernel in ((("avx2", 1, 6), "fp32_conv2d_0"), (("avx512", 2, 7), "fp32_conv2d_pixels_0")):
+        mod, count = use_fp32_kernels(builder.get(), tile)
+        assert count == 1 and kernel in [gv.name_hint for gv in mod.get_global_vars()]
+    mod, kernels, fused = fuse_epilogues(mod)  # the AVX-512 one
+    assert (kernels, fused) == (1, 1)
+    called = [f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(called) == 1  # the kernel with add, add and clip in it
+    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(skip)).numpy()
+    ref = torch.nn.functional.conv2d(torch.from_numpy(x).double(), torch.from_numpy(w).double())
+    ref = (ref + torch.from_numpy(bias).double() + torch.from_numpy(skip).double()).clamp(0, 6).numpy()
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
+def test_the_pixel_tile_divides_channels_and_pixels():
+    from appliance.deploy.cpu_pixels import tile
+
+    assert tile(96, 112 * 112) == (6, 2)  # 14 accumulators at most: 6 channels x 2 vectors of 16 pixels
+    assert tile(24, 28 * 28) == (12, 1)  # 49 vectors: one per tile
+    assert tile(7, 4 * 16) == (7, 2)
+    assert tile(7, 16) == (7, 1)  # 7 accumulators: fewer than 8, but the largest tile there is
+    assert tile(2, 7 * 16) == (2, 7)  # the only tile of 6 or more
+    assert tile(16, 14 * 14) is None  # 196 pixels: not whole vectors
+    assert tile(5, 16) is None  # 5 accumulators: the channel kernels do better

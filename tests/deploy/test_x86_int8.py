@@ -30,17 +30,20 @@ def test_vnni_is_chosen_by_the_build_cpu_not_by_the_machine_compiling():
     assert not has_vnni(TARGETS["aarch64-dotprod"])
 
 
-# (batch, channels in, size, channels out, kernel, stride, dilation, padding)
+# (batch, channels in, size, channels out, kernel, stride, dilation, padding, the kernel it gets)
 SHAPES = [
-    (1, 64, 14, 64, 3, 1, 1, 1),   # a resnet block
-    (2, 3, 17, 10, 7, 2, 1, 3),    # a stem: 3 channels (padded to 4), 10 outputs (not 16), batch 2, odd size
-    (1, 24, 9, 40, 1, 1, 1, 0),    # 1x1
-    (1, 8, 12, 16, 3, 2, 2, 2),    # stride 2 with dilation 2
+    (1, 64, 14, 64, 3, 1, 1, 1, "vnni_conv2d_0"),   # a resnet block
+    (2, 3, 17, 10, 7, 2, 1, 3, "vnni_conv2d_0"),    # a stem: 3 channels (padded to 4), 10 outputs (not 16), batch 2, odd size
+    (1, 24, 9, 40, 1, 1, 1, 0, "vnni_conv2d_0"),    # 1x1 of 81 pixels: not whole vectors of 16
+    (1, 8, 12, 16, 3, 2, 2, 2, "vnni_conv2d_0"),    # stride 2 with dilation 2
+    # 1x1 with 16 pixels a vector (cpu_pixels.py): 22 channels (padded to 24), batch 2, tiles of 6 x 2
+    (2, 22, 8, 24, 1, 1, 1, 0, "vnni_conv2d_pixels_0"),
+    (1, 16, 28, 96, 1, 1, 1, 0, "vnni_conv2d_pixels_0"),  # MobileNetV2's expansion at 28x28: 49 vectors, tiles of 12 x 1
 ]
 
 
-@pytest.mark.parametrize("n,c,size,o,k,stride,dilation,pad", SHAPES)
-def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad):
+@pytest.mark.parametrize("n,c,size,o,k,stride,dilation,pad,kernel", SHAPES)
+def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad, kernel):
     """A Relax int8 x int8 -> int32 conv2d (what int8_rewrite emits, padding explicit) on the VNNI
     kernel, built and run, against torch's float64 convolution of the same integers."""
     needs_vnni()
@@ -63,7 +66,7 @@ def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad):
         builder.emit_func_output(out)
     mod, count = use_vnni_kernels(builder.get())
     assert count == 1
-    assert "vnni_conv2d_0" in [gv.name_hint for gv in mod.get_global_vars()]
+    assert kernel in [gv.name_hint for gv in mod.get_global_vars()]
     vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
     got = vm["main"](tvm.runtime.tensor(x)).numpy()
     xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=-7)
