@@ -154,9 +154,13 @@ def main() -> None:
     args = parser.parse_args()
     import os
 
+    from appliance.deploy.tvm_threads import use_physical_cores
+
+    use_physical_cores()  # as `appliance compile` runs TVM: all physical cores (TVM alone halves them on x86_64)
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (a shared machine inflates every "
           f"figure alike; compare ratios); onnxruntime {onnxruntime.__version__}"
-          f"{' (threads not spinning)' if args.ort_no_spin else ''}; TVM untuned (default Relax pipeline)")
+          f"{' (threads not spinning)' if args.ort_no_spin else ''}; TVM on {os.environ.get('TVM_NUM_THREADS')} "
+          "threads (TVM_NUM_THREADS)")
     results = []
     for arch in args.models:
         with tempfile.TemporaryDirectory(prefix=f"bench-{arch}-") as tmp:

@@ -107,7 +107,10 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
 
     from appliance.deploy.int8_rewrite import classify_layers, output_scale, rewrite_int8
     from appliance.deploy.onnx_model import default_tolerance, image_input, load_onnx, metadata, precision
+    from appliance.deploy.tvm_threads import use_physical_cores
     from appliance.manifest import atomic_write_text, write_manifest
+
+    use_physical_cores()  # before tuning, the check and the latency run TVM here: all the cores, not half
 
     cross = target_name.startswith("aarch64")
     if cross:
@@ -314,6 +317,9 @@ def check_against_ort(library, model_path, shape, sample_files, meta, tolerance,
 
     from appliance.deploy.onnx_model import ort_session, run_ort
     from appliance.deploy.samples import check_input_shape, load_samples
+    from appliance.deploy.tvm_threads import use_physical_cores
+
+    use_physical_cores()
 
     if sample_files:
         samples = load_samples(sample_files, meta.get("preprocessing", {}), limit=32)
@@ -337,7 +343,8 @@ def check_against_ort(library, model_path, shape, sample_files, meta, tolerance,
 
 def host_latency_ms(library, shape, budget_s: float = 3.0) -> float:
     """Median ms of one call of the host library on this CPU (1 warm-up call, at most 10 timed
-    calls or budget_s); a figure for comparing builds on the same machine, not an edge latency."""
+    calls or budget_s), on its physical cores (tvm_threads.py); a figure for comparing builds on
+    the same machine, not an edge latency."""
     import statistics
     import time
 
@@ -346,6 +353,9 @@ def host_latency_ms(library, shape, budget_s: float = 3.0) -> float:
     import tvm
     from tvm import relax
 
+    from appliance.deploy.tvm_threads import use_physical_cores
+
+    use_physical_cores()
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())
     x = tvm.runtime.tensor(np.zeros(shape, np.float32))
     vm["main"](x)
