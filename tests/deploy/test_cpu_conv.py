@@ -298,3 +298,17 @@ def test_the_pixel_tile_divides_channels_and_pixels():
     assert tile(2, 7 * 16) == (2, 7)  # the only tile of 6 or more
     assert tile(16, 14 * 14) is None  # 196 pixels: not whole vectors
     assert tile(5, 16) is None  # 5 accumulators: the channel kernels do better
+
+
+@pytest.mark.parametrize("k", [32, 33])
+def test_int8_depthwise_sums_stay_exact_at_the_float_limit(k):
+    """int8 depthwise on AVX-512 sums in float32, exact for up to 1024 taps (sums of 127 x 127 stay
+    below 2^24); a 33x33 filter (1089 taps) keeps int32 sums: its odd sum of 17.6 M is above 2^24,
+    where float32 has only even numbers."""
+    if host_tile()[0] != "avx512":
+        pytest.skip("the float32 sums are for AVX-512 builds")
+    x = np.full((1, 16, k, k), -127, np.int8)
+    w = np.full((16, 1, k, k), -127, np.int8)
+    got = run_conv(x, w, 1, 1, (0, 0, 0, 0), 16, host_tile(), out_dtype="int32")
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.full((1, 16, 1, 1), k * k * 127 * 127))
