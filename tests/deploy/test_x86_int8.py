@@ -51,6 +51,7 @@ def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad, ker
     import tvm
     from tvm import relax
 
+    from appliance.deploy.cpu_conv import fuse_epilogues
     from appliance.deploy.x86_int8 import use_vnni_kernels
 
     rng = np.random.default_rng(n * 1000 + c * 10 + k)
@@ -67,6 +68,8 @@ def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad, ker
     mod, count = use_vnni_kernels(builder.get())
     assert count == 1
     assert kernel in [gv.name_hint for gv in mod.get_global_vars()]
+    mod, kernels, fused = fuse_epilogues(mod)  # as compile does: the correction after it, in its write-back
+    assert (kernels, fused) == (1, 1)
     vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
     got = vm["main"](tvm.runtime.tensor(x)).numpy()
     xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=-7)
