@@ -224,13 +224,17 @@ def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
         log(f"compile: {depthwise} depthwise int8 layers on {tile[0]} vector kernels; {reason}" if tile else
             f"compile: int8 layers on generic kernels; {reason}")
         return mod, {"kind": "generic", "layers": 0, "depthwise": depthwise, "matmuls": 0, "pixels": 0, "reason": reason}
+    from appliance.deploy.cpu_handoff import blocked_handoff
+
     mod, matmuls = matmuls_as_convs(mod, {"int8"})
     mod, count = x86_int8.use_vnni_kernels(mod)
+    mod, handoffs = blocked_handoff(mod)
     pixels = _pixel_kernels(mod, "vnni_conv2d_pixels_")
     log(f"compile: {count} of {layers['int8']} int8 layers on AVX-512 VNNI kernels ({matmuls} of them matmuls, as "
-        f"1x1 convolutions; {pixels} with 16 pixels a vector), {depthwise} depthwise on vector kernels")
+        f"1x1 convolutions; {pixels} with 16 pixels a vector; {handoffs} writing the depthwise layout after "
+        f"them), {depthwise} depthwise on vector kernels")
     return mod, {"kind": "x86-vnni", "layers": count, "depthwise": depthwise, "matmuls": matmuls, "pixels": pixels,
-                 "reason": None}
+                 "handoffs": handoffs, "reason": None}
 
 
 def _pixel_kernels(mod, prefix: str) -> int:

@@ -219,8 +219,10 @@ def _inline_epilogue(func, order: list):
     k = order.index(WRITE_BACK)
     before = [name for name in order[:k] if not name.startswith(KERNEL_BLOCK)]
     after = order[k + 1:]
-    # a kernel with pixels as its vector lanes (cpu_pixels.py) has its write-back vectorised already
-    count, vectorised = _chain(func, order[k:]), not any(name.startswith(PIXEL_BLOCKS) for name in order[:k])
+    # a kernel with pixels as its vector lanes (cpu_pixels.py), or with a blocked output
+    # (x86_int8's conv_blocked), has its write-back vectorised already
+    count, vectorised = _chain(func, order[k:]), not any(name.startswith((PIXEL_BLOCKS, "conv_blocked"))
+                                                         for name in order[:k])
     while True:
         sch, done = s_tir.Schedule(func), 0
         try:

@@ -32,6 +32,7 @@ import numpy as np
 from appliance.deploy.cpu_conv import fusable, pixel_tile, rewrite_calls, shape64, static_shape
 
 INTRIN = "appliance_dot_16x4_vnni"
+GEOMETRY = "appliance.stride_dilation"  # a channel-vector kernel's (sh, sw, dh, dw), for cpu_handoff
 LANES, GROUP = 16, 4  # output channels per register, input channels per product group
 
 
@@ -88,15 +89,19 @@ def _rows(ow: int) -> int:
     return next(r for r in (7, 4, 8, 6, 5, 3, 2, 1) if ow % r == 0)
 
 
-def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, stride: tuple, dilation: tuple):
+def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, stride: tuple, dilation: tuple,
+                  blocked_out: bool = False):
     """The scheduled PrimFunc conv(data [n, c4, h, w, 4] u8, weights [o16, c4, kh, kw, 16, 4] s8) ->
-    [n, o16 * 16, oh, ow] s32, for data already padded."""
+    [n, o16 * 16, oh, ow] s32, for data already padded; blocked_out: -> [n, o16, oh, ow, 16], a
+    pixel's 16 sums one vector store (for a depthwise kernel after it, cpu_handoff.py)."""
     from tvm import s_tir
     from tvm.script import tirx as T
 
     sh, sw = stride
     dh, dw = dilation
     oh, ow = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    if blocked_out:
+        return _blocked_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, (oh, ow)), (oh, ow)
 
     @T.prim_func(s_tir=True)
     def conv(X: T.Buffer((n, c4, h, w, 4), "uint8"), Wp: T.Buffer((o16, c4, kh, kw, 16, 4), "int8"),
@@ -130,6 +135,44 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
     sch.unroll(w_channels)
     sch.vectorize(sch.get_loops(init)[-1])
     return fusable(sch.mod["main"]), (oh, ow)
+
+
+def _blocked_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, out):
+    from tvm import s_tir
+    from tvm.script import tirx as T
+
+    (sh, sw), (dh, dw), (oh, ow) = stride, dilation, out
+
+    @T.prim_func(s_tir=True)
+    def conv(X: T.Buffer((n, c4, h, w, 4), "uint8"), Wp: T.Buffer((o16, c4, kh, kw, 16, 4), "int8"),
+             Y: T.Buffer(shape64(n, o16, oh, ow, 16), "int32")):
+        T.func_attr({"tir.noalias": True})
+        for b, ob, y, x, oi, cb, r, s, ci in T.grid(n, o16, oh, ow, 16, c4, kh, kw, 4):
+            with T.sblock("conv_blocked"):  # cpu_conv.fuse_epilogues: its write-back is vectorised already
+                vb, vob, vy, vx, voi, vcb, vr, vs, vci = T.axis.remap("SSSSSRRRR", [b, ob, y, x, oi, cb, r, s, ci])
+                with T.init():
+                    Y[vb, vob, vy, vx, voi] = 0
+                Y[vb, vob, vy, vx, voi] = Y[vb, vob, vy, vx, voi] + T.cast(
+                    X[vb, vcb, vy * sh + vr * dh, vx * sw + vs * dw, vci], "int32") * T.cast(
+                    Wp[vob, vcb, vr, vs, voi, vci], "int32")
+
+    intrin = register_intrinsic()
+    sch = s_tir.Schedule(conv)
+    block = sch.get_sblock("conv_blocked")
+    b, ob, y, x, oi, cb, r, s, ci = sch.get_loops(block)
+    xo, xi = sch.split(x, [None, _rows(ow)])
+    sch.reorder(b, ob, y, xo, cb, r, s, xi, oi, ci)
+    tile = sch.cache_write(block, 0, "global")
+    sch.reverse_compute_at(tile, xo)
+    sch.parallel(sch.fuse(b, ob, y))
+    init = sch.decompose_reduction(block, cb)
+    sch.tensorize(oi, intrin)
+    sch.unroll(xi)
+    *_, w_rows, w_channels = sch.get_loops(tile)
+    sch.unroll(w_rows)
+    sch.vectorize(w_channels)
+    sch.vectorize(sch.get_loops(init)[-1])
+    return fusable(sch.mod["main"])
 
 
 CONV = "relax.nn.conv2d"
@@ -171,8 +214,10 @@ def _vnni_conv(builder, call, index):
         packed = pack_weights(wq)
         o16, c4 = packed.shape[0], packed.shape[1]
         channels = o16 * LANES  # whole vectors of 16: the padding channels are sliced off below
-        func, (oh, ow) = conv2d_kernel(n, c4, h, w, o16, kh, kw, tuple(int(v) for v in attrs.strides),
-                                       tuple(int(v) for v in attrs.dilation))
+        stride, dilation = tuple(int(v) for v in attrs.strides), tuple(int(v) for v in attrs.dilation)
+        func, (oh, ow) = conv2d_kernel(n, c4, h, w, o16, kh, kw, stride, dilation)
+        # where it feeds a depthwise kernel, cpu_handoff remakes it with a blocked output from these
+        func = func.with_attr(GEOMETRY, [*stride, *dilation])
         kernel = builder.add_func(func.without_attr("global_symbol"), f"vnni_conv2d_{index}")
     emit = builder.emit  # bound, so each step has its type for the next
     shifted = emit(relax.op.astype(relax.op.add(relax.op.astype(data, "int16"), relax.const(128, "int16")), "uint8"))

@@ -96,3 +96,78 @@ def test_grouped_and_float_convolutions_are_left_alone():
         builder.emit_func_output(out)
     _, count = use_vnni_kernels(builder.get())
     assert count == 0
+
+
+def requantized_block(c: int, o: int, size: int, residual: bool):
+    """conv 1x1 int8 -> the requantize int8_rewrite emits (zero-point correction, per-channel scale
+    and bias, quantize) -> pad with the zero point -> depthwise 3x3 int8; with `residual`, the
+    requantized tensor is read a second time (added to the depthwise output)."""
+    from tvm import relax
+
+    rng = np.random.default_rng(c + o)
+    w1 = rng.integers(-128, 128, (o, c, 1, 1), dtype=np.int8)
+    wd = rng.integers(-128, 128, (o, 1, 3, 3), dtype=np.int8)
+    corr = rng.integers(-3000, 3000, (1, o, 1, 1)).astype(np.int32)
+    scale = (rng.random((1, o, 1, 1)) * 1e-3).astype(np.float32)
+    bias = rng.standard_normal((1, o, 1, 1)).astype(np.float32)
+    builder = relax.BlockBuilder()
+    data = relax.Var("x", relax.TensorType((1, c, size, size), "int8"))
+    with builder.function("main", [data]):
+        with builder.dataflow():
+            acc = builder.emit(relax.op.nn.conv2d(data, relax.const(w1), out_dtype="int32"))
+            acc = builder.emit(relax.op.subtract(acc, relax.const(corr)))
+            real = builder.emit(relax.op.add(relax.op.multiply(relax.op.astype(acc, "float32"), relax.const(scale)),
+                                             relax.const(bias)))
+            q = builder.emit(relax.op.quantize(real, relax.const(0.05, "float32"), relax.const(-3, "int8"),
+                                               axis=1, out_dtype="int8"))
+            padded = builder.emit(relax.op.nn.pad(q, [0, 0, 0, 0, 1, 1, 1, 1], pad_value=-3.0))
+            out = builder.emit(relax.op.nn.conv2d(padded, relax.const(wd), groups=o, out_dtype="int32"))
+            if residual:
+                out = builder.emit(relax.op.add(out, relax.op.astype(q, "int32")))
+            out = builder.emit_output(out)
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+@pytest.mark.parametrize("c,o,size", [(16, 96, 16), (24, 32, 14)])
+def test_a_1x1_conv_hands_its_output_to_the_depthwise_kernel_in_its_layout(c, o, size):
+    """The blocked handover (cpu_handoff.py): the 1x1 VNNI kernel writes [N, C/16, H, W, 16], the
+    requantize runs on that layout and only the padding is left before the depthwise kernel; the
+    outputs are the bits of the NCHW handover. 16x16: the pixel kernel's conv remade; 14x14: the
+    channel kernel's."""
+    needs_vnni()
+    import tvm
+    from tvm import relax
+
+    from appliance.deploy.cpu_conv import fuse_epilogues, tile_for, use_depthwise_int8_kernels
+    from appliance.deploy.cpu_handoff import blocked_handoff
+    from appliance.deploy.x86_int8 import use_vnni_kernels
+
+    x = np.random.default_rng(1).integers(-128, 128, (1, c, size, size), dtype=np.int8)
+    outputs = []
+    for handoff in (False, True):
+        mod, depthwise = use_depthwise_int8_kernels(requantized_block(c, o, size, residual=False), tile_for(host_target()))
+        mod, convs = use_vnni_kernels(mod)
+        assert (depthwise, convs) == (1, 1)
+        if handoff:
+            mod, count = blocked_handoff(mod)
+            assert count == 1
+            names = [gv.name_hint for gv in mod.get_global_vars()]
+            assert any(name.startswith("vnni_conv2d_blocked_") for name in names)
+            assert not any(name.startswith(("vnni_conv2d_pixels_", "vnni_conv2d_0")) for name in names)
+        mod, kernels, fused = fuse_epilogues(mod)
+        assert kernels == fused == 2
+        vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
+        outputs.append(vm["main"](tvm.runtime.tensor(x)).numpy())
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+
+
+def test_a_requantized_tensor_read_twice_keeps_the_nchw_handover():
+    needs_vnni()
+    from appliance.deploy.cpu_conv import tile_for, use_depthwise_int8_kernels
+    from appliance.deploy.cpu_handoff import blocked_handoff
+    from appliance.deploy.x86_int8 import use_vnni_kernels
+
+    mod, _ = use_depthwise_int8_kernels(requantized_block(16, 32, 16, residual=True), tile_for(host_target()))
+    mod, _ = use_vnni_kernels(mod)
+    assert blocked_handoff(mod)[1] == 0
