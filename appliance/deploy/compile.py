@@ -209,9 +209,9 @@ def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
     generic ones: (mod, {"kind", "layers", "depthwise", "matmuls", "reason"}) for compile.json. With
     VNNI the int8 matmuls run on its kernels too, as 1x1 convolutions (cpu_dense.py)."""
     if not layers.get("int8"):
-        return mod, {"kind": "none", "layers": 0, "depthwise": 0, "matmuls": 0, "pixels": 0, "reason": "no int8 layers"}
+        return mod, {"kind": "none", "layers": 0, "depthwise": 0, "matmuls": 0, "pixels": 0, "handoffs": 0, "reason": "no int8 layers"}
     if choice == "generic":
-        return mod, {"kind": "generic", "layers": 0, "depthwise": 0, "matmuls": 0, "pixels": 0, "reason": "--int8-kernels generic"}
+        return mod, {"kind": "generic", "layers": 0, "depthwise": 0, "matmuls": 0, "pixels": 0, "handoffs": 0, "reason": "--int8-kernels generic"}
     from appliance.deploy import cpu_conv, x86_int8
     from appliance.deploy.cpu_dense import matmuls_as_convs
 
@@ -223,7 +223,7 @@ def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
         reason = f"no dot-product kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()
         log(f"compile: {depthwise} depthwise int8 layers on {tile[0]} vector kernels; {reason}" if tile else
             f"compile: int8 layers on generic kernels; {reason}")
-        return mod, {"kind": "generic", "layers": 0, "depthwise": depthwise, "matmuls": 0, "pixels": 0, "reason": reason}
+        return mod, {"kind": "generic", "layers": 0, "depthwise": depthwise, "matmuls": 0, "pixels": 0, "handoffs": 0, "reason": reason}
     from appliance.deploy.cpu_handoff import blocked_handoff
 
     mod, matmuls = matmuls_as_convs(mod, {"int8"})
@@ -263,19 +263,24 @@ def _fp32_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
     from appliance.deploy.cpu_dense import matmuls_as_convs
 
     if not layers.get("fp32"):
-        return mod, {"kind": "none", "layers": 0, "matmuls": 0, "pixels": 0, "reason": "no float32 layers"}
+        return mod, {"kind": "none", "layers": 0, "matmuls": 0, "pixels": 0, "handoffs": 0, "reason": "no float32 layers"}
     if choice == "generic":
-        return mod, {"kind": "generic", "layers": 0, "matmuls": 0, "pixels": 0, "reason": "--fp32-kernels generic"}
+        return mod, {"kind": "generic", "layers": 0, "matmuls": 0, "pixels": 0, "handoffs": 0, "reason": "--fp32-kernels generic"}
     tile = cpu_conv.tile_for(target)
     if tile is None:
-        return mod, {"kind": "generic", "layers": 0, "matmuls": 0, "pixels": 0,
+        return mod, {"kind": "generic", "layers": 0, "matmuls": 0, "pixels": 0, "handoffs": 0,
                      "reason": f"no float32 kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()}
+    from appliance.deploy.cpu_handoff import blocked_handoff
+
     mod, matmuls = matmuls_as_convs(mod, {"float32"})
     mod, count = cpu_conv.use_fp32_kernels(mod, tile)
+    mod, handoffs = blocked_handoff(mod, tile)
     pixels = _pixel_kernels(mod, "fp32_conv2d_pixels_")
     log(f"compile: {count} of {layers['fp32']} float32 layers on {tile[0]} register-tiled kernels ({matmuls} of "
-        f"them matmuls, as 1x1 convolutions; {pixels} with 16 pixels a vector; the rest: grouped)")
-    return mod, {"kind": tile[0], "layers": count, "matmuls": matmuls, "pixels": pixels, "reason": None}
+        f"them matmuls, as 1x1 convolutions; {pixels} with 16 pixels a vector; {handoffs} writing the depthwise "
+        "layout after them; the rest: grouped)")
+    return mod, {"kind": tile[0], "layers": count, "matmuls": matmuls, "pixels": pixels, "handoffs": handoffs,
+                 "reason": None}
 
 
 def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log, rpc=None, rpc_key=""):

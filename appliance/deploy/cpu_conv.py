@@ -36,6 +36,7 @@ FLOAT_OUT = ("None", "", "void", "float32")  # conv2d's out_dtype of a float32 l
 OUT_EWISE_FUSABLE, OPAQUE = 4, 8  # TVM's OpPatternKind values kOutEWiseFusable, kOpaque
 KERNEL_BLOCK = "conv"  # every kernel's compute block: conv, conv_init, conv_update_o
 WRITE_BACK = "Y_global"  # the block that cache_write of the kernel's output Y makes: the tile written out
+GEOMETRY = "appliance.stride_dilation"  # a channel-vector kernel's (sh, sw, dh, dw), for cpu_handoff
 
 
 def tile_for(tvm_target: dict) -> tuple[str, int, int] | None:
@@ -74,9 +75,11 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
 
 
 def conv2d_kernel(n: int, c: int, h: int, w: int, o16: int, kh: int, kw: int, stride: tuple, dilation: tuple,
-                  tile: tuple[str, int, int]):
+                  tile: tuple[str, int, int], blocked_out: bool = False):
     """The scheduled PrimFunc conv(data [n, c, h, w], weights [o16, c, kh, kw, 16]) ->
-    [n, o16 * 16, oh, ow], all float32, for data already padded; returns (func, (oh, ow))."""
+    [n, o16 * 16, oh, ow], all float32, for data already padded; returns (func, (oh, ow)).
+    blocked_out: -> [n, o16, oh, ow, 16], a pixel's 16 channels one vector store (for a depthwise
+    kernel after it, cpu_handoff.py)."""
     from tvm import s_tir
     from tvm.script import tirx as T
 
@@ -99,11 +102,37 @@ def conv2d_kernel(n: int, c: int, h: int, w: int, o16: int, kh: int, kw: int, st
                 Y[vb, vob * 16 + voi, vy, vx] = Y[vb, vob * 16 + voi, vy, vx] + (
                     X[vb, vc, vy * sh + vr * dh, vx * sw + vs * dw] * Wp[vob, vc, vr, vs, voi])
 
-    sch = s_tir.Schedule(conv)
-    block = sch.get_sblock("conv")
+    @T.prim_func(s_tir=True)
+    def conv_blocked(X: T.Buffer((n, c, h, w), "float32"), Wp: T.Buffer((o16, c, kh, kw, 16), "float32"),
+                     Y: T.Buffer(shape64(n, o16, oh, ow, 16), "float32")):
+        T.func_attr({"tir.noalias": True})
+        for b, ob, y, x, oi, cc, r, s in T.grid(n, o16, oh, ow, 16, c, kh, kw):
+            with T.sblock("conv_blocked"):  # fuse_epilogues: its write-back is vectorised already
+                vb, vob, vy, vx, voi, vc, vr, vs = T.axis.remap("SSSSSRRR", [b, ob, y, x, oi, cc, r, s])
+                with T.init():
+                    Y[vb, vob, vy, vx, voi] = T.float32(0)
+                Y[vb, vob, vy, vx, voi] = Y[vb, vob, vy, vx, voi] + (
+                    X[vb, vc, vy * sh + vr * dh, vx * sw + vs * dw] * Wp[vob, vc, vr, vs, voi])
+
+    sch = s_tir.Schedule(conv_blocked if blocked_out else conv)
+    block = sch.get_sblock("conv_blocked" if blocked_out else "conv")
     b, ob, y, x, oi, cc, r, s = sch.get_loops(block)
     xo, xi = sch.split(x, [None, rows])
     obo, obi = sch.split(ob, [None, blocks])
+    if blocked_out:
+        sch.reorder(b, obo, y, xo, cc, r, s, xi, obi, oi)
+        acc = sch.cache_write(block, 0, "global")  # see _scheduled: the tile on the stack, in registers
+        sch.reverse_compute_at(acc, xo)
+        sch.parallel(sch.fuse(b, obo, y))
+        sch.vectorize(oi)
+        sch.unroll(xi)
+        sch.unroll(obi)
+        sch.decompose_reduction(block, cc)
+        *_, w_blocks, w_rows, w_channels = sch.get_loops(acc)
+        sch.unroll(w_blocks)
+        sch.unroll(w_rows)
+        sch.vectorize(w_channels)
+        return fusable(sch.mod["main"]), (oh, ow)
     sch.reorder(b, obo, y, xo, cc, r, s, xi, obi, oi)
     return _scheduled(sch, block, xo, (b, obo, y), oi, (xi, obi), cc), (oh, ow)
 
@@ -409,8 +438,9 @@ def _fp32_conv(builder, call, index, tile):
     packed = pack_weights(w)
     o16 = packed.shape[0]
     data, (ph, pw) = _padded(builder, data, attrs)
-    func, (oh, ow) = conv2d_kernel(n, c, h + ph, wd + pw, o16, kh, kw, tuple(int(v) for v in attrs.strides),
-                                   tuple(int(v) for v in attrs.dilation), tile)
+    stride, dilation = tuple(int(v) for v in attrs.strides), tuple(int(v) for v in attrs.dilation)
+    func, (oh, ow) = conv2d_kernel(n, c, h + ph, wd + pw, o16, kh, kw, stride, dilation, tile)
+    func = func.with_attr(GEOMETRY, [*stride, *dilation])  # for cpu_handoff, where a depthwise kernel follows
     kernel = builder.add_func(func.without_attr("global_symbol"), f"fp32_conv2d_{index}")
     out = relax.call_tir(kernel, [data, relax.const(packed)], relax.TensorType((n, o16 * LANES, oh, ow), "float32"))
     if o16 * LANES != o:

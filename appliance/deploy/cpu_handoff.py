@@ -1,19 +1,21 @@
-"""An int8 1x1 convolution that feeds a depthwise one hands over its output in the depthwise layout.
+"""A convolution that feeds a depthwise one hands over its output in the depthwise layout.
 
-MobileNet-style blocks expand with a 1x1 convolution, requantize, and run a depthwise one. The
-depthwise kernel (cpu_conv.py) reads 16 channels of a pixel as one vector, [N, C/16, H, W, 16],
-so between the two a pass of its own padded the NCHW output and transposed it into that layout:
-MobileNetV2 int8's 17 such passes took about 0.4 of its 3.2 ms on 2 cores, a byte at a time. Here
-the 1x1 convolution runs on the VNNI kernel that writes [N, O/16, H, W, 16] itself (a pixel's 16
-sums one vector store: x86_int8.conv2d_kernel(blocked_out=True)), the requantize chain after it
-is replayed on that layout (its per-channel constants blocked the same way), and only the
-padding, 16 contiguous bytes per pixel, is left between the two kernels. The outputs are the
-same bits: the same integer sums and the same elementwise ops on each value.
+MobileNet-style blocks expand with a 1x1 convolution (the first block: the stem's 3x3), apply
+bias and ReLU6 (float32) or requantize (int8), and run a depthwise one. The depthwise kernel
+(cpu_conv.py) reads 16 channels of a pixel as one vector, [N, C/16, H, W, 16], so between the two
+a pass of its own padded the NCHW output and transposed it into that layout, an element at a
+time (MobileNetV2 int8: 17 such passes, about 0.4 of 3.2 ms on 2 cores). Here the convolution
+runs on the channel-vector kernel that writes [N, O/16, H, W, 16] itself, a pixel's 16 channels
+one vector store (x86_int8 / cpu_conv.conv2d_kernel(blocked_out=True)), the elementwise chain
+after it is replayed on that layout (per-channel constants blocked the same way), and only the
+padding, 16 contiguous values per pixel, is left between the two kernels. The outputs are the
+same: the same sums in the same order and the same elementwise ops on each value. Measured in
+alternated A/B rounds: MobileNetV2 int8 x0.84 (3.21 -> 2.71 ms), float32 x0.93 (4.36 -> 4.06 ms).
 
-The chain must be elementwise ops each read once (the requantize `int8_rewrite` makes: subtract,
-astype, multiply, add, quantize, clip, ...) whose other inputs are scalars or per-channel
-[1, C, 1, 1] tensors, then the pad, reshape and transpose `_depthwise` emits. Anything else (a
-residual add, a second reader) keeps the NCHW handover.
+The chain must be elementwise ops each read once (bias, ReLU6 as TVM's importer writes it, the
+requantize `int8_rewrite` makes) whose other inputs are scalars or per-channel [1, C, 1, 1]
+tensors, then the pad, reshape and transpose `_depthwise` emits. Anything else (a residual add,
+a second reader, output channels not a multiple of 16) keeps the NCHW handover.
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ import numpy as np
 LANES = 16
 ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
                "relax.astype", "relax.clip", "relax.quantize", "relax.dequantize", "relax.nn.relu"}
-PIXEL_KERNEL, CHANNEL_KERNEL = "vnni_conv2d_pixels_", "vnni_conv2d_"
-GEOMETRY = "appliance.stride_dilation"  # x86_int8.GEOMETRY
+# the kernels a handover starts from, by the names x86_int8 and cpu_conv add them under (pixels first)
+KERNELS = (("vnni_conv2d_pixels_", "int8", True), ("vnni_conv2d_", "int8", False),
+           ("fp32_conv2d_pixels_", "float32", True), ("fp32_conv2d_", "float32", False))
+
+GEOMETRY = "appliance.stride_dilation"  # cpu_conv.GEOMETRY
 
 
-def blocked_handoff(mod):
-    """mod (after x86_int8.use_vnni_kernels and cpu_conv.use_depthwise_int8_kernels) with each 1x1
-    VNNI convolution whose requantized output only feeds a depthwise kernel writing that kernel's
-    blocked layout; returns (mod, how many)."""
+def blocked_handoff(mod, tile: tuple | None = None):
+    """mod (after the conv and depthwise kernels are chosen: x86_int8.use_vnni_kernels and
+    cpu_conv.use_depthwise_int8_kernels, or cpu_conv.use_fp32_kernels with `tile`) with each
+    convolution whose output only feeds a depthwise kernel, through elementwise ops, writing that
+    kernel's blocked layout; returns (mod, how many)."""
     from tvm import relax
 
     main = mod["main"]
@@ -48,6 +54,8 @@ def blocked_handoff(mod):
     plans = {}
     for var, value in bindings.items():
         plan = _plan(mod, var, value, bindings, uses)
+        if plan is not None and plan["dtype"] == "float32" and tile is None:
+            plan = None
         if plan is not None:
             plans[var] = plan  # keyed by the blocked, padded input of a depthwise kernel
     if not plans:
@@ -61,7 +69,7 @@ def blocked_handoff(mod):
 
         def visit_var_binding_(self, binding):
             if binding.var in plans:
-                new = _emit(self.builder_, self, plans[binding.var])
+                new = _emit(self.builder_, self, plans[binding.var], tile)
                 self.set_var_remap(binding.var, new)
                 return
             super().visit_var_binding_(binding)
@@ -100,21 +108,24 @@ def _plan(mod, var, value, bindings, uses):
     chain, current = [], pad.args[0]
     while isinstance(current, relax.Var) and uses.get(current) == 1:
         step = bindings.get(current)
-        if _op(step) == "relax.call_tir":
+        if _op(step) == "relax.call_tir" and any(step.args[0].name_hint.startswith(k[0]) for k in KERNELS):
             break
-        if _op(step) not in ELEMENTWISE or not isinstance(step.args[0], relax.Var):
+        op, args = _elementwise(mod, step)
+        if op is None or not isinstance(args[0], relax.Var) or any(not _side_input(arg) for arg in args[1:]):
             return None
-        if any(not _side_input(arg) for arg in step.args[1:]):
-            return None
-        chain.append(step)
-        current = step.args[0]
+        chain.append((op, args, step))
+        current = args[0]
     else:
         return None
     call = bindings[current]
     kernel = call.args[0]
-    if kernel.name_hint.startswith(PIXEL_KERNEL):
+    kind = next((k for k in KERNELS if kernel.name_hint.startswith(k[0])), None)
+    if kind is None:
+        return None
+    _, dtype, pixels = kind
+    if pixels:
         geometry = (1, 1, 1, 1)
-    elif kernel.name_hint.startswith(CHANNEL_KERNEL) and mod[kernel].attrs.get(GEOMETRY) is not None:
+    elif mod[kernel].attrs is not None and mod[kernel].attrs.get(GEOMETRY) is not None:
         geometry = tuple(int(v) for v in mod[kernel].attrs[GEOMETRY])
     else:
         return None
@@ -123,12 +134,41 @@ def _plan(mod, var, value, bindings, uses):
         return None
     data, weights = call.args[1]
     return {"data": data, "weights": weights.value.numpy(), "o": o, "out": (h, w), "n": n, "geometry": geometry,
-            "pixels": kernel.name_hint.startswith(PIXEL_KERNEL), "chain": list(reversed(chain)), "pad": pad,
-            "name": kernel.name_hint}
+            "dtype": dtype, "pixels": pixels, "chain": list(reversed(chain)), "pad": pad, "name": kernel.name_hint}
+
+
+def _elementwise(mod, step):
+    """(op name, args) of a binding that is an elementwise op of the chain; (None, None) otherwise.
+    A call_tir of a PrimFunc that is one max or min of its two inputs (how TVM's ONNX importer
+    writes Clip: ReLU6's bounds) counts as relax.maximum / relax.minimum."""
+    import tvm
+    from tvm import relax, s_tir
+
+    name = _op(step)
+    if name in ELEMENTWISE:
+        return name, list(step.args)
+    if name != "relax.call_tir" or not isinstance(step.args[1], relax.Tuple) or len(step.args[1].fields) != 2:
+        return None, None
+    func = mod[step.args[0]]
+    sch = s_tir.Schedule(func)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    body = sch.get(blocks[0]).body if len(blocks) == 1 else None
+    if not isinstance(body, tvm.tirx.BufferStore):
+        return None, None
+    for kind, op in ((tvm.tirx.Max, "relax.maximum"), (tvm.tirx.Min, "relax.minimum")):
+        loads = [getattr(getattr(v, "source", None), "name", None) for v in (body.value.a, body.value.b)
+                 ] if isinstance(body.value, kind) else None
+        if loads is not None and loads == [p.name for p in list(func.params)[:2]]:  # min/max(input 0, input 1)
+            return op, list(step.args[1].fields)
+    return None, None
 
 
 def _side_input(arg) -> bool:
     """A scalar, or a per-channel [1, C, 1, 1] tensor: what a requantize chain combines with."""
+    import tvm
+
+    if isinstance(getattr(arg, "ty", None), tvm.ir.PrimType):  # a number: clip's bounds
+        return True
     shape = getattr(arg.ty, "shape", None)
     if shape is None:
         return False
@@ -139,28 +179,40 @@ def _side_input(arg) -> bool:
     return len(dims) == 0 or dims == [1] or (len(dims) == 4 and dims[0] == dims[2] == dims[3] == 1)
 
 
-def _emit(builder, mutator, plan):
+def _emit(builder, mutator, plan, tile):
     """Emit the blocked kernel, the chain on its layout and the padding; returns the padded var."""
     from tvm import relax
 
-    from appliance.deploy import x86_int8
+    from appliance.deploy import cpu_conv, x86_int8
 
     n, o, (oh, ow) = plan["n"], plan["o"], plan["out"]
     sh, sw, dh, dw = plan["geometry"]
     packed = plan["weights"]
-    if plan["pixels"]:  # cpu_pixels' [O/OT, C/4, OT, 4] -> x86_int8's [O/16, C/4, 1, 1, 16, 4]
-        groups, c4, ot, _ = packed.shape
-        packed = x86_int8.pack_weights(np.ascontiguousarray(packed.transpose(0, 2, 1, 3)).reshape(o, c4 * 4, 1, 1))
     data = mutator.visit_expr(plan["data"])
-    _, c4, h, w, _ = (int(d) for d in data.ty.shape)
-    _, _, kh, kw, _, _ = packed.shape
-    func, _ = x86_int8.conv2d_kernel(n, c4, h, w, o // LANES, kh, kw, (sh, sw), (dh, dw), blocked_out=True)
-    kernel = builder.add_func(func.without_attr("global_symbol"), "vnni_conv2d_blocked_" + plan["name"].split("_")[-1])
+    if plan["dtype"] == "int8":  # data [N, C/4, H, W, 4], weights x86_int8's [O/16, C/4, KH, KW, 16, 4]
+        _, c4, h, w, _ = (int(d) for d in data.ty.shape)
+        if plan["pixels"]:  # cpu_pixels' [O/OT, C/4, OT, 4]
+            packed = x86_int8.pack_weights(np.ascontiguousarray(packed.transpose(0, 2, 1, 3)).reshape(o, c4 * 4, 1, 1))
+        _, _, kh, kw, _, _ = packed.shape
+        func, _ = x86_int8.conv2d_kernel(n, c4, h, w, o // LANES, kh, kw, (sh, sw), (dh, dw), blocked_out=True)
+        name = "vnni_conv2d_blocked_"
+    else:  # data NCHW, weights cpu_conv's [O/16, C, KH, KW, 16]
+        _, c, h, w = (int(d) for d in data.ty.shape)
+        if plan["pixels"]:  # cpu_pixels' [O/OT, C, OT]
+            packed = cpu_conv.pack_weights(np.ascontiguousarray(packed.transpose(0, 2, 1)).reshape(o, c, 1, 1))
+        _, _, kh, kw, _ = packed.shape
+        func, _ = cpu_conv.conv2d_kernel(n, c, h, w, o // LANES, kh, kw, (sh, sw), (dh, dw), tile, blocked_out=True)
+        name = "fp32_conv2d_blocked_"
+    kernel = builder.add_func(func.without_attr("global_symbol"), name + plan["name"].split("_")[-1])
     current = builder.emit(relax.call_tir(kernel, [data, relax.const(packed)],
-                                          relax.TensorType((n, o // LANES, oh, ow, LANES), "int32")))
-    for step in plan["chain"]:
-        args = [current] + [_blocked(builder, mutator.visit_expr(arg), o) for arg in step.args[1:]]
-        current = builder.emit(relax.Call(step.op, args, step.attrs, step.ty_args))
+                                          relax.TensorType((n, o // LANES, oh, ow, LANES),
+                                                           "int32" if plan["dtype"] == "int8" else "float32")))
+    for op, args, step in plan["chain"]:
+        args = [current] + [_blocked(builder, mutator.visit_expr(arg), o) for arg in args[1:]]
+        if _op(step) == "relax.call_tir":  # a max or min PrimFunc (_elementwise): the relax op on the new layout
+            current = builder.emit(getattr(relax.op, op.split(".")[-1])(*args))
+        else:
+            current = builder.emit(relax.Call(step.op, args, step.attrs, step.ty_args))
     pad = plan["pad"]
     top, bottom, left, right = (int(p) for p in pad.attrs.pad_width[4:])
     return builder.emit(relax.op.nn.pad(current, [0, 0, 0, 0, top, bottom, left, right, 0, 0],
@@ -169,9 +221,9 @@ def _emit(builder, mutator, plan):
 
 def _blocked(builder, arg, o):
     """A side input on the blocked layout: per-channel [1, C, 1, 1] -> [1, C/16, 1, 1, 16]; scalars as they are."""
+    import tvm
     from tvm import relax
 
-    dims = [int(d) for d in arg.ty.shape]
-    if len(dims) != 4:
+    if isinstance(getattr(arg, "ty", None), tvm.ir.PrimType) or len(arg.ty.shape) != 4:
         return arg
     return builder.emit(relax.op.permute_dims(relax.op.reshape(arg, (1, o // LANES, LANES, 1, 1)), [0, 1, 3, 4, 2]))

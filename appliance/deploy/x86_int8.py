@@ -29,10 +29,9 @@ import functools
 
 import numpy as np
 
-from appliance.deploy.cpu_conv import fusable, pixel_tile, rewrite_calls, shape64, static_shape
+from appliance.deploy.cpu_conv import GEOMETRY, fusable, pixel_tile, rewrite_calls, shape64, static_shape
 
 INTRIN = "appliance_dot_16x4_vnni"
-GEOMETRY = "appliance.stride_dilation"  # a channel-vector kernel's (sh, sw, dh, dw), for cpu_handoff
 LANES, GROUP = 16, 4  # output channels per register, input channels per product group
 
 

@@ -149,12 +149,13 @@ def test_a_float_model_says_which_kernels_it_got(tmp_path):
     tile = tile_for(host_target())
     if tile:
         # both convolutions, and the classifier as a 1x1 convolution (cpu_dense.py)
-        assert tiled["fp32_kernels"] == {"kind": tile[0], "layers": 3, "matmuls": 1, "pixels": 0, "reason": None}
+        assert tiled["fp32_kernels"] == {"kind": tile[0], "layers": 3, "matmuls": 1, "pixels": 0, "handoffs": 0,
+                                         "reason": None}
         assert any("3 of 3 float32 layers" in line and "1 of them matmuls" in line for line in lines), lines
     else:
         assert tiled["fp32_kernels"]["kind"] == "generic" and tiled["fp32_kernels"]["reason"]
     generic = compile_model(path, "x86_64", tmp_path / "generic", fp32_kernels="generic", log=lambda line: None)
-    assert generic["fp32_kernels"] == {"kind": "generic", "layers": 0, "matmuls": 0, "pixels": 0,
+    assert generic["fp32_kernels"] == {"kind": "generic", "layers": 0, "matmuls": 0, "pixels": 0, "handoffs": 0,
                                        "reason": "--fp32-kernels generic"}
     assert tiled["check"]["passed"] and generic["check"]["passed"]
 
@@ -312,3 +313,43 @@ def test_int8_depthwise_sums_stay_exact_at_the_float_limit(k):
     got = run_conv(x, w, 1, 1, (0, 0, 0, 0), 16, host_tile(), out_dtype="int32")
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, np.full((1, 16, 1, 1), k * k * 127 * 127))
+
+
+@pytest.mark.parametrize("k,stride,size", [(1, 1, 16), (3, 2, 29)])
+def test_a_float32_conv_hands_its_output_to_the_depthwise_kernel_in_its_layout(k, stride, size):
+    """conv -> bias -> ReLU6 -> pad -> depthwise (a MobileNetV2 block; 3x3 stride 2: its stem) with
+    the conv writing the depthwise kernel's blocked layout (cpu_handoff.py), against the same
+    module handing over NCHW: the same values. One function less: no layout pass between them."""
+    import tvm
+    from tvm import relax
+
+    from appliance.deploy.cpu_conv import fuse_epilogues, use_fp32_kernels
+    from appliance.deploy.cpu_handoff import blocked_handoff
+
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((1, 8, size, size)).astype(np.float32)
+    w = rng.standard_normal((32, 8, k, k)).astype(np.float32) * 0.3
+    bias = rng.standard_normal((1, 32, 1, 1)).astype(np.float32)
+    wd = rng.standard_normal((32, 1, 3, 3)).astype(np.float32)
+    builder = relax.BlockBuilder()
+    data = relax.Var("x", relax.TensorType(x.shape, "float32"))
+    with builder.function("main", [data]):
+        with builder.dataflow():
+            conv = builder.emit(relax.op.nn.conv2d(data, relax.const(w), strides=[stride, stride]))
+            act = builder.emit(relax.op.clip(relax.op.add(conv, relax.const(bias)), 0.0, 6.0))
+            out = builder.emit_output(relax.op.nn.conv2d(act, relax.const(wd), padding=[1, 1, 1, 1], groups=32))
+        builder.emit_func_output(out)
+    outputs, functions = [], []
+    for handoff in (False, True):
+        mod, count = use_fp32_kernels(builder.get(), host_tile())
+        assert count == 2
+        if handoff:
+            mod, count = blocked_handoff(mod, host_tile())
+            assert count == 1
+        mod, kernels, fused = fuse_epilogues(mod)
+        assert (kernels, fused) == (2, 1)  # the conv with its bias and ReLU6; nothing after the depthwise
+        functions.append(sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in mod.functions_items()))
+        vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
+        outputs.append(vm["main"](tvm.runtime.tensor(x)).numpy())
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=0, atol=1e-5)
+    assert functions[1] <= functions[0]
