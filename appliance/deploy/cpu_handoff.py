@@ -63,10 +63,6 @@ def blocked_handoff(mod, tile: tuple | None = None):
 
     @relax.expr_functor.mutator
     class Handoff(relax.PyExprMutator):
-        def __init__(self, module):
-            super().__init__(module)
-            self.module = module
-
         def visit_var_binding_(self, binding):
             if binding.var in plans:
                 new = _emit(self.builder_, self, plans[binding.var], tile)
@@ -92,14 +88,16 @@ def _op(value) -> str | None:
 
 
 def _plan(mod, var, value, bindings, uses):
-    """For `var` = permute_dims(reshape(pad(chain(call_tir(pixel 1x1 kernel))))) read by a depthwise
-    kernel: what to emit instead; None for anything else."""
+    """For `var` = permute_dims(reshape(pad(chain(call_tir(conv kernel))), [n, C/16, 16, h, w])), the
+    blocked input `cpu_conv._depthwise` makes: what to emit instead; None for anything else."""
     from tvm import relax
 
     if _op(value) != "relax.permute_dims" or [int(a) for a in value.attrs.axes] != [0, 1, 3, 4, 2]:
         return None
     reshaped = value.args[0]
     if not isinstance(reshaped, relax.Var) or _op(bindings.get(reshaped)) != "relax.reshape" or uses.get(reshaped) != 1:
+        return None
+    if [int(d) for d in reshaped.ty.shape][2] != LANES:  # 16 channels a vector (the VNNI input's blocks are 4)
         return None
     padded = bindings[reshaped].args[0]
     pad = bindings.get(padded)
