@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from appliance.deploy.tir_kernel import OPAQUE, fusable, shape64
+
 LANES = 16  # output channels per vector
 EXACT_FLOAT_TAPS = 1024  # int8 x int8 sums of up to this many taps are integers below 2^24: exact in float32
 STACK_BYTES = 1024  # tvm::runtime::kMaxStackAlloca: larger tiles leave the stack, and the registers
 CONV = "relax.nn.conv2d"
 FLOAT_OUT = ("None", "", "void", "float32")  # conv2d's out_dtype of a float32 layer
-OUT_EWISE_FUSABLE, OPAQUE = 4, 8  # TVM's OpPatternKind values kOutEWiseFusable, kOpaque
 KERNEL_BLOCK = "conv"  # every kernel's compute block: conv, conv_init, conv_update_o
 WRITE_BACK = "Y_global"  # the block that cache_write of the kernel's output Y makes: the tile written out
 GEOMETRY = "appliance.stride_dilation"  # a channel-vector kernel's (sh, sw, dh, dw), for cpu_handoff
@@ -156,13 +157,6 @@ def _scheduled(sch, block, xo, parallel: tuple, vector, unrolled: tuple, reducti
     sch.unroll(w_rows)
     sch.unroll(w_channels)
     return fusable(sch.mod["main"])
-
-
-def fusable(func):
-    """A kernel of ours as TVM's FuseOps should see it: scheduled (tuning and TVM's default schedules
-    leave it alone), and out-elementwise fusable (the elementwise ops after it join its function,
-    where `fuse_epilogues` computes them in the write-back)."""
-    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OUT_EWISE_FUSABLE)
 
 
 def fuse_epilogues(mod):
@@ -459,11 +453,3 @@ def pixel_tile(attrs, weight_shape, pixels: int, unit: str) -> tuple[int, int] |
             or any(int(v) for v in attrs.padding) or int(attrs.groups) != 1):
         return None
     return cpu_pixels.tile(o, pixels)
-
-
-def shape64(*dims):
-    """A buffer shape in int64, as LegalizeOps writes the kernels around ours: FuseTIR maps one
-    relax tensor to one buffer and refuses a int32 shape where the other side has int64."""
-    from tvm import tirx
-
-    return tuple(tirx.IntImm("int64", d) for d in dims)

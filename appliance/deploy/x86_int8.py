@@ -29,7 +29,8 @@ import functools
 
 import numpy as np
 
-from appliance.deploy.cpu_conv import GEOMETRY, fusable, pixel_tile, rewrite_calls, shape64, static_shape
+from appliance.deploy.cpu_conv import GEOMETRY, pixel_tile, rewrite_calls, static_shape
+from appliance.deploy.tir_kernel import fusable, shape64
 
 INTRIN = "appliance_dot_16x4_vnni"
 LANES, GROUP = 16, 4  # output channels per register, input channels per product group
