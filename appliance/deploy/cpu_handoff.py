@@ -29,7 +29,6 @@ ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", 
 KERNELS = (("vnni_conv2d_pixels_", "int8", True), ("vnni_conv2d_", "int8", False),
            ("fp32_conv2d_pixels_", "float32", True), ("fp32_conv2d_", "float32", False))
 
-GEOMETRY = "appliance.stride_dilation"  # cpu_conv.GEOMETRY
 
 
 def blocked_handoff(mod, tile: tuple | None = None):
@@ -91,6 +90,8 @@ def _plan(mod, var, value, bindings, uses):
     """For `var` = permute_dims(reshape(pad(chain(call_tir(conv kernel))), [n, C/16, 16, h, w])), the
     blocked input `cpu_conv._depthwise` makes: what to emit instead; None for anything else."""
     from tvm import relax
+
+    from appliance.deploy.cpu_conv import GEOMETRY
 
     if _op(value) != "relax.permute_dims" or [int(a) for a in value.attrs.axes] != [0, 1, 3, 4, 2]:
         return None
