@@ -11,7 +11,7 @@ import sys
 import traceback
 
 from appliance import __version__
-from appliance.errors import ApplianceError
+from appliance.core.errors import ApplianceError
 
 # Modules that contribute verbs. Each exposes `register(subparsers)` and sets
 # `func` on its parsers; heavy imports (torch, tvm) happen inside the functions
@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = parser.parse_args(argv)
     args.debug = debug
-    from appliance.manifest import remember_command
+    from appliance.core.manifest import remember_command
 
     remember_command(list(sys.argv[1:]) if argv_given is None else argv_given)  # as typed, --debug too
     if getattr(args, "quiet", False):
-        from appliance.progress import set_quiet
+        from appliance.core.progress import set_quiet
 
         set_quiet(True)
     if not getattr(args, "func", None):

@@ -296,12 +296,12 @@ def network_state() -> dict:
 
 
 def pretrained_weights() -> dict:
-    """The pretrained weight files this install carries (appliance.pretrained's search order), by name.
+    """The pretrained weight files this install carries (appliance.assets.weights's search order), by name.
 
     Sizes are checked here; the sha256 is checked whenever training loads one (find_weights).
     """
-    from appliance.errors import ApplianceError
-    from appliance.pretrained import weights_dirs, read_index
+    from appliance.core.errors import ApplianceError
+    from appliance.assets.weights import weights_dirs, read_index
 
     found, problems = {}, []
     for directory in weights_dirs():

@@ -12,7 +12,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from appliance.errors import ConfigError, DataError
+from appliance.core.errors import ConfigError, DataError
 
 CARD_NAME = "model.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -170,7 +170,7 @@ def save_trained_model(out_dir: str | Path, model, card: ModelCard, onnx_graph: 
     """Write weights + card (+ the imported ONNX graph of an "onnx" model) into out_dir (created). Atomic per file."""
     from safetensors.torch import save_file
 
-    from appliance.manifest import atomic_write_text
+    from appliance.core.manifest import atomic_write_text
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -69,7 +69,7 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: in
     import tvm
     from tvm import relax
 
-    from appliance.deploy.compile import compile_model
+    from appliance.deploy.compiler.driver import compile_model
     from appliance.deploy.export import export_model
     from appliance.deploy.onnx_model import ort_session
     from appliance.deploy.quantize import quantize_int8
@@ -154,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     import os
 
-    from appliance.deploy.tvm_threads import use_physical_cores
+    from appliance.deploy.compiler.runtime import use_physical_cores
 
     use_physical_cores()  # as `appliance compile` runs TVM: all physical cores (TVM alone halves them on x86_64)
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (a shared machine inflates every "

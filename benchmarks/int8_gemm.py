@@ -1,6 +1,6 @@
 """The int8 GEMM core of a convolution: a hand-scheduled TVM kernel with AVX-512 VNNI next to
 onnxruntime's MatMulInteger, side by side in one process run (issue 13; `appliance compile`
-uses the same intrinsic and tiling for its convolutions, appliance/deploy/x86_int8.py).
+uses the same intrinsic and tiling for its convolutions, appliance/deploy/compiler/kernels/x86_vnni.py).
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_gemm.py [--rounds 15] [--json FILE]
 
@@ -59,7 +59,7 @@ def vnni_gemm(M: int, K: int, N: int, target: dict, k_tile: int = 64):
     from tvm import s_tir
     from tvm.script import tirx as T
 
-    from appliance.deploy.x86_int8 import register_intrinsic
+    from appliance.deploy.compiler.kernels.x86_vnni import register_intrinsic
 
     intrin = register_intrinsic()
     rows = next(r for r in (4, 7, 8, 2, 1) if M % r == 0)

@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from appliance import values
-from appliance.errors import DataError
-from appliance.inputs import require_file
+from appliance.core import values
+from appliance.core.errors import DataError
+from appliance.core.inputs import require_file
 
 # Modules contributing `appliance data VERB` sub-verbs via register_data_verb(subparsers).
 DATA_VERB_MODULES: list[str] = [
@@ -133,7 +133,7 @@ def cat_file(args) -> int:
 
 
 def convert(args) -> int:
-    from appliance.progress import Progress
+    from appliance.core.progress import Progress
     from data_tools.convert import check_val_fraction, convert_image_folder, decompress_files, find_images
 
     if args.decompress:
@@ -159,7 +159,7 @@ def convert(args) -> int:
                                      seed=args.seed, progress=bar.update, val_fraction=args.val_fraction)
     print(f"{len(images)} images -> {len(paths)} shards in {args.out}")
     if args.val_fraction:
-        from appliance.manifest import read_manifest
+        from appliance.core.manifest import read_manifest
 
         split = read_manifest(args.out)["params"]["split"]
         counts = split["counts"]

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from appliance.errors import DataError
-from appliance.inputs import require_file
-from appliance.manifest import atomic_write_text, write_manifest
+from appliance.core.errors import DataError
+from appliance.core.inputs import require_file
+from appliance.core.manifest import atomic_write_text, write_manifest
 from data_tools.example import encode_example
 from data_tools.index import build_index, find_index, read_index_file
 from data_tools.tfrecord import DamagedRange, TFRecordWriter, detect_compression, read_records

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from appliance.errors import ConfigError, DataError
+from appliance.core.errors import ConfigError, DataError
 from data_tools.example import decode_example
 from data_tools.index import RecordFile, load_index
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 
 _PACKAGE = "appliance_tfexample"
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance.errors import DataError
-from appliance.manifest import atomic_write_text
+from appliance.core.errors import DataError
+from appliance.core.manifest import atomic_write_text
 from data_tools.compression import detect_compression
 from data_tools.framing import FOOTER_BYTES, FRAME_BYTES, HEADER, HEADER_BYTES, U32, masked_crc
 from data_tools.tfrecord import TFRecordError, iter_records_with_offsets

@@ -11,8 +11,8 @@ import io
 import os
 from pathlib import Path
 
-from appliance import values
-from appliance.errors import ConfigError, DataError
+from appliance.core import values
+from appliance.core.errors import ConfigError, DataError
 
 
 def register_data_verb(data_subparsers) -> None:

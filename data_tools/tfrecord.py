@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator
 
 from google_crc32c import extend as crc32c_extend
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 from data_tools.compression import DecompressedSource, detect_compression
 from data_tools.framing import (
     FOOTER_BYTES,

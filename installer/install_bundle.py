@@ -241,7 +241,7 @@ def self_test(venv: Path, spec: dict, log_file: Path, cwd: Path) -> list[str]:
 
 WEIGHTS_PROBE = """
 import json, sys
-from appliance.pretrained import find_weights
+from appliance.assets.weights import find_weights
 found = {n: find_weights(n) for n in sys.argv[1:]}
 print(json.dumps({n: [str(f.path), f.sha256] for n, f in found.items()}))
 """
@@ -270,7 +270,7 @@ def place_weights(root: Path, release_dir: Path, listed: dict[str, str]) -> dict
 
 
 def place_edge_runner(root: Path, release_dir: Path, entry: dict | None, listed: dict[str, str]) -> dict | None:
-    """Move the bundle's edge-runner/ next to the venv (appliance.edge_runner looks there); its run must be
+    """Move the bundle's edge-runner/ next to the venv (appliance.assets.edge_runner looks there); its run must be
     the file bundle.json names, as SHA256SUMS lists it."""
     if not entry:
         return None
@@ -287,7 +287,7 @@ def place_edge_runner(root: Path, release_dir: Path, entry: dict | None, listed:
 
 
 def check_weights(venv: Path, index: dict, log_file: Path, cwd: Path) -> str:
-    """The new venv's own lookup (appliance.pretrained.find_weights) finds and re-hashes every placed file."""
+    """The new venv's own lookup (appliance.assets.weights.find_weights) finds and re-hashes every placed file."""
     env = {k: v for k, v in clean_env(venv).items() if k != "APPLIANCE_WEIGHTS_DIR"}
     proc = run([venv / "bin" / "python", "-c", WEIGHTS_PROBE, *index], "self-test `find_weights`", log_file, env,
                SELF_TEST_TIMEOUT_S, cwd)
@@ -417,7 +417,7 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
             for w in data["wheels"]:
                 shutil.move(root / w["file"], dest / Path(w["file"]).name)
     tuning = manifest.get("tuning_databases", [])
-    for db in tuning:  # next to the venv: appliance.tuning_db looks there (sys.prefix's parent)
+    for db in tuning:  # next to the venv: appliance.assets.tuning_db looks there (sys.prefix's parent)
         if not re.fullmatch(r"tuning/[A-Za-z0-9][A-Za-z0-9._-]*", str(db.get("path"))) or not (root / db["path"]).is_dir():
             raise Refusal(f"bundle.json: tuning database {db.get('path')!r} is not a folder tuning/NAME of the bundle")
         dest = release_dir / "tuning" / Path(db["path"]).name

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from appliance import __version__, cli
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 from conftest import run_appliance
 
 

@@ -15,8 +15,8 @@ import pytest
 from PIL import Image
 
 from appliance import __version__
-from appliance.errors import DataError
-from appliance.manifest import write_manifest
+from appliance.core.errors import DataError
+from appliance.core.manifest import write_manifest
 from conftest import appliance_cmd, offline_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +87,7 @@ def test_lineage_follows_only_the_file_a_stage_made_and_names_a_damaged_manifest
 
 
 def test_no_git_no_commit_and_outside_the_cli_the_process_argv(tmp_path):
-    code = ("import json; from appliance.manifest import provenance; print(json.dumps(provenance()))")
+    code = ("import json; from appliance.core.manifest import provenance; print(json.dumps(provenance()))")
     env = {k: v for k, v in os.environ.items() if k not in ("APPLIANCE_COMMAND", "APPLIANCE_COMMAND_CWD")}
     cmd = offline_cmd([sys.executable, "-c", code])
     cmd[0] = shutil.which(cmd[0])

@@ -203,7 +203,7 @@ def with_outliers(host: np.ndarray) -> np.ndarray:
 
 
 def verify_page(tmp_path: Path, edge: np.ndarray, host: np.ndarray) -> tuple[dict, Path]:
-    from appliance.deploy.edge_verify import compare_with_host, verify_html
+    from appliance.deploy.verify import compare_with_host, verify_html
 
     route = compare_with_host("native runner (qemu-aarch64)", edge, host, 1.2, "edge-package.tar", 1.0, 1e-4)
     report = {"made_by": "appliance edge verify", "package": str(tmp_path / "edge-package.tar"),

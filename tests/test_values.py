@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from appliance.cli import build_parser
-from appliance.dirlock import DirectoryInUse, directory_lock
-from appliance.values import human_bytes
+from appliance.core.dirlock import DirectoryInUse, directory_lock
+from appliance.core.values import human_bytes
 
 
 def _parse_error(capsys, *argv) -> str:
@@ -54,7 +54,7 @@ def test_sizes_are_printed_in_units():
 
 HOLD = """
 import sys, time
-from appliance.dirlock import directory_lock
+from appliance.core.dirlock import directory_lock
 with directory_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(60)

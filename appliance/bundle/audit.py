@@ -14,7 +14,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ Layout of appliance-bundle-<version>.tar (one top directory of the same name):
   profiles/<P>/py<X.Y>/sbom.cdx.json       CycloneDX SBOM of those wheels
   installer/                       install.sh and its standard-library helpers
   weights/<file>, weights/index.json   with --weights: torchvision's published weight files (weights.py)
-  tuning/<name>/                   with --tuning-db: MetaSchedule tuning databases (appliance.tuning_db)
+  tuning/<name>/                   with --tuning-db: MetaSchedule tuning databases (appliance.assets.tuning_db)
   edge-runner/run, runner.json     with a profile carrying the aarch64 TVM wheels: the edge package's
-                                   bin/run, built here once (appliance.edge_runner), so a site skips zig
+                                   bin/run, built here once (appliance.assets.edge_runner), so a site skips zig
 Beside the tar: <tar>.minisig when signed (stock `minisign -V` verifies it), manifest.json.
 """
 
@@ -31,13 +31,15 @@ import time
 import tomllib
 from pathlib import Path
 
-from appliance import __version__, edge_runner
+from appliance import __version__
+
+from appliance.assets import edge_runner
 from appliance.bundle import minisign, tuning, vulnerabilities, weights as pretrained
 from appliance.bundle.profiles import Profile, load_profiles
 from appliance.bundle.sbom import build_sbom
 from appliance.bundle.wheelhouse import Target, Wheel, configured_index, fetch
-from appliance.errors import ApplianceError, ConfigError, EnvironmentProblem
-from appliance.manifest import atomic_write_text, sha256_file, write_manifest
+from appliance.core.errors import ApplianceError, ConfigError, EnvironmentProblem
+from appliance.core.manifest import atomic_write_text, sha256_file, write_manifest
 
 MADE_BY = f"appliance bundle build {__version__}"
 INSTALLER_FILES = ("installer/install.sh", "installer/install_bundle.py", "installer/verify_bundle.py",

@@ -33,7 +33,7 @@ def _audit(args) -> int:
 def _keygen(args) -> int:
     from appliance import __version__
     from appliance.bundle import minisign
-    from appliance.errors import ConfigError
+    from appliance.core.errors import ConfigError
 
     passphrase = None
     if args.passphrase_file:
@@ -54,7 +54,7 @@ def _keygen(args) -> int:
 def _ask_passphrase() -> str | None:
     import getpass
 
-    from appliance.errors import ConfigError
+    from appliance.core.errors import ConfigError
 
     if not sys.stdin.isatty():
         return None

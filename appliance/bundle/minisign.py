@@ -130,7 +130,7 @@ def ed25519_sign(seed: bytes, message: bytes) -> bytes:
 
 
 try:  # in the appliance package a bad key is a user error (one line, exit 2), never "internal error"
-    from appliance.errors import ApplianceError as _ErrorBase
+    from appliance.core.errors import ApplianceError as _ErrorBase
 except ImportError:  # copied into a bundle, on the air-gapped host: standard library only
     _ErrorBase = Exception
 

@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.errors import ConfigError
-from appliance.tomlconfig import read_toml
+from appliance.core.errors import ConfigError
+from appliance.core.tomlconfig import read_toml
 
 PROFILES_FILE = "profiles.toml"
 _KEYS = {"description", "platform", "glibc_floor", "pythons", "cuda_major", "project", "install", "self_test"}

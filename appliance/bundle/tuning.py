@@ -1,7 +1,7 @@
 """`appliance bundle build --tuning-db DIR`: MetaSchedule tuning databases carried across the gap.
 
 Each database made by `appliance compile --tune` goes into the bundle as tuning/<name>/ (the layout
-and the lookup on the installed side are in appliance.tuning_db), listed in bundle.json with the
+and the lookup on the installed side are in appliance.assets.tuning_db), listed in bundle.json with the
 target and CPU it was measured on, so a site sees what it carries before installing.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance.errors import ConfigError, DataError
-from appliance.manifest import sha256_file
-from appliance.tuning_db import FILES, RECORDS, cpu_of, database_name, read_header
+from appliance.core.errors import ConfigError, DataError
+from appliance.core.manifest import sha256_file
+from appliance.assets.tuning_db import FILES, RECORDS, cpu_of, database_name, read_header
 
 
 def collect(db_dirs) -> tuple[list[dict], dict[str, Path]]:

@@ -4,7 +4,7 @@ Each NAME (or NAME:ENTRY, e.g. resnet50:IMAGENET1K_V2) is looked up in torchvisi
 (`get_model_weights(NAME).DEFAULT` or the named entry), which gives the file's URL; the file name embeds
 the first hex digits of its sha256 (`resnet18-f37072fd.pth`), which is what torchvision itself checks
 (`load_state_dict_from_url(check_hash=True)`, torch.hub's HASH_REGEX). We check the same prefix and keep
-the full sha256 for the bundle's SHA256SUMS, SBOM and `weights/index.json` (appliance/pretrained.py).
+the full sha256 for the bundle's SHA256SUMS, SBOM and `weights/index.json` (appliance/assets/weights.py).
 
 A company mirror of download.pytorch.org: `--weights-mirror URL` or $APPLIANCE_WEIGHTS_MIRROR replaces
 the scheme and host of the published URL, keeping its path (URL/models/resnet18-f37072fd.pth).
@@ -21,9 +21,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.errors import ApplianceError, ConfigError, EnvironmentProblem
-from appliance.manifest import sha256_file
-from appliance.progress import Progress
+from appliance.core.errors import ApplianceError, ConfigError, EnvironmentProblem
+from appliance.core.manifest import sha256_file
+from appliance.core.progress import Progress
 
 MIRROR_ENV = "APPLIANCE_WEIGHTS_MIRROR"
 # torch.hub's HASH_REGEX (torch/hub.py), the pattern `load_state_dict_from_url(check_hash=True)` applies to
@@ -57,7 +57,7 @@ class FetchedWeights:
     fetched_from: str
 
     def index_entry(self) -> dict:
-        """This file's entry in weights/index.json (the format appliance/pretrained.py reads)."""
+        """This file's entry in weights/index.json (the format appliance/assets/weights.py reads)."""
         p = self.published
         entry = {"file": p.file, "sha256": self.sha256, "bytes": self.path.stat().st_size, "url": p.url,
                  "weights": p.weights, "num_classes": p.num_classes}

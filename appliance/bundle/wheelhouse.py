@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.bundle.profiles import Pin, Profile, read_lock
-from appliance.manifest import sha256_file
+from appliance.core.manifest import sha256_file
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 

@@ -47,8 +47,8 @@ def compare(fp32_path, quant_path, fp32: dict, quant: dict, mode: str, samples: 
 
 
 def write_reports(out_dir: Path, report: dict) -> None:
-    from appliance.html_report import bars_svg, page
-    from appliance.manifest import atomic_write_text
+    from appliance.core.html_report import bars_svg, page
+    from appliance.core.manifest import atomic_write_text
 
     atomic_write_text(out_dir / "accuracy.json", json.dumps(report, indent=2) + "\n")
     q, f, mode = report["quantized"], report["fp32"], report["mode"].upper()

@@ -1,5 +1,5 @@
 """Thin handlers for the deploy verbs: `appliance export`, `quantize`, `package`, `edge verify`,
-`edge sysroot`, `compile` (TVM, or the GPU routes of appliance.deploy.gpu_routes). The work is in appliance.deploy.<stage>; a failed
+`edge sysroot`, `compile` (TVM, or the GPU routes of appliance.deploy.gpu.routes). The work is in appliance.deploy.<stage>; a failed
 gate raises GateFailed (exit status 3) after its report is written."""
 
 from __future__ import annotations
@@ -7,10 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from appliance import values
-from appliance.deploy import compile as tvm_compile, edge_sysroot, edge_verify, glibc_floor, gpu_routes, qemu, quantize
+from appliance.core import values
+from appliance.deploy import quantize
+from appliance.deploy.compiler import driver as tvm_compile
+from appliance.deploy.edge import sysroot as edge_sysroot
+from appliance.deploy import verify as edge_verify
+from appliance.deploy.edge import glibc_floor
+from appliance.deploy.gpu import routes as gpu_routes
+from appliance.deploy.edge import qemu
 from appliance.deploy.export import DEFAULT_MAX_REL_ERROR
-from appliance.errors import GateFailed
+from appliance.core.errors import GateFailed
 
 
 def register(subparsers) -> None:
@@ -138,7 +144,7 @@ def register_compile(subparsers) -> None:
 
 
 def compile_command(args) -> int:
-    from appliance.deploy.compile import compile_model, refuse_failed_gate
+    from appliance.deploy.compiler.driver import compile_model, refuse_failed_gate
 
     if args.target in gpu_routes.GPU_TARGETS:
         return gpu_routes.run(args)
@@ -238,7 +244,7 @@ def register_edge(subparsers) -> None:
 
 
 def verify_command(args) -> int:
-    from appliance.deploy.edge_verify import selftest_line, verify_package
+    from appliance.deploy.verify import selftest_line, verify_package
 
     report = verify_package(args.package, sample_files=args.samples, num_samples=args.num_samples,
                             min_agreement=args.min_agreement, max_logit_diff=args.max_logit_diff,
@@ -278,7 +284,7 @@ def register_sysroot(verbs) -> None:
 
 
 def sysroot_command(args) -> int:
-    from appliance.deploy.edge_sysroot import fetch_sysroot_debs
+    from appliance.deploy.edge.sysroot import fetch_sysroot_debs
 
     debs = fetch_sysroot_debs(args.out, mirror=args.mirror, suite=args.suite)
     print(f"wrote {len(debs)} arm64 .debs to {args.out}; `appliance edge verify --python` uses them offline")

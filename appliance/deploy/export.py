@@ -6,7 +6,7 @@ import json
 import warnings
 from pathlib import Path
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 
 DEFAULT_MAX_REL_ERROR = 1e-5
 
@@ -41,7 +41,7 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
     from appliance.deploy.onnx_model import load_onnx, ort_session, run_ort
     from data_tools.preprocessing import preprocessing_of
     from appliance.deploy.samples import load_samples
-    from appliance.manifest import atomic_write_text, write_manifest
+    from appliance.core.manifest import atomic_write_text, write_manifest
     from appliance.models import CARD_NAME, WEIGHTS_NAME, load_trained_model
 
     model_dir = find_model_dir(model_path)
@@ -113,7 +113,7 @@ def parity_report(expected, got, source: str, max_rel_error: float) -> dict:
 
 
 def parity_html(report: dict, per_sample) -> str:
-    from appliance.html_report import columns_svg, page
+    from appliance.core.html_report import columns_svg, page
 
     p = report["parity"]
     body = (f"<p>{p['samples']} {p['source']} samples through PyTorch and onnxruntime: max abs error "

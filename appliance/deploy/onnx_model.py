@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 
 METADATA_KEYS = ("appliance.preprocessing", "appliance.class_names", "appliance.model_card")
 

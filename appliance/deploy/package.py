@@ -8,7 +8,7 @@ manifest.json (lineage back to the training data) and SHA256SUMS over all of it.
 `--with-python` adds python/run.py + python/preprocessing.py (a verbatim copy of the host's) and
 wheels/ (the hash-locked aarch64 wheels that runner needs, with a --require-hashes list).
 
-bin/run is the installed bundle's prebuilt runner when its key (appliance.edge_runner) is the key of
+bin/run is the installed bundle's prebuilt runner when its key (appliance.assets.edge_runner) is the key of
 what this package would build, else it is cross-compiled with zig; the manifest's `runner` says which.
 
 Every ELF file in it is read for the glibc symbol versions it needs; anything above the floor
@@ -26,11 +26,11 @@ import tempfile
 from pathlib import Path
 
 from appliance import beside_venv
-from appliance.deploy.edge_sysroot import RUNNER_WHEELS  # what python/run.py imports
-from appliance.deploy.glibc_floor import DEFAULT_GLIBC_FLOOR, check_floor, parse_floor, version_key
-from appliance.edge_runner import (RUNTIME_LIBS, build_runner, extract_runtime, find_carried, runner_inputs,
+from appliance.deploy.edge.sysroot import RUNNER_WHEELS  # what python/run.py imports
+from appliance.deploy.edge.glibc_floor import DEFAULT_GLIBC_FLOOR, check_floor, parse_floor, version_key
+from appliance.assets.edge_runner import (RUNTIME_LIBS, build_runner, extract_runtime, find_carried, runner_inputs,
                                    runner_key, wheel_of)
-from appliance.errors import DataError, EnvironmentProblem
+from appliance.core.errors import DataError, EnvironmentProblem
 
 HERE = Path(__file__).resolve().parent
 PROJECT = HERE.parents[1]
@@ -49,7 +49,7 @@ def default_wheelhouse() -> Path:
 
 def locked_wheels(wheelhouse: Path) -> list[Path]:
     """The wheelhouse's wheels, each checked against the sha256 pins of manifests/edge-aarch64.lock."""
-    from appliance.manifest import sha256_file
+    from appliance.core.manifest import sha256_file
 
     wheels = sorted(wheelhouse.glob("*.whl")) if wheelhouse.is_dir() else []
     if not any(w.name.startswith("apache_tvm-") for w in wheels) or not any(
@@ -69,7 +69,7 @@ def locked_wheels(wheelhouse: Path) -> list[Path]:
 def ship_runner(sdk: Path, lib_dir: Path, out: Path, glibc_floor: str) -> dict:
     """bin/run: the installed bundle's prebuilt runner when its key is this package's, else built with zig
     (the first build in a new venv: minutes). Says which in one line; returns the manifest's `runner`."""
-    from appliance.progress import quiet
+    from appliance.core.progress import quiet
 
     inputs = runner_inputs(sdk, lib_dir, glibc_floor)
     carried, line = find_carried(inputs)
@@ -88,7 +88,7 @@ def golden_samples(compiled: Path, sample_files, preprocessing: dict, shape: lis
     (from the lineage, when the files are still there unchanged), else seeded synthetic images."""
     from appliance.deploy.export import synthetic_samples
     from appliance.deploy.samples import load_samples
-    from appliance.manifest import read_manifest, sha256_file
+    from appliance.core.manifest import read_manifest, sha256_file
 
     if sample_files:
         return load_samples(sample_files, preprocessing, limit=count)
@@ -116,7 +116,7 @@ def write_selftest(root: Path, samples, reference: Path, precision: str, count: 
     the device's agreement gate cannot trip on a near tie."""
     import numpy as np
 
-    from appliance.deploy.edge_verify import qdq_allowance
+    from appliance.deploy.verify import qdq_allowance
     from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
 
     host = run_ort(ort_session(reference, optimize=False), samples.x).astype(np.float32)
@@ -140,7 +140,7 @@ def write_selftest(root: Path, samples, reference: Path, precision: str, count: 
 def python_runner_wheels(wheels: list[Path], into: Path) -> list[Path]:
     """The wheels python/run.py needs, copied, with a requirements file of their sha256 for
     `pip install --no-index --require-hashes` on the device."""
-    from appliance.manifest import sha256_file
+    from appliance.core.manifest import sha256_file
 
     chosen = []
     for prefix in RUNNER_WHEELS:
@@ -161,7 +161,7 @@ def python_runner_wheels(wheels: list[Path], into: Path) -> list[Path]:
 def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_floor=DEFAULT_GLIBC_FLOOR,
                   sample_files=None, golden_count=GOLDEN_SAMPLES) -> dict:
     from appliance.deploy.samples import check_input_shape
-    from appliance.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs, write_manifest
+    from appliance.core.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs, write_manifest
 
     compiled, out = Path(compiled), Path(out)
     glibc_floor = parse_floor(glibc_floor)

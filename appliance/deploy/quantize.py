@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 
 METHODS = ("minmax", "entropy", "percentile")
 SCHEMES = ("s8s8", "u8s8")
@@ -73,7 +73,7 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     from appliance.deploy.accuracy_report import compare, evaluate, write_reports
     from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
     from appliance.deploy.samples import check_input_shape, load_samples
-    from appliance.manifest import write_manifest
+    from appliance.core.manifest import write_manifest
 
     model_path, out_dir = Path(model_path), Path(out_dir)
     model = load_onnx(model_path)

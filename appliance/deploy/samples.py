@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from data_tools.preprocessing import preprocess_image
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 
 IMAGE_KEY, LABEL_KEY = "image/encoded", "image/class/label"
 

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.errors import DataError, GateFailed
+from appliance.core.errors import DataError, GateFailed
 
 EXPORTED_MODEL = "model.onnx"
 PARITY_JSON = "parity.json"
@@ -110,7 +110,7 @@ class CompileResult:
 
 
 def compile_stage(model: Path, target: str, out_dir: Path, *, sample_files) -> CompileResult:
-    from appliance.deploy.compile import compile_model
+    from appliance.deploy.compiler.driver import compile_model
 
     compile_model(model, target, out_dir, sample_files=list(sample_files))
     return CompileResult.load(out_dir)
@@ -142,7 +142,7 @@ def package_stage(compiled: CompileResult, out_dir: Path, *, sample_files=None) 
     """The edge package of a compiled model (its self-test samples from sample_files), with a stage
     manifest (its lineage assembled by write_manifest)."""
     from appliance.deploy.package import build_package
-    from appliance.manifest import atomic_write_text, write_manifest
+    from appliance.core.manifest import atomic_write_text, write_manifest
 
     out_dir = Path(out_dir)
     tar = out_dir / package_file_name(compiled.target)
@@ -175,7 +175,7 @@ class VerifyResult:
 def verify_stage(package: PackageResult, out_dir: Path, *, sample_files, num_samples: int,
                  min_agreement: float) -> VerifyResult:
     """Run the package under qemu on validation samples; GateFailed when it disagrees with the host."""
-    from appliance.deploy.edge_verify import verify_package
+    from appliance.deploy.verify import verify_package
 
     verify_package(package.package, sample_files=list(sample_files), num_samples=num_samples or 1_000_000,
                    min_agreement=min_agreement, out_dir=out_dir)

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-from appliance.errors import ConfigError
-from appliance.tomlconfig import parse_section, read_toml
-from appliance.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, Range
+from appliance.core.errors import ConfigError
+from appliance.core.tomlconfig import parse_section, read_toml
+from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, Range
 
 TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment", "distributed", "profile")
 

@@ -6,8 +6,8 @@ import re
 from importlib import resources
 from pathlib import Path
 
-from appliance.errors import ConfigError
-from appliance.manifest import atomic_write_text
+from appliance.core.errors import ConfigError
+from appliance.core.manifest import atomic_write_text
 from appliance.pipeline.runner import run_pipeline, say
 
 

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from appliance.errors import ConfigError, DataError
-from appliance.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs
+from appliance.core.errors import ConfigError, DataError
+from appliance.core.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs
 from appliance.pipeline.config import PipelineConfig, load_pipeline_config
 
 RECORDS_DIR = ".pipeline"  # OUT/.pipeline/<stage>.json, outside the stage directories and their manifests
@@ -229,7 +229,7 @@ def run_stages(stages: list[Stage], first_forced: int | None = None) -> tuple[Re
 
 
 def run_pipeline(config_path: str | Path, from_stage: str | None = None, *, quiet_summary: bool = False) -> dict:
-    from appliance.inputs import require_file
+    from appliance.core.inputs import require_file
 
     require_file(config_path, "pipeline config")
     cfg = load_pipeline_config(config_path)

@@ -52,9 +52,9 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensor_bytes, save_file
 
-from appliance.errors import ConfigError, EnvironmentProblem
-from appliance.values import human_bytes
-from appliance.manifest import sha256_file
+from appliance.core.errors import ConfigError, EnvironmentProblem
+from appliance.core.values import human_bytes
+from appliance.core.manifest import sha256_file
 from appliance.train import faults
 
 COMMIT_MARKER = "COMMITTED"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from appliance import values
+from appliance.core import values
 
 PROFILE_STEPS = 10  # `--profile` without a number
 

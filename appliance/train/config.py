@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-from appliance.errors import ConfigError
-from appliance.tomlconfig import parse_section, read_toml
+from appliance.core.errors import ConfigError
+from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.models import ARCHITECTURES
-from appliance.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, Range
+from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, Range
 from appliance.train.quality import GATE_KEYS, check_thresholds
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")

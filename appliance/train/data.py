@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 from appliance.train import faults
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from appliance.errors import ConfigError
+from appliance.core.errors import ConfigError
 from appliance.models import ONNX_ARCHITECTURE, build_model, classifier_head
 from appliance.train.config import DEFAULT_BUCKET_CAP_MB
 from appliance.train.init_weights import apply_init, resolve_init

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import signal
 
-from appliance.errors import ConfigError
+from appliance.core.errors import ConfigError
 
 ENV = "APPLIANCE_TEST_FAULT"
 SLOW_DECODE_ENV = "APPLIANCE_TEST_SLOW_DECODE"

@@ -3,7 +3,7 @@
 One of: a safetensors state dict; a trained-model directory (runs/x/model) or a run directory; a
 checkpoint directory of another run (weights only: optimizer and schedule start fresh); a torchvision
 `.pth` (read with torch.load(weights_only=True), so a pickle that would run code is refused, never run);
-`torchvision:NAME` from the install's weights/ (appliance.pretrained); an ONNX model (architecture "onnx",
+`torchvision:NAME` from the install's weights/ (appliance.assets.weights); an ONNX model (architecture "onnx",
 converted by onnx2torch in appliance.models). Keys are matched by name. The file's sha256 is part of
 the run's config hash, so a resumed run refuses other starting weights.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.errors import ConfigError, DataError
+from appliance.core.errors import ConfigError, DataError
 from appliance.models import CARD_NAME, ONNX_ARCHITECTURE, WEIGHTS_NAME, classifier_head
-from appliance.manifest import sha256_file
-from appliance.pretrained import PREFIX as TORCHVISION_PREFIX, find_weights
+from appliance.core.manifest import sha256_file
+from appliance.assets.weights import PREFIX as TORCHVISION_PREFIX, find_weights
 
 KINDS = ("safetensors", "model_dir", "checkpoint", "torchvision", "pth", "onnx")
 

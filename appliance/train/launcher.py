@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance import __version__
-from appliance.errors import ApplianceError, ConfigError, DataError
-from appliance.manifest import atomic_write_text
-from appliance.progress import quiet
+from appliance.core.errors import ApplianceError, ConfigError, DataError
+from appliance.core.manifest import atomic_write_text
+from appliance.core.progress import quiet
 from appliance.train import worker_error
 from appliance.train.preflight import interface_address, network_env
 
@@ -160,7 +160,7 @@ class TrainResult:
 
     @classmethod
     def from_run_dir(cls, run_dir: Path) -> "TrainResult":
-        from appliance.manifest import MANIFEST_NAME, read_manifest
+        from appliance.core.manifest import MANIFEST_NAME, read_manifest
 
         run_dir = Path(run_dir)
         metrics_path = run_dir / METRICS_NAME
@@ -233,7 +233,7 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     if dry_run:
         return printable
     check_before_start(cfg)
-    from appliance.dirlock import directory_lock
+    from appliance.core.dirlock import directory_lock
 
     # One run per run directory, for the run's life: two would kill each other mid-save and mix
     # their checkpoints. The kernel drops the lock when the last holder dies; torchrun holds it

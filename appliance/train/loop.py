@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from appliance.errors import ApplianceError, ConfigError, EnvironmentProblem
+from appliance.core.errors import ApplianceError, ConfigError, EnvironmentProblem
 from appliance.train import data, faults, worker_error
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report, load_config
 from appliance.train.determinism import rng_state, set_determinism, set_rng_state
-from appliance.manifest import atomic_write_text
+from appliance.core.manifest import atomic_write_text
 from appliance.models import ONNX_ARCHITECTURE, ONNX_GRAPH_NAME, ModelCard, save_trained_model
 from appliance.train.ddp import build_training_model, pick_precision
 from appliance.train.metrics import per_class
@@ -159,7 +159,7 @@ STORAGE_WORDS = {"shared": "one directory shared by every node (a shared filesys
 def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage: str = "shared",
                        init_report: dict | None = None) -> None:
     """runs/<name>/manifest.json: the data files (sha256) and the init weights in, the model and metrics out."""
-    from appliance.manifest import write_manifest
+    from appliance.core.manifest import write_manifest
 
     outputs = sorted((run_dir / "model").iterdir())
     # metrics.jsonl and the training report are on rank 0's node only, with per-node storage.
@@ -282,7 +282,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
     if rank == 0:
         from tensorboardX import SummaryWriter
 
-        from appliance.progress import Progress
+        from appliance.core.progress import Progress
 
         writer = SummaryWriter(str(run_dir / "tb"))
         bar = Progress(total=total_steps, initial=step, desc="train", unit="step", every=30)
@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     except ApplianceError as err:
         # Raised in a DataLoader worker, the message carries the worker's traceback: keep its last line.
         line = str(err).strip().splitlines()[-1]
-        line = line.split(": ", 1)[1] if line.startswith("appliance.errors.") else line
+        line = line.split(": ", 1)[1] if line.startswith("appliance.core.errors.") else line
         _close_progress()
         if run_dir is not None:
             worker_error.record(run_dir, line)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from appliance.errors import ConfigError
+from appliance.core.errors import ConfigError
 
 
 def param_groups(cfg, model) -> list[dict]:

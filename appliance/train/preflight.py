@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from appliance import __version__
-from appliance.errors import ConfigError
-from appliance.values import human_bytes
+from appliance.core.errors import ConfigError
+from appliance.core.values import human_bytes
 
 SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
 

@@ -236,6 +236,6 @@ phases. Validation and the epoch-end checkpoint count in the step that follows t
 build) or <code>chrome://tracing</code>, or with TensorBoard's profiler plugin:
 <code>tensorboard --logdir {html.escape(report['run_dir'])}/tb</code> (run <code>{TRACE_DIR}</code>).</p>
 <ul id="traces">{traces}</ul>"""
-    from appliance.html_report import page
+    from appliance.core.html_report import page
 
     return page(title, MADE_BY, PROFILE_JSON, None, body, style="td,th{text-align:right}td.op{text-align:left}")

@@ -21,7 +21,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from appliance.errors import ConfigError, GateFailed
+from appliance.core.errors import ConfigError, GateFailed
 
 QUALITY_JSON = "quality.json"
 # [train] keys that judge the model and do not decide its weights (kept out of the training hash).
@@ -104,7 +104,7 @@ def summary_line(run: str, figures: dict) -> str:
 
 
 def write_quality(path: Path, run: str, figures: dict) -> None:
-    from appliance.manifest import atomic_write_text
+    from appliance.core.manifest import atomic_write_text
 
     atomic_write_text(path, json.dumps({"run": run, "line": summary_line(run, figures), **figures}, indent=2) + "\n")
 
@@ -134,7 +134,7 @@ class GateResult:
 
 def gate_stage(train, thresholds: Thresholds, out_dir: Path) -> GateResult:
     """Judge a TrainResult into out_dir (quality.json + manifest); GateFailed when the model fails."""
-    from appliance.manifest import write_manifest
+    from appliance.core.manifest import write_manifest
 
     out_dir = Path(out_dir)
     judged = train.judged(thresholds)

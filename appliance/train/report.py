@@ -156,6 +156,6 @@ def render_html(report: dict, run_name: str) -> str:
     else:
         body.append("<p>No validation ran ([data] val is empty), so there is no confusion matrix.</p>")
     title = f"Training report: {run_name}"
-    from appliance.html_report import page
+    from appliance.core.html_report import page
 
     return page(title, MADE_BY, REPORT_JSON, None, "\n".join(body), style="td,th{text-align:right}")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from appliance.errors import ConfigError
-from appliance.manifest import atomic_write_text
+from appliance.core.errors import ConfigError
+from appliance.core.manifest import atomic_write_text
 from appliance.train.launcher import LaunchSpec, TrainResult, launch_training
 
 CONFIG_NAME = "config.toml"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from appliance import values
-from appliance.errors import ConfigError
+from appliance.core import values
+from appliance.core.errors import ConfigError
 
 
 def register_data_verb(data_subparsers) -> None:

@@ -10,7 +10,7 @@ import math
 import operator
 import re
 
-from appliance.errors import ConfigError
+from appliance.core.errors import ConfigError
 
 METRICS = {
     "corrupt": "damaged byte ranges plus records that do not parse",
@@ -71,7 +71,7 @@ def require_passing_report(report_path) -> dict:
     import json
     from pathlib import Path
 
-    from appliance.errors import DataError
+    from appliance.core.errors import DataError
 
     path = Path(report_path)
     try:

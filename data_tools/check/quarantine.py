@@ -12,7 +12,7 @@ import json
 from array import array
 from pathlib import Path
 
-from appliance.manifest import atomic_write_text
+from appliance.core.manifest import atomic_write_text
 from data_tools.tfrecord import TFRecordWriter, read_records
 
 REASONS_HEADER = {"made_by": "appliance data check",

@@ -6,7 +6,7 @@ import shlex
 from html import escape
 from pathlib import Path
 
-from appliance.manifest import atomic_write_text
+from appliance.core.manifest import atomic_write_text
 from data_tools.check.plots import bar_chart, histogram
 
 _CSS = """

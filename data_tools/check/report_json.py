@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from appliance import __version__
-from appliance.manifest import atomic_write_text
+from appliance.core.manifest import atomic_write_text
 
 CLEAN_OUTPUT = ("clean/NAME holds the records of input NAME that passed every check, in their original "
                 "order, uncompressed, with clean/NAME.index (one '<offset> <size>' line per record); "

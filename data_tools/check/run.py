@@ -23,8 +23,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from appliance.errors import ConfigError, DataError
-from appliance.manifest import atomic_write_text, write_manifest
+from appliance.core.errors import ConfigError, DataError
+from appliance.core.manifest import atomic_write_text, write_manifest
 from data_tools.check import gate as gate_rules
 from data_tools.check.balance import label_balance
 from data_tools.check.duplicates import copies_to_quarantine, exact_groups, near_groups
@@ -49,7 +49,7 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
     conditions = gate_rules.parse_fail_on(fail_on)
     if not 0 <= near_distance <= 7:
         raise ConfigError(f"--near-distance must be 0..7 bits (got {near_distance})")
-    from appliance.dirlock import directory_lock
+    from appliance.core.dirlock import directory_lock
 
     # One check per --out directory: two would remove each other's .check-partial mid-run.
     with directory_lock(out_dir, "--out directory"):
@@ -162,7 +162,7 @@ def _scan_in_worker(task: ScanTask):
 
 def _scan_all(tasks: list[ScanTask], jobs: int | None, show_progress: bool) -> list:
     """Scan files, in a process pool when there are several files and cores; a live progress bar."""
-    from appliance.progress import Progress
+    from appliance.core.progress import Progress
 
     total = sum(os.path.getsize(t.path) for t in tasks if os.path.isfile(t.path))
     bar = Progress(total=total, unit="B", unit_scale=True, desc="data check", enabled=show_progress)

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 from data_tools.check.image_probe import ImageProblem, content_hash, probe_image
 from data_tools.check.schema import validate
 from data_tools.example import decode_example

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance.errors import ConfigError
+from appliance.core.errors import ConfigError
 
 DTYPES = ("bytes", "int64", "float")
 REQUIRED_FRACTION = 0.9  # a key in at least this share of the sample is required

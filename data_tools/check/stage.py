@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.errors import GateFailed
+from appliance.core.errors import GateFailed
 
 REPORT_JSON = "report.json"
 REPORT_HTML = "report.html"

@@ -176,7 +176,7 @@ def test_a_pin_with_no_wheel_for_one_of_the_pythons_is_named_before_anything_is_
 ])
 def test_a_profiles_pythons_are_checked(tmp_path, pythons, problem):
     from appliance.bundle.profiles import load_profiles, read_lock
-    from appliance.errors import ConfigError
+    from appliance.core.errors import ConfigError
 
     src = bundle_kit.source_copy(tmp_path, "0.1.0")
     toml = src / "manifests" / "profiles.toml"

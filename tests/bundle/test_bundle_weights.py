@@ -195,7 +195,7 @@ def test_installed_offline_the_venvs_find_weights_finds_and_verifies_the_file(we
     assert doctor["pretrained"]["models"]["tinynet"] == {"file": str(placed), "weights": "TinyNet_Weights.TEST_V1",
                                                          "bytes": placed.stat().st_size, "num_classes": 3}
 
-    code = ("from appliance.pretrained import find_weights; f = find_weights('tinynet'); "
+    code = ("from appliance.assets.weights import find_weights; f = find_weights('tinynet'); "
             "print(f.path, f.sha256, f.url, f.weights)")
     python = str(prefix / "current" / "venv" / "bin" / "python")
     env = {k: v for k, v in bundle_kit.user_env().items() if k != "APPLIANCE_WEIGHTS_DIR"}
@@ -212,7 +212,7 @@ def test_installed_offline_the_venvs_find_weights_finds_and_verifies_the_file(we
     placed.chmod(0o644)
     data = placed.read_bytes()
     placed.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit flipped
-    code = ("import sys; from appliance.errors import ApplianceError; from appliance.pretrained import find_weights\n"
+    code = ("import sys; from appliance.core.errors import ApplianceError; from appliance.assets.weights import find_weights\n"
             "for name in ('tinynet', 'resnet18'):\n"
             "    try: find_weights(name)\n"
             "    except ApplianceError as err: print(err)\n")

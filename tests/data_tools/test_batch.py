@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 from data_tools.batch import ExampleBatch, decode_spans, decode_batch, read_examples
 from data_tools.example import decode_example, encode_example
 from data_tools.spans import joined

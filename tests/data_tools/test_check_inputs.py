@@ -108,7 +108,7 @@ def test_rerun_replaces_previous_output(tmp_path):
 def test_binary_schema_file_is_one_line(tmp_path):
     import pytest
 
-    from appliance.errors import ConfigError
+    from appliance.core.errors import ConfigError
     from data_tools.check.schema import load_schema
 
     schema = tmp_path / "schema.json"

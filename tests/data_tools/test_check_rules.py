@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from appliance.errors import ConfigError
+from appliance.core.errors import ConfigError
 from data_tools.check.duplicates import copies_to_quarantine, exact_groups, near_groups
 from data_tools.check.gate import evaluate, parse_fail_on
 from data_tools.check.image_probe import ImageProblem, probe_image
@@ -107,7 +107,7 @@ def test_declared_format_that_disagrees_with_the_bytes_is_reported_not_rejected(
 def test_training_can_require_a_passing_report(tmp_path):
     import json
 
-    from appliance.errors import DataError
+    from appliance.core.errors import DataError
     from data_tools.check.gate import require_passing_report
 
     report = tmp_path / "report.json"

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from appliance.errors import ConfigError, DataError
+from appliance.core.errors import ConfigError, DataError
 from data_tools.dataset import ShardedSampler, TFRecordDataset
 from data_tools.example import encode_example
 from data_tools.tfrecord import write_records

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 from data_tools.example import (
     Example,
     decode_example,

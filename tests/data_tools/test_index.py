@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 from data_tools.index import RecordFile, build_index, find_index, load_index, read_record
 from data_tools.tfrecord import TFRecordError, frame, write_records
 

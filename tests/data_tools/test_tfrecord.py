@@ -164,7 +164,7 @@ def test_truncated_compressed_file_keeps_intact_prefix(tmp_path, compression):
 
 
 def test_missing_file_is_a_one_line_data_error(tmp_path):
-    from appliance.errors import DataError
+    from appliance.core.errors import DataError
 
     with pytest.raises(DataError, match="cannot open"):
         list(read_records(tmp_path / "nope.tfrecord"))

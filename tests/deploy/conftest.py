@@ -115,7 +115,7 @@ def exported(tmp_path_factory, run_dir, val_tfrecord):
 
 @pytest.fixture(scope="session")
 def compiled_arm(tmp_path_factory, exported):
-    from appliance.deploy.compile import compile_model
+    from appliance.deploy.compiler.driver import compile_model
 
     out = tmp_path_factory.mktemp("compile-arm")
     compile_model(exported / "model.onnx", "aarch64", out)

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from conftest import VENV_BIN, run_appliance
-from appliance.manifest import read_manifest
+from appliance.core.manifest import read_manifest
 
 
 def machine_of(path) -> str:
@@ -135,7 +135,7 @@ def test_dotprod_target_builds_an_arm_elf(tmp_path, exported):
 def test_every_trainable_architecture_compiles(tmp_path, architecture):
     """What `appliance train` can make, `appliance compile` can build (exported with the dynamic
     batch axis users get; shufflenet_v2's channel shuffle needs the shape folding before import)."""
-    from appliance.deploy.compile import compile_model
+    from appliance.deploy.compiler.driver import compile_model
     from appliance.deploy.export import export_model
     from appliance.models import ModelCard, build_model, save_trained_model
 
@@ -149,7 +149,7 @@ def test_every_trainable_architecture_compiles(tmp_path, architecture):
 
 
 def test_shufflenet_int8_compiles_for_aarch64_with_int8_layers(tmp_path):
-    from appliance.deploy.compile import compile_model
+    from appliance.deploy.compiler.driver import compile_model
     from appliance.deploy.export import export_model
     from appliance.deploy.quantize import quantize_int8
     from appliance.models import ModelCard, build_model, save_trained_model

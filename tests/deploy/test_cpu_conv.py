@@ -1,4 +1,4 @@
-"""The register-tiled float32 and depthwise kernels (appliance/deploy/cpu_conv.py): against torch's
+"""The register-tiled float32 and depthwise kernels (appliance/deploy/compiler/kernels/cpu_simd.py): against torch's
 float64 convolution on awkward shapes, with every CPU's tile built and run on this host (the tiles
 differ in size only; LLVM legalises the vectors for whichever CPU runs them). The whole-model
 builds with them are checked against onnxruntime in test_compile.py and, under qemu, the package
@@ -7,17 +7,17 @@ and edge tests."""
 import numpy as np
 import pytest
 
-from appliance.deploy.compile import TARGETS
+from appliance.deploy.compiler.driver import TARGETS
 
 
 def host_target():
-    from appliance.deploy.compile import target_for
+    from appliance.deploy.compiler.driver import target_for
 
     return target_for("x86_64")
 
 
 def test_the_tile_is_chosen_by_the_build_cpu_not_by_the_machine_compiling():
-    from appliance.deploy.cpu_conv import tile_for
+    from appliance.deploy.compiler.kernels.cpu_simd import tile_for
 
     assert tile_for({**TARGETS["x86_64"], "mcpu": "sapphirerapids"}) == ("avx512", 2, 7)
     assert tile_for({**TARGETS["x86_64"], "mcpu": "znver3"}) == ("avx2", 1, 6)
@@ -43,7 +43,7 @@ def run_conv(x, w, stride, dilation, padding, groups, tile, out_dtype=None):
     import tvm
     from tvm import relax
 
-    from appliance.deploy.cpu_conv import use_depthwise_int8_kernels, use_fp32_kernels
+    from appliance.deploy.compiler.kernels.cpu_simd import use_depthwise_int8_kernels, use_fp32_kernels
 
     builder = relax.BlockBuilder()
     data = relax.Var("x", relax.TensorType(x.shape, str(x.dtype)))
@@ -103,7 +103,7 @@ def test_depthwise_float32_and_int8_match_the_reference(n, c, size, k, stride, p
 
 
 def host_tile():
-    from appliance.deploy.cpu_conv import tile_for
+    from appliance.deploy.compiler.kernels.cpu_simd import tile_for
 
     return tile_for(host_target()) or ("avx2", 1, 6)
 
@@ -113,7 +113,7 @@ def test_other_convolutions_are_left_alone():
     as they are."""
     from tvm import relax
 
-    from appliance.deploy.cpu_conv import use_depthwise_int8_kernels, use_fp32_kernels
+    from appliance.deploy.compiler.kernels.cpu_simd import use_depthwise_int8_kernels, use_fp32_kernels
 
     builder = relax.BlockBuilder()
     data = relax.Var("x", relax.TensorType((1, 8, 6, 6), "float32"))
@@ -135,8 +135,8 @@ def test_a_float_model_says_which_kernels_it_got(tmp_path):
     same outputs within the float tolerance."""
     import torch
 
-    from appliance.deploy.compile import compile_model
-    from appliance.deploy.cpu_conv import tile_for
+    from appliance.deploy.compiler.driver import compile_model
+    from appliance.deploy.compiler.kernels.cpu_simd import tile_for
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 20, 3, padding=1), torch.nn.ReLU(),
                                 torch.nn.Conv2d(20, 20, 3, padding=1, groups=20), torch.nn.ReLU(),
@@ -165,8 +165,8 @@ def test_a_classifier_of_several_rows_runs_on_the_conv_kernels(tmp_path):
     3 through a Linear of 70 -> 37 outputs (not a whole number of 16-channel vectors) matches onnxruntime."""
     import torch
 
-    from appliance.deploy.compile import compile_model
-    from appliance.deploy.cpu_conv import tile_for
+    from appliance.deploy.compiler.driver import compile_model
+    from appliance.deploy.compiler.kernels.cpu_simd import tile_for
 
     if not tile_for(host_target()):
         pytest.skip("this CPU has no vector unit the float32 kernels are sized for")
@@ -190,7 +190,7 @@ def test_the_ops_after_a_kernel_run_in_its_write_back(channels):
     import tvm
     from tvm import relax
 
-    from appliance.deploy.cpu_conv import fuse_epilogues, use_fp32_kernels
+    from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues, use_fp32_kernels
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((1, 16, 10, 10)).astype(np.float32)
@@ -225,7 +225,7 @@ def test_glue_runs_on_all_cores_and_gives_the_same_bits():
     import tvm
     from tvm import relax, tirx
 
-    from appliance.deploy.cpu_glue import schedule_glue
+    from appliance.deploy.compiler.passes.glue_schedule import schedule_glue
 
     builder = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((1, 32, 56, 56), "float32"))
@@ -260,7 +260,7 @@ def test_a_1x1_conv_puts_pixels_in_the_vectors_and_its_epilogue_in_the_write_bac
     import tvm
     from tvm import relax
 
-    from appliance.deploy.cpu_conv import fuse_epilogues, use_fp32_kernels
+    from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues, use_fp32_kernels
 
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, 24, 8, 12)).astype(np.float32)  # 96 pixels: 6 vectors
@@ -290,7 +290,7 @@ def test_a_1x1_conv_puts_pixels_in_the_vectors_and_its_epilogue_in_the_write_bac
 
 
 def test_the_pixel_tile_divides_channels_and_pixels():
-    from appliance.deploy.cpu_pixels import tile
+    from appliance.deploy.compiler.kernels.x86_avx512 import tile
 
     assert tile(96, 112 * 112) == (6, 2)  # 14 accumulators at most: 6 channels x 2 vectors of 16 pixels
     assert tile(24, 28 * 28) == (12, 1)  # 49 vectors: one per tile
@@ -323,8 +323,8 @@ def test_a_float32_conv_hands_its_output_to_the_depthwise_kernel_in_its_layout(k
     import tvm
     from tvm import relax
 
-    from appliance.deploy.cpu_conv import fuse_epilogues, use_fp32_kernels
-    from appliance.deploy.cpu_handoff import blocked_handoff
+    from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues, use_fp32_kernels
+    from appliance.deploy.compiler.passes.layout_handover import blocked_handoff
 
     rng = np.random.default_rng(k)
     x = rng.standard_normal((1, 8, size, size)).astype(np.float32)

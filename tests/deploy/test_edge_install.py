@@ -9,14 +9,14 @@ import tarfile
 import pytest
 
 from conftest import offline_cmd
-from appliance.manifest import sha256_file
+from appliance.core.manifest import sha256_file
 
 DEVICE_LIBS = ("libc6_", "libstdc++6_", "libgcc-s1_")
 
 
 @pytest.fixture(scope="module")
 def device_sysroot(tmp_path_factory):
-    from appliance.deploy.edge_sysroot import default_debs_dir
+    from appliance.deploy.edge.sysroot import default_debs_dir
 
     debs = default_debs_dir()
     if not (debs / "manifest.json").is_file():

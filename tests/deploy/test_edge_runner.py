@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import run_appliance
-from appliance.deploy.glibc_floor import read_needs, version_key
+from appliance.deploy.edge.glibc_floor import read_needs, version_key
 
 QEMU = ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"]
 
@@ -31,7 +31,7 @@ def other_model_library(tmp_path_factory, card):
     """model.so of another model with the same input: an untrained small_cnn, compiled for aarch64."""
     import torch
 
-    from appliance.deploy.compile import compile_model
+    from appliance.deploy.compiler.driver import compile_model
     from appliance.deploy.export import export_model
     from appliance.models import build_model, save_trained_model
 
@@ -80,7 +80,7 @@ def test_every_shipped_elf_is_within_the_glibc_floor(package_dir):
 def test_a_library_needing_glibc_2_34_makes_package_refuse(tmp_path, compiled_arm):
     """A model library linked against a newer glibc (Debian 12's gcc: pthread_create moved into libc
     at 2.34) is refused, naming the file and the symbol, and no tar is written."""
-    from appliance.manifest import read_manifest, write_manifest
+    from appliance.core.manifest import read_manifest, write_manifest
 
     planted_src = tmp_path / "planted.c"
     planted_src.write_text("#include <pthread.h>\nstatic void *f(void *a) { return a; }\n"
@@ -199,13 +199,13 @@ def test_bench_figures_json_and_gate(package_dir):
     assert bad.returncode == 2 and bad.stderr == "run: error: --max-fluctuation: expected a finite number >= 0, got 'nan'\n"
 
 
-# A prebuilt runner (appliance.edge_runner): what a bundle carries so that a site's first package skips zig.
+# A prebuilt runner (appliance.assets.edge_runner): what a bundle carries so that a site's first package skips zig.
 
 @pytest.fixture(scope="module")
 def carried_runner(tmp_path_factory):
     """edge-runner/ as `appliance bundle build` makes it (the same function, real zig), from the edge wheels."""
     from appliance.deploy.package import default_wheelhouse, locked_wheels
-    from appliance.edge_runner import build_carried
+    from appliance.assets.edge_runner import build_carried
 
     base = tmp_path_factory.mktemp("carried")
     build_carried(locked_wheels(default_wheelhouse()), base / "edge-runner", base / "work")
@@ -214,7 +214,7 @@ def carried_runner(tmp_path_factory):
 
 def copy_carried(carried, dest, **edit):
     """A copy of the carried folder with runner.json's fields (or its inputs', key recomputed) edited."""
-    from appliance.edge_runner import runner_key
+    from appliance.assets.edge_runner import runner_key
 
     shutil.copytree(carried, dest)
     record = json.loads((dest / "runner.json").read_text())
@@ -284,7 +284,7 @@ def test_a_carried_runner_from_other_inputs_is_passed_over_and_zig_builds_the_sa
 
 def test_an_unreadable_or_altered_carried_runner_is_named_and_not_used(tmp_path, carried_runner, monkeypatch):
     from appliance.deploy.package import default_wheelhouse, locked_wheels
-    from appliance.edge_runner import extract_runtime, find_carried, runner_inputs
+    from appliance.assets.edge_runner import extract_runtime, find_carried, runner_inputs
 
     (tmp_path / "sdk").mkdir()
     (tmp_path / "lib").mkdir()

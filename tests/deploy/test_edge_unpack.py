@@ -9,8 +9,8 @@ import tarfile
 
 import pytest
 
-from appliance.deploy.edge_verify import unpack_checked
-from appliance.errors import DataError
+from appliance.deploy.verify import unpack_checked
+from appliance.core.errors import DataError
 
 
 def add(tar, name, data=b"", kind=tarfile.REGTYPE, mode=0o644, link=""):

@@ -7,7 +7,7 @@ import onnx
 import onnxruntime as ort
 
 from conftest import offline_cmd, run_appliance
-from appliance.manifest import read_manifest, verify_outputs
+from appliance.core.manifest import read_manifest, verify_outputs
 
 
 def test_export_offline_from_run_dir_with_parity(tmp_path, run_dir, val_tfrecord, val_npz):

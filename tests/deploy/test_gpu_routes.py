@@ -8,8 +8,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from appliance.deploy import gpu_routes
-from appliance.errors import EnvironmentProblem
+from appliance.deploy.gpu import routes as gpu_routes
+from appliance.core.errors import EnvironmentProblem
 from conftest import run_appliance
 
 

@@ -79,7 +79,7 @@ def test_package_contents_checksums_and_lineage(unpacked, edge_package):
 
 
 def test_with_python_adds_the_runner_and_hash_pinned_wheels(unpacked_python):
-    from appliance.manifest import sha256_file
+    from appliance.core.manifest import sha256_file
 
     names = {str(p.relative_to(unpacked_python)) for p in unpacked_python.rglob("*") if p.is_file()}
     assert {"python/run.py", "python/preprocessing.py", "wheels/requirements.txt"} <= names
@@ -127,7 +127,7 @@ def test_edge_verify_agrees_on_every_sample(edge_package, val_tfrecord, tmp_path
 @pytest.fixture(scope="session")
 def sysroot_debs(tmp_path_factory):
     """The arm64 python3.11 .debs: the bundle's copy when present, else fetched (a connected step)."""
-    from appliance.deploy.edge_sysroot import default_debs_dir
+    from appliance.deploy.edge.sysroot import default_debs_dir
 
     if (default_debs_dir() / "manifest.json").is_file():
         return default_debs_dir()
@@ -205,7 +205,7 @@ def test_package_without_the_aarch64_wheelhouse_is_one_line(tmp_path, compiled_a
 def test_python_runner_decodes_an_image_like_the_host(unpacked_python, exported, card, tmp_path):
     """run.py decoding a PNG, with the runtime-only TVM on a host build of the same model (the
     aarch64 route is test_edge_verify_python_route_under_qemu, which feeds tensors)."""
-    from appliance.deploy.compile import compile_model
+    from appliance.deploy.compiler.driver import compile_model
     from appliance.deploy.onnx_model import ort_session, run_ort
     from data_tools.preprocessing import preprocess_image, preprocessing_of
 
@@ -225,10 +225,10 @@ def test_python_runner_decodes_an_image_like_the_host(unpacked_python, exported,
 
 def test_int8_model_through_compile_package_and_verify(tmp_path, exported, calib_tfrecord, val_tfrecord):
     """The usual edge route: S8S8 QDQ model -> aarch64 library -> package -> agrees with host onnxruntime."""
-    from appliance.deploy.compile import compile_model
+    from appliance.deploy.compiler.driver import compile_model
     from appliance.deploy.package import build_package
     from appliance.deploy.quantize import quantize_model
-    from appliance.deploy.edge_verify import verify_package
+    from appliance.deploy.verify import verify_package
 
     quantize_model(exported / "model.onnx", [calib_tfrecord], tmp_path / "int8", val_files=[val_tfrecord])
     compile_model(tmp_path / "int8" / "model.int8.onnx", "aarch64", tmp_path / "arm")

@@ -30,5 +30,5 @@ def test_edge_package_manifest_names_its_command_and_its_lineage(tmp_path, compi
     # From which data: the validation file export measured parity on, by sha256.
     compiled_inputs = {i["path"] for i in steps["compile"]["inputs"]}
     assert str(exported / "model.onnx") in compiled_inputs
-    from appliance.manifest import sha256_file
+    from appliance.core.manifest import sha256_file
     assert {"path": str(val_tfrecord), "sha256": sha256_file(val_tfrecord)} in steps["export"]["inputs"]

@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 from conftest import run_appliance
-from appliance.manifest import read_manifest
+from appliance.core.manifest import read_manifest
 
 
 @pytest.mark.parametrize("mode,scheme", [("int8", "s8s8"), ("int8", "u8s8"), ("fp16", "s8s8")])

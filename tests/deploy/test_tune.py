@@ -4,7 +4,7 @@ reused without measuring, and bad databases refused with one line."""
 import json
 
 from conftest import run_appliance
-from appliance.manifest import read_manifest
+from appliance.core.manifest import read_manifest
 
 TRIALS = 2
 
@@ -21,7 +21,7 @@ def untuned_records(lines) -> int:
 def assert_database_answers_with_its_fastest_record(db) -> None:
     """TVM's own query of every workload sees all its records, the untuned kernel's included, and
     answers with the fastest (TVM drops a record with an empty trace: the untuned kernel never won)."""
-    from appliance.deploy.tune import open_database, prepare_meta_schedule
+    from appliance.deploy.compiler.tuning.search import open_database, prepare_meta_schedule
 
     def mean(secs):
         return sum(float(t) for t in secs) / len(secs)
@@ -51,7 +51,7 @@ def test_tune_writes_a_reusable_database_and_reuse_measures_nothing(tmp_path, ex
     header = json.loads((db / "tuning.json").read_text())
     assert header["made_by"] == "appliance compile --tune" and header["trials_per_task"] == TRIALS
     assert header["tvm"].startswith("0.27") and header["target"] == "x86_64"
-    from appliance.manifest import sha256_file
+    from appliance.core.manifest import sha256_file
     assert header["model_sha256"] == sha256_file(model)
     tuned = records(db)
     assert len(tuned) == header["records"] and header["tasks"] < len(tuned) <= header["tasks"] * (TRIALS + 1)
@@ -98,9 +98,9 @@ def test_bad_or_mismatched_database_is_one_line(tmp_path, exported):
 
 
 def test_damaged_record_file_is_named(tmp_path, exported):
-    from appliance.deploy.tune import tuning_target
-    from appliance.manifest import sha256_file
-    from appliance.deploy.compile import target_for
+    from appliance.deploy.compiler.tuning.search import tuning_target
+    from appliance.core.manifest import sha256_file
+    from appliance.deploy.compiler.driver import target_for
 
     model = exported / "model.onnx"
     db = tmp_path / "db"

@@ -73,8 +73,8 @@ def arm_python(tmp_path) -> tuple[Path, dict]:
     """An aarch64 CPython 3.11 with the edge wheels (TVM runtime only), run by qemu-aarch64, as a program
     this host can exec: the RPC server starts its worker with sys.executable, and there is no binfmt
     handler here for aarch64 ELF files, so sys.executable is a script that runs qemu."""
-    from appliance.deploy.edge_sysroot import build_python_sysroot
-    from appliance.deploy.qemu import find_qemu
+    from appliance.deploy.edge.sysroot import build_python_sysroot
+    from appliance.deploy.edge.qemu import find_qemu
 
     wheels = tmp_path / "edge" / "wheels"
     wheels.mkdir(parents=True)

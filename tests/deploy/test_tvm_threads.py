@@ -1,4 +1,4 @@
-"""TVM's CPU runtime runs on every physical core the process may use (appliance/deploy/tvm_threads.py):
+"""TVM's CPU runtime runs on every physical core the process may use (appliance/deploy/compiler/runtime.py):
 TVM alone halves hardware_concurrency on x86_64, which on a machine without hyper-threads is half
 the cores."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.deploy.tvm_threads import physical_cores
+from appliance.deploy.compiler.runtime import physical_cores
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def run_tvm(env_extra: dict) -> int:
     """The thread count of TVM's runtime pool in a fresh process after use_physical_cores()."""
     env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
     env.update(env_extra)
-    code = ("from appliance.deploy.tvm_threads import use_physical_cores; use_physical_cores(); "
+    code = ("from appliance.deploy.compiler.runtime import use_physical_cores; use_physical_cores(); "
             "import tvm; print(tvm.runtime.num_threads())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=ROOT)
     return int(out.stdout.strip().splitlines()[-1])

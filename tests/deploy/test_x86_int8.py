@@ -1,4 +1,4 @@
-"""The x86_64 int8 convolution kernels with AVX-512 VNNI (appliance/deploy/x86_int8.py): exact
+"""The x86_64 int8 convolution kernels with AVX-512 VNNI (appliance/deploy/compiler/kernels/x86_vnni.py): exact
 against an integer reference on awkward shapes, chosen only where the build's CPU has the
 instruction. The whole-model builds with them are checked against onnxruntime in test_int8.py."""
 
@@ -7,21 +7,21 @@ import pytest
 
 
 def host_target():
-    from appliance.deploy.compile import target_for
+    from appliance.deploy.compiler.driver import target_for
 
     return target_for("x86_64")
 
 
 def needs_vnni():
-    from appliance.deploy.x86_int8 import has_vnni
+    from appliance.deploy.compiler.kernels.x86_vnni import has_vnni
 
     if not has_vnni(host_target()):
         pytest.skip(f"this CPU ({host_target().get('mcpu')}) has no AVX-512 VNNI: the generic kernels are used")
 
 
 def test_vnni_is_chosen_by_the_build_cpu_not_by_the_machine_compiling():
-    from appliance.deploy.compile import TARGETS
-    from appliance.deploy.x86_int8 import has_vnni
+    from appliance.deploy.compiler.driver import TARGETS
+    from appliance.deploy.compiler.kernels.x86_vnni import has_vnni
 
     assert has_vnni({**TARGETS["x86_64"], "mcpu": "sapphirerapids"})
     assert not has_vnni({**TARGETS["x86_64"], "mcpu": "znver3"})  # AVX2 only
@@ -51,8 +51,8 @@ def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad, ker
     import tvm
     from tvm import relax
 
-    from appliance.deploy.cpu_conv import fuse_epilogues
-    from appliance.deploy.x86_int8 import use_vnni_kernels
+    from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues
+    from appliance.deploy.compiler.kernels.x86_vnni import use_vnni_kernels
 
     rng = np.random.default_rng(n * 1000 + c * 10 + k)
     x = rng.integers(-128, 128, (n, c, size, size), dtype=np.int8)
@@ -82,7 +82,7 @@ def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad, ker
 def test_grouped_and_float_convolutions_are_left_alone():
     from tvm import relax
 
-    from appliance.deploy.x86_int8 import use_vnni_kernels
+    from appliance.deploy.compiler.kernels.x86_vnni import use_vnni_kernels
 
     builder = relax.BlockBuilder()
     data = relax.Var("x", relax.TensorType((1, 8, 6, 6), "int8"))
@@ -139,9 +139,9 @@ def test_a_1x1_conv_hands_its_output_to_the_depthwise_kernel_in_its_layout(c, o,
     import tvm
     from tvm import relax
 
-    from appliance.deploy.cpu_conv import fuse_epilogues, tile_for, use_depthwise_int8_kernels
-    from appliance.deploy.cpu_handoff import blocked_handoff
-    from appliance.deploy.x86_int8 import use_vnni_kernels
+    from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues, tile_for, use_depthwise_int8_kernels
+    from appliance.deploy.compiler.passes.layout_handover import blocked_handoff
+    from appliance.deploy.compiler.kernels.x86_vnni import use_vnni_kernels
 
     x = np.random.default_rng(1).integers(-128, 128, (1, c, size, size), dtype=np.int8)
     outputs = []
@@ -164,9 +164,9 @@ def test_a_1x1_conv_hands_its_output_to_the_depthwise_kernel_in_its_layout(c, o,
 
 def test_a_requantized_tensor_read_twice_keeps_the_nchw_handover():
     needs_vnni()
-    from appliance.deploy.cpu_conv import tile_for, use_depthwise_int8_kernels
-    from appliance.deploy.cpu_handoff import blocked_handoff
-    from appliance.deploy.x86_int8 import use_vnni_kernels
+    from appliance.deploy.compiler.kernels.cpu_simd import tile_for, use_depthwise_int8_kernels
+    from appliance.deploy.compiler.passes.layout_handover import blocked_handoff
+    from appliance.deploy.compiler.kernels.x86_vnni import use_vnni_kernels
 
     mod, _ = use_depthwise_int8_kernels(requantized_block(16, 32, 16, residual=True), tile_for(host_target()))
     mod, _ = use_vnni_kernels(mod)

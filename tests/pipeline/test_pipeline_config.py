@@ -2,7 +2,7 @@
 
 import pytest
 
-from appliance.errors import ConfigError
+from appliance.core.errors import ConfigError
 from appliance.pipeline.config import load_pipeline_config
 from appliance.pipeline.runner import fingerprint
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from appliance.deploy import stages as deploy
-from appliance.manifest import atomic_write_text, sha256_file, write_manifest
+from appliance.core.manifest import atomic_write_text, sha256_file, write_manifest
 from appliance.pipeline.config import load_pipeline_config
 from appliance.pipeline.runner import build_summary, plan, run_stages
 from appliance.train.launcher import TrainResult
@@ -179,7 +179,7 @@ def test_a_changed_training_parameter_reruns_train_and_later_only(site):
 
 
 def test_a_changed_gate_threshold_reruns_the_gate_only_and_can_stop_the_pipeline(site):
-    from appliance.errors import GateFailed
+    from appliance.core.errors import GateFailed
 
     run(site)
     _, _, ran = run(site, train_extra="baseline_margin = 0.5")  # 87.5 % top-1 still closes 0.5 of the gap

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from appliance.errors import ConfigError
+from appliance.core.errors import ConfigError
 from appliance.train.config import load_config
 from appliance.train.data import train_loader, val_loader
 from train_data import make_config

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from appliance.errors import EnvironmentProblem
+from appliance.core.errors import EnvironmentProblem
 from appliance.train.checkpoint import COMMIT_MARKER, CheckpointManager
 from appliance.train.determinism import rng_state
 from appliance.models import ModelCard, build_model, load_trained_model

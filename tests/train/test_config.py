@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import ConfigError, DataError
+from appliance.core.errors import ConfigError, DataError
 from appliance.train.config import check_data_report, load_config
 from conftest import ROOT, run_appliance
 

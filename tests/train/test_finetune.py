@@ -191,7 +191,7 @@ def test_a_damaged_checkpoint_as_init_is_one_line(work, pretrained):
     damaged SHA256SUMS, are refused before any process starts."""
     import shutil
 
-    from appliance.errors import ConfigError
+    from appliance.core.errors import ConfigError
     from appliance.train.config import load_config
 
     newest = sorted((pretrained / "checkpoints").glob("step-*"))[-1]

@@ -103,7 +103,7 @@ def test_a_worker_killed_by_a_signal_is_named_as_the_cause_not_its_peer(workdir)
 
 
 def test_malformed_test_fault_is_one_line(monkeypatch):
-    from appliance.errors import ConfigError
+    from appliance.core.errors import ConfigError
     from appliance.train import faults
 
     monkeypatch.setenv("APPLIANCE_TEST_FAULT", "step:three:1")

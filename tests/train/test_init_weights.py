@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from appliance.errors import ApplianceError, ConfigError, DataError
+from appliance.core.errors import ApplianceError, ConfigError, DataError
 from appliance.models import build_model
 from appliance.train.config import load_config
 from appliance.train.ddp import prepare_model

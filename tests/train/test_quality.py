@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from appliance.errors import ConfigError, GateFailed
+from appliance.core.errors import ConfigError, GateFailed
 from appliance.train.config import load_config
 from appliance.train.quality import Thresholds, quality_figures, require_quality, summary_line
 from conftest import appliance_cmd, offline_cmd

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from appliance.deploy.cpu_conv import rewrite_calls, static_shape
+from appliance.deploy.compiler.kernels.cpu_simd import rewrite_calls, static_shape
 
 MATMUL, PERMUTE = "relax.matmul", "relax.permute_dims"
 

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance.deploy.qemu import DEFAULT_SYSROOT, check_sysroot, find_qemu, run_counting_samples, run_json
-from appliance.errors import DataError
+from appliance.deploy.edge.qemu import DEFAULT_SYSROOT, check_sysroot, find_qemu, run_counting_samples, run_json
+from appliance.core.errors import DataError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -139,8 +139,8 @@ def qdq_allowance(reference) -> float:
     onnxruntime's float reference (float rounding carried through the layers); 0 otherwise."""
     import onnx
 
-    from appliance.deploy.compile import QDQ_UNITS
-    from appliance.deploy.int8_rewrite import output_scale
+    from appliance.deploy.compiler.driver import QDQ_UNITS
+    from appliance.deploy.compiler.passes.int8_arith import output_scale
 
     step = output_scale(onnx.load(str(reference)))
     return QDQ_UNITS * step * (1 + 1e-5) if step else 0.0
@@ -154,7 +154,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
     and `passed` (every route and the self-test)."""
     import numpy as np
 
-    from appliance.deploy.edge_sysroot import build_python_sysroot, default_debs_dir, run_python_runner
+    from appliance.deploy.edge.sysroot import build_python_sysroot, default_debs_dir, run_python_runner
     from appliance.deploy.export import synthetic_samples
     from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
     from appliance.deploy.samples import check_input_shape, load_samples
@@ -196,7 +196,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
               "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": bench,
               "passed": all(r["passed"] for r in routes) and bool(selftest["passed"])}
     if out_dir:
-        from appliance.manifest import atomic_write_text, write_manifest
+        from appliance.core.manifest import atomic_write_text, write_manifest
 
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -226,7 +226,7 @@ def device_proof_html(report: dict) -> str:
 def verify_html(report: dict) -> str:
     import html
 
-    from appliance.html_report import PALETTE, columns_svg, page
+    from appliance.core.html_report import PALETTE, columns_svg, page
 
     rows, charts = [], []
     for i, r in enumerate(report["routes"]):

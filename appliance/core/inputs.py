@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 
 
 def require_file(path: str | Path, what: str = "file") -> Path:

@@ -11,8 +11,8 @@ import tomllib
 import typing
 from pathlib import Path
 
-from appliance.errors import ConfigError
-from appliance.values import ANY, Range
+from appliance.core.errors import ConfigError
+from appliance.core.values import ANY, Range
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from appliance.deploy.tir_kernel import OPAQUE, fusable, shape64
+from appliance.deploy.compiler.kernels.common import OPAQUE, fusable, shape64
 
 LANES = 16  # output channels per vector
 EXACT_FLOAT_TAPS = 1024  # int8 x int8 sums of up to this many taps are integers below 2^24: exact in float32
@@ -237,7 +237,7 @@ def _inline_epilogue(func, order: list):
     import tvm
     from tvm import s_tir
 
-    from appliance.deploy.cpu_pixels import BLOCKS as PIXEL_BLOCKS
+    from appliance.deploy.compiler.kernels.x86_avx512 import BLOCKS as PIXEL_BLOCKS
 
     k = order.index(WRITE_BACK)
     before = [name for name in order[:k] if not name.startswith(KERNEL_BLOCK)]
@@ -423,7 +423,7 @@ def _fp32_conv(builder, call, index, tile):
     o, _, kh, kw = w.shape
     pixels = pixel_tile(attrs, w.shape, h * wd, tile[0])
     if pixels is not None:
-        from appliance.deploy import cpu_pixels
+        from appliance.deploy.compiler.kernels import x86_avx512 as cpu_pixels
 
         func = cpu_pixels.fp32_kernel(n, c, h, wd, o, *pixels)
         kernel = builder.add_func(func.without_attr("global_symbol"), f"fp32_conv2d_pixels_{index}")
@@ -446,7 +446,7 @@ def pixel_tile(attrs, weight_shape, pixels: int, unit: str) -> tuple[int, int] |
     """cpu_pixels' register tile for a conv2d of these attrs and OIHW weights where it has one: a
     1x1 convolution of stride 1, no padding, groups 1, on an AVX-512 CPU (`unit`, as tile_for
     names it); else None."""
-    from appliance.deploy import cpu_pixels
+    from appliance.deploy.compiler.kernels import x86_avx512 as cpu_pixels
 
     o, _, kh, kw = weight_shape
     if (unit != "avx512" or (kh, kw) != (1, 1) or any(int(v) != 1 for v in attrs.strides)

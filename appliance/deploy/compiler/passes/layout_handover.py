@@ -91,7 +91,7 @@ def _plan(mod, var, value, bindings, uses):
     blocked input `cpu_conv._depthwise` makes: what to emit instead; None for anything else."""
     from tvm import relax
 
-    from appliance.deploy.cpu_conv import GEOMETRY
+    from appliance.deploy.compiler.kernels.cpu_simd import GEOMETRY
 
     if _op(value) != "relax.permute_dims" or [int(a) for a in value.attrs.axes] != [0, 1, 3, 4, 2]:
         return None
@@ -182,7 +182,9 @@ def _emit(builder, mutator, plan, tile):
     """Emit the blocked kernel, the chain on its layout and the padding; returns the padded var."""
     from tvm import relax
 
-    from appliance.deploy import cpu_conv, x86_int8
+    from appliance.deploy.compiler.kernels import cpu_simd as cpu_conv
+
+    from appliance.deploy.compiler.kernels import x86_vnni as x86_int8
 
     n, o, (oh, ow) = plan["n"], plan["o"], plan["out"]
     sh, sw, dh, dw = plan["geometry"]

@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from appliance.errors import DataError, EnvironmentProblem
+from appliance.core.errors import DataError, EnvironmentProblem
 
 DEFAULT_SYSROOT = "/usr/aarch64-linux-gnu"
 

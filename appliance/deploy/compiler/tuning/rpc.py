@@ -21,7 +21,7 @@ from tvm.s_tir.meta_schedule.runner import EvaluatorConfig, PyRunner
 from tvm.s_tir.meta_schedule.runner.local_runner import LocalRunnerFuture
 from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common, run_evaluator_common
 
-from appliance.errors import DataError, EnvironmentProblem
+from appliance.core.errors import DataError, EnvironmentProblem
 
 SERVER_COMMAND = "python3 -m tvm.exec.rpc_server --host 0.0.0.0 --port 9090"
 

@@ -24,7 +24,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 
 MANIFEST_NAME = "manifest.json"
 _VERSIONED = ("appliance", "torch", "torchvision", "onnx", "onnxruntime", "apache-tvm", "numpy")
@@ -95,7 +95,7 @@ def code_checkout() -> dict | None:
                               check=True, env=env).stdout.strip()
     try:
         top = Path(git("rev-parse", "--show-toplevel"))
-        if not (top / "appliance" / "manifest.py").is_file():
+        if not (top / "appliance" / "core" / "manifest.py").is_file():
             return None  # appliance is installed inside someone else's repository
         commit = git("rev-parse", "HEAD")
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))

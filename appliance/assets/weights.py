@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance import beside_venv
-from appliance.errors import ConfigError
-from appliance.manifest import sha256_file
+from appliance.core.errors import ConfigError
+from appliance.core.manifest import sha256_file
 
 WEIGHTS_ENV = "APPLIANCE_WEIGHTS_DIR"
 INDEX = "index.json"

@@ -22,10 +22,10 @@ import zipfile
 from pathlib import Path
 
 from appliance import beside_venv
-from appliance.errors import EnvironmentProblem
-from appliance.manifest import sha256_file
+from appliance.core.errors import EnvironmentProblem
+from appliance.core.manifest import sha256_file
 
-RUNNER_SOURCE = Path(__file__).resolve().parent / "deploy" / "edge" / "runner.cc"
+RUNNER_SOURCE = Path(__file__).resolve().parents[1] / "deploy" / "edge" / "runner.cc"
 RUNTIME_LIBS = {"apache_tvm-": "tvm/lib/libtvm_runtime.so", "apache_tvm_ffi-": "tvm_ffi/lib/libtvm_ffi.so"}
 HEADERS = "tvm_ffi/include"  # under the sdk folder extract_runtime fills
 DEFAULT_GLIBC_FLOOR = "2.28"

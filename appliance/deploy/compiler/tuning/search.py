@@ -21,8 +21,8 @@ import time
 import types
 from pathlib import Path
 
-from appliance.errors import DataError
-from appliance.tuning_db import HEADER, RECORDS, WORKLOADS, cpu_of, installed_databases, read_header, same_kind
+from appliance.core.errors import DataError
+from appliance.assets.tuning_db import HEADER, RECORDS, WORKLOADS, cpu_of, installed_databases, read_header, same_kind
 
 
 def cpu_tensor_intrinsics() -> None:
@@ -118,7 +118,7 @@ def apply_database(mod, tvm_target: dict, db_dir):
 
 
 def apply_installed(mod, target_name: str, tvm_target: dict, log=print):
-    """Apply every installed database (appliance.tuning_db) made for this target and CPU with this TVM.
+    """Apply every installed database (appliance.assets.tuning_db) made for this target and CPU with this TVM.
 
     Returns (mod, target, found, tuned): found has one entry per database seen, applied or not and
     why, and the tasks of this model it holds records for; tuned counts tasks with a record in any. The module and target are unchanged when
@@ -201,12 +201,12 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
 
-    from appliance.deploy.tune_measure import InProcessBuilder, InProcessRunner, progress_callback
+    from appliance.deploy.compiler.tuning.measure import InProcessBuilder, InProcessRunner, progress_callback
 
     import tvm_ffi
 
     if tvm_ffi.__version__.startswith("0.1.15"):
-        from appliance.errors import EnvironmentProblem
+        from appliance.core.errors import EnvironmentProblem
 
         raise EnvironmentProblem(f"apache-tvm-ffi {tvm_ffi.__version__}: crashes in MetaSchedule tuning (ToJSONGraph); "
                                  "install 0.1.14.post1 as manifests/dev.lock pins it")
@@ -228,7 +228,7 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
         tasks, str(tmp), space=space, strategy=strategy, num_threads=len(os.sched_getaffinity(0)), seed=seed)
     if rpc:
-        from appliance.deploy.tune_rpc import RPCDeviceRunner
+        from appliance.deploy.compiler.tuning.rpc import RPCDeviceRunner
 
         runner = RPCDeviceRunner(rpc, rpc_key)
         builder = InProcessBuilder(tmp / "build", shared_library=True, cross_compiler=cross_compiler)

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from appliance import beside_venv
-from appliance.errors import DataError
+from appliance.core.errors import DataError
 
 TUNING_ENV = "APPLIANCE_TUNING_DIR"
 HEADER = "tuning.json"

@@ -18,15 +18,15 @@ import zipfile
 from pathlib import Path
 
 from appliance import beside_venv
-from appliance.deploy.qemu import find_qemu, run_counting_samples
-from appliance.errors import DataError, EnvironmentProblem
+from appliance.deploy.edge.qemu import find_qemu, run_counting_samples
+from appliance.core.errors import DataError, EnvironmentProblem
 
 PACKAGES = ("python3.11", "libstdc++6")  # numpy's and TVM's wheels expect the system libstdc++
 MIRROR, SUITE = "http://deb.debian.org/debian", "bookworm"
 KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 RUNNER_WHEELS = ("apache_tvm-", "apache_tvm_ffi-", "numpy-", "ml_dtypes-", "pillow-", "typing_extensions-",
                  "packaging-")
-PROJECT = Path(__file__).resolve().parents[2]
+PROJECT = Path(__file__).resolve().parents[3]
 
 
 def default_debs_dir() -> Path:
@@ -37,7 +37,7 @@ def default_debs_dir() -> Path:
 
 
 def fetch_sysroot_debs(out_dir, *, mirror=MIRROR, suite=SUITE) -> list[Path]:
-    from appliance.manifest import write_manifest
+    from appliance.core.manifest import write_manifest
 
     if shutil.which("apt-get") is None:
         raise EnvironmentProblem("apt-get: not found (fetching the arm64 sysroot needs a Debian host)")
@@ -84,7 +84,7 @@ def fetch_sysroot_debs(out_dir, *, mirror=MIRROR, suite=SUITE) -> list[Path]:
 
 def build_python_sysroot(debs_dir, package_root: Path, into: Path) -> tuple[Path, Path]:
     """(sysroot, site): the checked .debs extracted with dpkg -x, the package's wheels unpacked."""
-    from appliance.manifest import read_manifest, verify_outputs
+    from appliance.core.manifest import read_manifest, verify_outputs
 
     debs_dir = Path(debs_dir)
     if not (debs_dir / "manifest.json").is_file():

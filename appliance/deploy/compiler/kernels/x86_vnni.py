@@ -29,8 +29,8 @@ import functools
 
 import numpy as np
 
-from appliance.deploy.cpu_conv import GEOMETRY, pixel_tile, rewrite_calls, static_shape
-from appliance.deploy.tir_kernel import fusable, shape64
+from appliance.deploy.compiler.kernels.cpu_simd import GEOMETRY, pixel_tile, rewrite_calls, static_shape
+from appliance.deploy.compiler.kernels.common import fusable, shape64
 
 INTRIN = "appliance_dot_16x4_vnni"
 LANES, GROUP = 16, 4  # output channels per register, input channels per product group
@@ -53,7 +53,7 @@ def register_intrinsic() -> str:
     """The 16x4 u8 x s8 -> s32 dot product for TVM 0.27's LLVM, written as one expression: in
     TVMScript an assignment becomes a local buffer, and temporaries sent every operand through the
     stack (5x slower, measured)."""
-    from appliance.deploy.tune import cpu_tensor_intrinsics
+    from appliance.deploy.compiler.tuning.search import cpu_tensor_intrinsics
 
     cpu_tensor_intrinsics()
     from tvm.s_tir import TensorIntrin
@@ -204,7 +204,7 @@ def _vnni_conv(builder, call, index):
     o, _, kh, kw = wq.shape
     pixels = pixel_tile(attrs, wq.shape, h * w, "avx512")  # VNNI CPUs have AVX-512
     if pixels is not None:  # 16 pixels a vector (cpu_pixels.py): for the 1x1 layers of short reductions
-        from appliance.deploy import cpu_pixels
+        from appliance.deploy.compiler.kernels import x86_avx512 as cpu_pixels
 
         c4, channels = -(-c // GROUP), o
         func, (oh, ow) = cpu_pixels.vnni_kernel(n, c4, h, w, o, *pixels), (h, w)

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.errors import ApplianceError
+from appliance.core.errors import ApplianceError
 
 LOCK_NAME = ".lock"
 

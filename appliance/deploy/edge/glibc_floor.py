@@ -12,8 +12,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.edge_runner import DEFAULT_GLIBC_FLOOR  # noqa: F401 (the package default, one place)
-from appliance.errors import DataError
+from appliance.assets.edge_runner import DEFAULT_GLIBC_FLOOR  # noqa: F401 (the package default, one place)
+from appliance.core.errors import DataError
 
 SHT_DYNSYM, SHT_GNU_VERNEED, SHT_GNU_VERSYM = 11, 0x6FFFFFFE, 0x6FFFFFFF
 

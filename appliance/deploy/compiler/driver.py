@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from appliance.errors import DataError, EnvironmentProblem
+from appliance.core.errors import DataError, EnvironmentProblem
 
 CROSS_COMPILER = "aarch64-linux-gnu-g++"
 TARGETS = {
@@ -80,7 +80,7 @@ def import_relax(model, path, shape: list):
         raise DataError(f"{path}: TVM cannot import operator {', '.join(unsupported[:3])}"
                         f"{' and more' if len(unsupported) > 3 else ''}; compile the FP32 model or the "
                         "FP16/QDQ one from `appliance quantize` instead")
-    from appliance.deploy.shape_fold import fold_shapes
+    from appliance.deploy.compiler.frontend import fold_shapes
 
     name = next(i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer})
     model = fold_shapes(model, name, shape)
@@ -98,17 +98,17 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
                   installed_tuning: bool = True, rpc: str | None = None, rpc_key: str = "", int8_kernels: str = "auto",
                   fp32_kernels: str = "auto", log=print) -> dict:
     """installed_tuning: apply the installed tuning databases made for this target and CPU
-    (appliance.tuning_db) when neither tune_trials nor tuning_db is given. rpc: HOST:PORT of a TVM
+    (appliance.assets.tuning_db) when neither tune_trials nor tuning_db is given. rpc: HOST:PORT of a TVM
     RPC server on the target device that times the tuning candidates (tune_rpc.py)."""
     import time
 
     import tvm
     import tvm.support.cc
 
-    from appliance.deploy.int8_rewrite import classify_layers, output_scale, rewrite_int8
+    from appliance.deploy.compiler.passes.int8_arith import classify_layers, output_scale, rewrite_int8
     from appliance.deploy.onnx_model import default_tolerance, image_input, load_onnx, metadata, precision
-    from appliance.deploy.tvm_threads import use_physical_cores
-    from appliance.manifest import atomic_write_text, write_manifest
+    from appliance.deploy.compiler.runtime import use_physical_cores
+    from appliance.core.manifest import atomic_write_text, write_manifest
 
     use_physical_cores()  # before tuning, the check and the latency run TVM here: all the cores, not half
 
@@ -144,8 +144,8 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     mod, fp32 = _fp32_kernels(mod, target, layers, fp32_kernels, log)
     epilogues = {"kernels": 0, "fused": 0, "glue_scheduled": 0}
     if fp32["layers"] or kernels["layers"] or kernels["depthwise"]:
-        from appliance.deploy.cpu_conv import fuse_epilogues
-        from appliance.deploy.cpu_glue import schedule_glue
+        from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues
+        from appliance.deploy.compiler.passes.glue_schedule import schedule_glue
 
         mod, epilogues["kernels"], epilogues["fused"] = fuse_epilogues(mod)
         mod, epilogues["glue_scheduled"] = schedule_glue(mod)
@@ -157,7 +157,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
                                      rpc, rpc_key)
         tuned_tasks = tuning["tasks"]
     elif installed_tuning:
-        from appliance.deploy.tune import apply_installed
+        from appliance.deploy.compiler.tuning.search import apply_installed
 
         mod, target, installed, tuned_tasks = apply_installed(mod, target_name, target, log)
     executable = tvm.compile(mod, target=tvm.target.Target(target))
@@ -187,7 +187,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         info["host_latency_ms"] = host_latency_ms(library, shape)
     atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2) + "\n")
     inputs = [model_path, *(Path(f) for f in sample_files or [])]
-    from appliance.tuning_db import FILES
+    from appliance.assets.tuning_db import FILES
 
     applied = [tuning["database"]] if tuning else [e["database"] for e in installed if e["applied"]]
     inputs += [Path(db) / name for db in applied for name in FILES]  # the schedules in model.so came from these
@@ -212,8 +212,9 @@ def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
         return mod, {"kind": "none", "layers": 0, "depthwise": 0, "matmuls": 0, "pixels": 0, "handoffs": 0, "reason": "no int8 layers"}
     if choice == "generic":
         return mod, {"kind": "generic", "layers": 0, "depthwise": 0, "matmuls": 0, "pixels": 0, "handoffs": 0, "reason": "--int8-kernels generic"}
-    from appliance.deploy import cpu_conv, x86_int8
-    from appliance.deploy.cpu_dense import matmuls_as_convs
+    from appliance.deploy.compiler.kernels import cpu_simd as cpu_conv
+    from appliance.deploy.compiler.kernels import x86_vnni as x86_int8
+    from appliance.deploy.compiler.passes.dense_as_conv import matmuls_as_convs
 
     depthwise = 0
     tile = cpu_conv.tile_for(target)
@@ -224,7 +225,7 @@ def _int8_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
         log(f"compile: {depthwise} depthwise int8 layers on {tile[0]} vector kernels; {reason}" if tile else
             f"compile: int8 layers on generic kernels; {reason}")
         return mod, {"kind": "generic", "layers": 0, "depthwise": depthwise, "matmuls": 0, "pixels": 0, "handoffs": 0, "reason": reason}
-    from appliance.deploy.cpu_handoff import blocked_handoff
+    from appliance.deploy.compiler.passes.layout_handover import blocked_handoff
 
     mod, matmuls = matmuls_as_convs(mod, {"int8"})
     mod, count = x86_int8.use_vnni_kernels(mod)
@@ -259,8 +260,8 @@ def _fp32_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
     """The float32 conv2d layers on register-tiled kernels (cpu_conv.py) where this build's CPU has a
     vector unit they are sized for, matmuls with constant weights as 1x1 convolutions (cpu_dense.py):
     (mod, {"kind", "layers", "matmuls", "reason"}) for compile.json."""
-    from appliance.deploy import cpu_conv
-    from appliance.deploy.cpu_dense import matmuls_as_convs
+    from appliance.deploy.compiler.kernels import cpu_simd as cpu_conv
+    from appliance.deploy.compiler.passes.dense_as_conv import matmuls_as_convs
 
     if not layers.get("fp32"):
         return mod, {"kind": "none", "layers": 0, "matmuls": 0, "pixels": 0, "handoffs": 0, "reason": "no float32 layers"}
@@ -270,7 +271,7 @@ def _fp32_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
     if tile is None:
         return mod, {"kind": "generic", "layers": 0, "matmuls": 0, "pixels": 0, "handoffs": 0,
                      "reason": f"no float32 kernels here for {target.get('mtriple')} {target.get('mcpu', '')}".strip()}
-    from appliance.deploy.cpu_handoff import blocked_handoff
+    from appliance.deploy.compiler.passes.layout_handover import blocked_handoff
 
     mod, matmuls = matmuls_as_convs(mod, {"float32"})
     mod, count = cpu_conv.use_fp32_kernels(mod, tile)
@@ -285,8 +286,8 @@ def _fp32_kernels(mod, target: dict, layers: dict, choice: str, log) -> tuple:
 
 def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log, rpc=None, rpc_key=""):
     """Apply the tuning database (made now by tuning, or reused as it is): (mod, target, summary)."""
-    from appliance.deploy import tune
-    from appliance.manifest import sha256_file
+    from appliance.deploy.compiler.tuning import search as tune
+    from appliance.core.manifest import sha256_file
 
     db_dir = Path(db_dir) if db_dir else out_dir / "tuning"
     model_sha = sha256_file(model_path)
@@ -295,7 +296,7 @@ def _tuned(mod, model_path, target_name, target, out_dir, trials, db_dir, log, r
         target = tune.tuning_target(target)
         header = tune.check_database(db_dir, model_sha, target_name, target)
     elif rpc:
-        from appliance.deploy.tune_rpc import connect, remote_cores
+        from appliance.deploy.compiler.tuning.rpc import connect, remote_cores
 
         target = {**target, "num-cores": remote_cores(connect(rpc, rpc_key))}  # the device's, not this host's
         header = tune.tune(mod, target_name, target, db_dir, trials, model_sha, log=log, rpc=rpc, rpc_key=rpc_key,
@@ -326,7 +327,7 @@ def check_against_ort(library, model_path, shape, sample_files, meta, tolerance,
 
     from appliance.deploy.onnx_model import ort_session, run_ort
     from appliance.deploy.samples import check_input_shape, load_samples
-    from appliance.deploy.tvm_threads import use_physical_cores
+    from appliance.deploy.compiler.runtime import use_physical_cores
 
     use_physical_cores()
 
@@ -362,7 +363,7 @@ def host_latency_ms(library, shape, budget_s: float = 3.0) -> float:
     import tvm
     from tvm import relax
 
-    from appliance.deploy.tvm_threads import use_physical_cores
+    from appliance.deploy.compiler.runtime import use_physical_cores
 
     use_physical_cores()
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), tvm.cpu())

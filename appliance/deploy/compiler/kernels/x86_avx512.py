@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from appliance.deploy.tir_kernel import fusable, shape64
+from appliance.deploy.compiler.kernels.common import fusable, shape64
 
 LANES = 16  # pixels per vector
 BLOCKS = "conv_pixels"  # the init and update blocks' names: fuse_epilogues keeps their write-back vectorised

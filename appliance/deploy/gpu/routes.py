@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from appliance.errors import DataError, EnvironmentProblem
+from appliance.core.errors import DataError, EnvironmentProblem
 
 GPU_TARGETS = ("cuda-ort", "tensorrt")
 OPT_BATCH = 32  # TensorRT optimisation profile: batch 1..OPT_BATCH, tuned for OPT_BATCH
@@ -75,7 +75,7 @@ def require_gpu(target: str, model_path) -> None:
 
 
 def run(args) -> int:
-    from appliance.deploy.compile import refuse_failed_gate
+    from appliance.deploy.compiler.driver import refuse_failed_gate
 
     require_gpu(args.target, args.model)
     if not args.allow_failed_gate:
@@ -270,7 +270,7 @@ def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, toleranc
     from appliance.deploy.accuracy_report import write_reports
     from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, precision, run_ort
     from appliance.deploy.samples import check_input_shape, load_samples
-    from appliance.manifest import atomic_write_text, write_manifest
+    from appliance.core.manifest import atomic_write_text, write_manifest
 
     model_path, out_dir = Path(model_path), Path(out_dir)
     model = load_onnx(model_path)

@@ -1,0 +1,1 @@
+"""The TVM compiler: ONNX -> Relax (frontend) -> ordered passes -> build -> check -> compile.json."""

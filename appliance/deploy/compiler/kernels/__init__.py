@@ -1,0 +1,1 @@
+"""Hand-scheduled TIR kernels, per instruction set."""

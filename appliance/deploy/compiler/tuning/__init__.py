@@ -1,0 +1,1 @@
+"""MetaSchedule tuning and its databases; imports neither kernels nor passes."""

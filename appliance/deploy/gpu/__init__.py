@@ -1,0 +1,1 @@
+"""The GPU deploy routes (onnxruntime CUDA / TensorRT): a library, no argparse, no printing."""
