@@ -9,7 +9,7 @@ from pathlib import Path
 
 from appliance.core import values
 from appliance.deploy import quantize
-from appliance.deploy.compiler import driver as tvm_compile
+from appliance.deploy import compile as tvm_compile
 from appliance.deploy.edge import sysroot as edge_sysroot
 from appliance.deploy import verify as edge_verify
 from appliance.deploy.edge import glibc_floor
@@ -144,7 +144,7 @@ def register_compile(subparsers) -> None:
 
 
 def compile_command(args) -> int:
-    from appliance.deploy.compiler.driver import compile_model, refuse_failed_gate
+    from appliance.deploy.compile import compile_model, refuse_failed_gate
 
     if args.target in gpu_routes.GPU_TARGETS:
         return gpu_routes.run(args)

@@ -110,7 +110,7 @@ class CompileResult:
 
 
 def compile_stage(model: Path, target: str, out_dir: Path, *, sample_files) -> CompileResult:
-    from appliance.deploy.compiler.driver import compile_model
+    from appliance.deploy.compiler import compile_model
 
     compile_model(model, target, out_dir, sample_files=list(sample_files))
     return CompileResult.load(out_dir)

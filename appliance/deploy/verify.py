@@ -139,7 +139,7 @@ def qdq_allowance(reference) -> float:
     onnxruntime's float reference (float rounding carried through the layers); 0 otherwise."""
     import onnx
 
-    from appliance.deploy.compiler.driver import QDQ_UNITS
+    from appliance.deploy.compiler.check import QDQ_UNITS
     from appliance.deploy.compiler.passes.int8_arith import output_scale
 
     step = output_scale(onnx.load(str(reference)))

@@ -1,4 +1,6 @@
-"""Static shapes for TVM's ONNX importer: fix the batch axis and fold shape arithmetic to constants.
+"""The frontend: an ONNX model into a Relax module at a fixed input shape (`import_relax`).
+
+## Static shapes for TVM's ONNX importer: fix the batch axis and fold shape arithmetic to constants
 
 PyTorch exports `x.view(n, groups, c // groups, h, w)` (ShuffleNet's channel shuffle, for one) as
 Shape -> Gather -> Div -> Unsqueeze -> Concat -> Reshape. TVM 0.27 imports that chain as Relax
@@ -13,8 +15,41 @@ alone so that a QDQ model keeps the form the int8 rewrite reads.
 
 from __future__ import annotations
 
+from appliance.core.errors import DataError
+
 MAX_FOLDED_ELEMENTS = 64  # shape arithmetic is a few integers; weights and activations are never folded
 KEEP = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
+
+
+def find_unsupported(model) -> list[str]:
+    """'OpType (node NAME)' for each node TVM's ONNX importer has no converter for."""
+    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+    known = _get_convert_map()
+    standard = ("", "ai.onnx")
+    return [f"{n.op_type} (node {n.name or '?'})" for n in model.graph.node
+            if n.domain not in standard or n.op_type not in known]
+
+
+def import_relax(model, path, shape: list):
+    """The Relax IRModule for the ONNX model at a fixed input shape; one line when TVM cannot."""
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    unsupported = find_unsupported(model)
+    if unsupported:
+        raise DataError(f"{path}: TVM cannot import operator {', '.join(unsupported[:3])}"
+                        f"{' and more' if len(unsupported) > 3 else ''}; compile the FP32 model or the "
+                        "FP16/QDQ one from `appliance quantize` instead")
+    name = next(i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer})
+    model = fold_shapes(model, name, shape)
+    try:
+        mod = from_onnx(model, shape_dict={name: shape}, keep_params_in_input=False)
+    except Exception as err:
+        raise DataError(f"{path}: TVM could not import the model ({type(err).__name__}: "
+                        f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
+                        "try the FP32 or FP16 model") from None
+    return relax.transform.DecomposeOpsForInference()(mod)
 
 
 def fold_shapes(model, input_name: str, shape: list):

@@ -1,4 +1,6 @@
-"""How many threads TVM's CPU runtime runs: the physical cores this process may use.
+"""TVM in this process: how many threads its CPU runtime runs, and the fast import of its CPU intrinsics.
+
+## Threads: the physical cores this process may use
 
 TVM's runtime sizes its thread pool once, at the first parallel call in a process: TVM_NUM_THREADS,
 else OMP_NUM_THREADS, else std::thread::hardware_concurrency(), halved on x86_64 on the assumption
@@ -12,11 +14,18 @@ latency, tuning), TVM_NUM_THREADS is set to the physical cores in this process's
 hyper-threads counted once (onnxruntime's default too), one per CPU where sysfs does not say.
 A TVM_NUM_THREADS or OMP_NUM_THREADS the user set is left as it is. The edge runner on aarch64 is
 not affected (TVM halves on x86_64 only).
+
+## `cpu_tensor_intrinsics`
+`tvm.s_tir.tensor_intrin`'s __init__ also registers CUDA, ROCm and Hexagon intrinsics (about 25 s
+of a 30 s import); the kernels and tuning need only its x86 and ARM submodules.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+import types
 from pathlib import Path
 
 SYS_CPU = Path("/sys/devices/system/cpu")
@@ -46,3 +55,16 @@ def use_physical_cores() -> int | None:
     count = physical_cores()
     os.environ["TVM_NUM_THREADS"] = str(count)
     return count
+
+
+def cpu_tensor_intrinsics() -> None:
+    """Import `tvm.s_tir.tensor_intrin` with only its x86 and ARM submodules (see the module docstring)."""
+    import tvm.s_tir
+
+    name = "tvm.s_tir.tensor_intrin"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(Path(tvm.s_tir.__file__).parent / "tensor_intrin")]
+        sys.modules[name] = package
+        for sub in ("x86", "arm_cpu"):
+            importlib.import_module(f"{name}.{sub}")

@@ -75,7 +75,7 @@ def require_gpu(target: str, model_path) -> None:
 
 
 def run(args) -> int:
-    from appliance.deploy.compiler.driver import refuse_failed_gate
+    from appliance.deploy.compile import refuse_failed_gate
 
     require_gpu(args.target, args.model)
     if not args.allow_failed_gate:

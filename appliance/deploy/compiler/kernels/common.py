@@ -1,18 +1,36 @@
-"""What every hand-scheduled kernel of ours shares: how FuseOps sees it, and its int64 buffer shapes.
+"""The conventions every hand-scheduled kernel of ours keeps, so that the passes can work with any of them.
 
-A module of its own so that the kernel modules (cpu_conv, cpu_pixels, x86_int8) can use it without
-importing each other in a circle.
+- A kernel is a scheduled TIR PrimFunc (`fusable`): tuning and TVM's default schedules leave it
+  alone, and FuseOps joins the elementwise ops after it to its function, where the epilogue fusion
+  pass computes them in its write-back.
+- Its buffers have int64 shapes (`shape64`), as LegalizeOps writes the functions around it.
+- Its tile is written out by a block named `WRITE_BACK`; its compute blocks' names start with
+  `KERNEL_BLOCK`; a kernel whose write-back is vectorised already (pixels as the vector lanes, or a
+  blocked output) names its compute blocks with one of `VECTORISED_BLOCKS`.
+- A channel-vector kernel records its (stride_h, stride_w, dilation_h, dilation_w) under the
+  function attribute `GEOMETRY`, so the layout handover can remake it with a blocked output.
+- It is added to the module under its registry name (kernels/registry.py) followed by the layer's
+  index; a lowering (`lower(builder, call, index, cpu, name)`) returns the Relax expression that
+  calls it, or None where the call is not one it computes.
 """
 
 from __future__ import annotations
 
 OUT_EWISE_FUSABLE, OPAQUE = 4, 8  # TVM's OpPatternKind values kOutEWiseFusable, kOpaque
+LANES = 16  # channels (or pixels) per vector in every kernel's layout: one zmm, two ymm, four q registers
+CONV = "relax.nn.conv2d"
+KERNEL_BLOCK = "conv"  # every kernel's compute blocks: conv, conv_init, conv_update_o, conv_pixels_...
+WRITE_BACK = "Y_global"  # the block that cache_write of the kernel's output Y makes: the tile written out
+PIXEL_BLOCKS = "conv_pixels"  # compute blocks of the kernels with 16 pixels a vector (x86_avx512, x86_vnni)
+BLOCKED_BLOCKS = "conv_blocked"  # compute blocks of the kernels with a blocked [N, C/16, H, W, 16] output
+VECTORISED_BLOCKS = (PIXEL_BLOCKS, BLOCKED_BLOCKS)
+GEOMETRY = "appliance.stride_dilation"  # a channel-vector kernel's (sh, sw, dh, dw), for the layout handover
 
 
 def fusable(func):
     """A kernel of ours as TVM's FuseOps should see it: scheduled (tuning and TVM's default schedules
     leave it alone), and out-elementwise fusable (the elementwise ops after it join its function,
-    where `fuse_epilogues` computes them in the write-back)."""
+    where the epilogue fusion pass computes them in the write-back)."""
     return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", OUT_EWISE_FUSABLE)
 
 
@@ -22,3 +40,14 @@ def shape64(*dims):
     from tvm import tirx
 
     return tuple(tirx.IntImm("int64", d) for d in dims)
+
+
+def static_shape(expr) -> list[int] | None:
+    """The static shape of a Relax expression's tensor type; None where it has none."""
+    shape = getattr(expr.ty, "shape", None)
+    if shape is None:
+        return None
+    try:
+        return [int(v) for v in shape]
+    except (TypeError, ValueError):
+        return None

@@ -1,5 +1,9 @@
 """int8 convolutions with AVX-512 VNNI on x86_64: hand-scheduled TIR kernels, no search needed.
 
+Two kernels: the channel-vector one (below) and, for 1x1 layers of short reductions, one with 16
+pixels a vector (`pixels_kernel`, the int8 twin of x86_avx512.py's float32 one: its docstring says
+why).
+
 `vpdpbusd` adds, into 16 int32 lanes, 4 products of uint8 x int8 each: one instruction does 64
 multiply-adds. MetaSchedule's generic CPU rules never use it (LLVM alone leaves int8 convolutions
 mostly scalar: about 26 GOPS tuned, where onnxruntime reaches 600), and TVM 0.27's own VNNI
@@ -14,12 +18,12 @@ intrinsic passes <16 x i32>). So the x86_64 build of a host with VNNI gives each
 with a register tile of ROWS output pixels x 16 channels (accumulators stay in registers, 16
 channels of one pixel per zmm), the reduction over (C/4, KH, KW) outside it and 4 channels per
 instruction inside, and the tiles parallel over the cores. The tile is written out channel by
-channel: a separate transpose pass back to NCHW cost more than the scalar stores (cpu_conv.py,
+channel: a separate transpose pass back to NCHW cost more than the scalar stores (simd_conv.py,
 measured). The elementwise ops after the kernel (zero-point correction, requantize, a residual
-add, the next layer's uint8 shift) run in its write-back (cpu_conv.fuse_epilogues); the padding,
+add, the next layer's uint8 shift) run in its write-back (passes/epilogue_fusion.py); the padding,
 reshape and transpose into the blocked data layout are a function of their own.
 
-uint8 data: the int8 activations of `int8_rewrite` shifted by +128 (their zero point too), so
+uint8 data: the int8 activations of passes/int8_arith.py shifted by +128 (their zero point too), so
 every product is exact and the zero-point correction stays the constant it was.
 """
 
@@ -29,23 +33,13 @@ import functools
 
 import numpy as np
 
-from appliance.deploy.compiler.kernels.cpu_simd import GEOMETRY, pixel_tile, rewrite_calls, static_shape
-from appliance.deploy.compiler.kernels.common import fusable, shape64
+from appliance.deploy.compiler.kernels import x86_avx512
+from appliance.deploy.compiler.kernels.common import CONV, GEOMETRY, LANES, fusable, shape64, static_shape
+from appliance.deploy.compiler.kernels.x86_avx512 import pixel_tile
+from appliance.deploy.compiler.runtime import cpu_tensor_intrinsics
 
 INTRIN = "appliance_dot_16x4_vnni"
-LANES, GROUP = 16, 4  # output channels per register, input channels per product group
-
-
-def has_vnni(tvm_target: dict) -> bool:
-    """Whether the build's CPU (its -mcpu) has AVX-512 VNNI."""
-    import tvm
-    from tvm.target import codegen
-
-    if tvm_target.get("kind") != "llvm" or not str(tvm_target.get("mtriple", "")).startswith("x86_64"):
-        return False
-    if not tvm_target.get("mcpu"):
-        return False
-    return bool(codegen.target_has_features("avx512vnni", tvm.target.Target(tvm_target)))
+GROUP = 4  # input channels per product group
 
 
 @functools.cache  # once per process: every layer's kernel uses it
@@ -53,8 +47,6 @@ def register_intrinsic() -> str:
     """The 16x4 u8 x s8 -> s32 dot product for TVM 0.27's LLVM, written as one expression: in
     TVMScript an assignment becomes a local buffer, and temporaries sent every operand through the
     stack (5x slower, measured)."""
-    from appliance.deploy.compiler.tuning.search import cpu_tensor_intrinsics
-
     cpu_tensor_intrinsics()
     from tvm.s_tir import TensorIntrin
     from tvm.s_tir.tensor_intrin.x86 import dot_product_16x4_u8i8i32_desc
@@ -93,7 +85,7 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
                   blocked_out: bool = False):
     """The scheduled PrimFunc conv(data [n, c4, h, w, 4] u8, weights [o16, c4, kh, kw, 16, 4] s8) ->
     [n, o16 * 16, oh, ow] s32, for data already padded; blocked_out: -> [n, o16, oh, ow, 16], a
-    pixel's 16 sums one vector store (for a depthwise kernel after it, cpu_handoff.py)."""
+    pixel's 16 sums one vector store (for a depthwise kernel after it, passes/layout_handover.py)."""
     from tvm import s_tir
     from tvm.script import tirx as T
 
@@ -148,7 +140,7 @@ def _blocked_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, out):
              Y: T.Buffer(shape64(n, o16, oh, ow, 16), "int32")):
         T.func_attr({"tir.noalias": True})
         for b, ob, y, x, oi, cb, r, s, ci in T.grid(n, o16, oh, ow, 16, c4, kh, kw, 4):
-            with T.sblock("conv_blocked"):  # cpu_conv.fuse_epilogues: its write-back is vectorised already
+            with T.sblock("conv_blocked"):  # common.BLOCKED_BLOCKS: its write-back is vectorised already
                 vb, vob, vy, vx, voi, vcb, vr, vs, vci = T.axis.remap("SSSSSRRRR", [b, ob, y, x, oi, cb, r, s, ci])
                 with T.init():
                     Y[vb, vob, vy, vx, voi] = 0
@@ -175,17 +167,81 @@ def _blocked_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, out):
     return fusable(sch.mod["main"])
 
 
-CONV = "relax.nn.conv2d"
+def pack_int8(wq: np.ndarray, ot: int) -> np.ndarray:
+    """OIHW int8 (1x1) -> [O/OT, C/4, OT, 4], input channels padded with zeros to whole groups of 4."""
+    o, c = wq.shape[:2]
+    c4 = -(-c // 4)
+    padded = np.zeros((o, c4 * 4), np.int8)
+    padded[:, :c] = wq.reshape(o, c)
+    return np.ascontiguousarray(padded.reshape(o // ot, ot, c4, 4).transpose(0, 2, 1, 3))
 
 
-def use_vnni_kernels(mod):
-    """mod with every int8 x int8 -> int32 conv2d of groups 1 (what int8_rewrite makes) computed by
-    a VNNI kernel; returns (mod, how many). The int8 data are shifted to uint8 (+128) for the
-    instruction, and 128 x the weights' sum per output channel taken off again: exact."""
-    return rewrite_calls(mod, _vnni_conv)
+def pixels_kernel(n: int, c4: int, h: int, w: int, o: int, ot: int, pt: int):
+    """The scheduled PrimFunc conv(data [n, c4, h, w, 4] u8, weights [o/ot, c4, ot, 4] s8) ->
+    [n, o, h, w] s32, with AVX-512 VNNI: each `vpdpbusd` adds 16 pixels x 4 channels of products."""
+    from tvm.script import tirx as T
+
+    p, v = h * w, pt * LANES
+    tasks, inner = x86_avx512._steps(n, o, p, ot, pt)
+    groups, chunks = o // ot, p // (v * inner)
+    dot = T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512")
+
+    @T.prim_func(s_tir=True)
+    def conv(X: T.Buffer((n, c4, h, w, 4), "uint8"), Wp: T.Buffer((groups, c4, ot, 4), "int8"),
+             Y: T.Buffer(shape64(n, o, h, w), "int32")):
+        T.func_attr({"tir.noalias": True})
+        acc = T.sblock_alloc_buffer((n, o, p), "int32")
+        for f0 in T.parallel(tasks):
+            for f1 in range(inner):
+                for oi, pv, lane in T.grid(ot, pt, LANES):
+                    with T.sblock("conv_pixels_init"):
+                        vb = T.axis.spatial(n, f0 // (groups * chunks))
+                        vo = T.axis.spatial(o, f0 // chunks % groups * ot + oi)
+                        vp = T.axis.spatial(p, (f0 % chunks * inner + f1) * v + pv * LANES + lane)
+                        acc[vb, vo, vp] = 0
+                for cc in range(c4):
+                    for oi in T.unroll(ot):
+                        for pv in T.unroll(pt):
+                            with T.sblock("conv_pixels_update"):
+                                vb = T.axis.spatial(n, f0 // (groups * chunks))
+                                vo = T.axis.spatial(o, f0 // chunks % groups * ot + oi)
+                                vq = T.axis.spatial(p // LANES, (f0 % chunks * inner + f1) * pt + pv)
+                                vc = T.axis.reduce(c4, cc)
+                                T.reads(acc[vb, vo, vq * LANES:vq * LANES + LANES], X[vb, vc, 0:h, 0:w, 0:4],
+                                        Wp[vo // ot, vc, vo % ot, 0:4])
+                                T.writes(acc[vb, vo, vq * LANES:vq * LANES + LANES])
+                                # 16 pixels x 4 channels of data (64 contiguous bytes), 4 weights broadcast
+                                acc[vb, vo, T.ramp(vq * LANES, 1, LANES)] = T.call_llvm_pure_intrin(
+                                    dot, acc.vload([vb, vo, vq * LANES], dtype="int32x16"),
+                                    T.reinterpret("int8x64", X.vload([vb, vc, vq * LANES // w, vq * LANES % w, 0],
+                                                                     dtype="uint8x64")),
+                                    T.reinterpret("int8x64", T.broadcast(
+                                        T.reinterpret("int32", Wp.vload([vo // ot, vc, vo % ot, 0], "int8x4")), LANES)),
+                                    dtype="int32x16")
+                for oi in T.unroll(ot):
+                    for pv in T.unroll(pt):
+                        for lane in T.vectorized(LANES):
+                            with T.sblock("Y_global"):  # common.WRITE_BACK: the epilogue goes here
+                                vb = T.axis.spatial(n, f0 // (groups * chunks))
+                                vo = T.axis.spatial(o, f0 // chunks % groups * ot + oi)
+                                vp = T.axis.spatial(p, (f0 % chunks * inner + f1) * v + pv * LANES + lane)
+                                Y[vb, vo, vp // w, vp % w] = acc[vb, vo, vp]
+    return fusable(conv)
 
 
-def _vnni_conv(builder, call, index):
+def lower_pixels(builder, call, index, cpu, name):
+    """An int8 1x1 conv2d (stride 1, groups 1) on `pixels_kernel` where its tile fits; else None."""
+    return _vnni_conv(builder, call, index, name, pixels=True)
+
+
+def lower_conv2d(builder, call, index, cpu, name):
+    """An int8 x int8 -> int32 conv2d of groups 1 (what passes/int8_arith.py makes) on the
+    channel-vector kernel. The int8 data are shifted to uint8 (+128) for the instruction, and 128 x
+    the weights' sum per output channel taken off again: exact."""
+    return _vnni_conv(builder, call, index, name, pixels=False)
+
+
+def _vnni_conv(builder, call, index, name, pixels: bool):
     import tvm
     from tvm import relax
 
@@ -202,23 +258,23 @@ def _vnni_conv(builder, call, index):
     wq = weight.value.numpy()
     n, c, h, w = shape
     o, _, kh, kw = wq.shape
-    pixels = pixel_tile(attrs, wq.shape, h * w, "avx512")  # VNNI CPUs have AVX-512
-    if pixels is not None:  # 16 pixels a vector (cpu_pixels.py): for the 1x1 layers of short reductions
-        from appliance.deploy.compiler.kernels import x86_avx512 as cpu_pixels
-
+    tile = pixel_tile(attrs, wq.shape, h * w, "avx512")  # VNNI CPUs have AVX-512
+    if pixels and tile is None:
+        return None
+    if pixels:  # 16 pixels a vector: for the 1x1 layers of short reductions
         c4, channels = -(-c // GROUP), o
-        func, (oh, ow) = cpu_pixels.vnni_kernel(n, c4, h, w, o, *pixels), (h, w)
-        packed = cpu_pixels.pack_int8(wq, pixels[0])
-        kernel = builder.add_func(func.without_attr("global_symbol"), f"vnni_conv2d_pixels_{index}")
+        func, (oh, ow) = pixels_kernel(n, c4, h, w, o, *tile), (h, w)
+        packed = pack_int8(wq, tile[0])
+        kernel = builder.add_func(func.without_attr("global_symbol"), f"{name}{index}")
     else:
         packed = pack_weights(wq)
         o16, c4 = packed.shape[0], packed.shape[1]
         channels = o16 * LANES  # whole vectors of 16: the padding channels are sliced off below
         stride, dilation = tuple(int(v) for v in attrs.strides), tuple(int(v) for v in attrs.dilation)
         func, (oh, ow) = conv2d_kernel(n, c4, h, w, o16, kh, kw, stride, dilation)
-        # where it feeds a depthwise kernel, cpu_handoff remakes it with a blocked output from these
+        # where it feeds a depthwise kernel, the layout handover remakes it with a blocked output from these
         func = func.with_attr(GEOMETRY, [*stride, *dilation])
-        kernel = builder.add_func(func.without_attr("global_symbol"), f"vnni_conv2d_{index}")
+        kernel = builder.add_func(func.without_attr("global_symbol"), f"{name}{index}")
     emit = builder.emit  # bound, so each step has its type for the next
     shifted = emit(relax.op.astype(relax.op.add(relax.op.astype(data, "int16"), relax.const(128, "int16")), "uint8"))
     if c4 * GROUP != c:  # whole groups of 4 channels: zeros meet the zero weights packed there

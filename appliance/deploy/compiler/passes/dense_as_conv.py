@@ -2,21 +2,22 @@
 
 TVM's default CPU lowering of a matmul is the naive loop nest: MobileNetV2's 1280 x 1000 classifier
 took 3.2 ms of an 18 ms float32 build and 1.5 ms of an 11 ms int8 one (measured kernel by kernel,
-untuned, 2-core Xeon). The register-tiled float32 kernels (cpu_conv.py) and the VNNI int8 kernels
-(x86_int8.py) compute the same products as a 1x1 convolution over a 1x1 image, with the rows of
+untuned, 2-core Xeon). The register-tiled float32 kernels (kernels/simd_conv.py) and the VNNI int8 kernels
+(kernels/x86_vnni.py) compute the same products as a 1x1 convolution over a 1x1 image, with the rows of
 the matmul as the batch:
 
     matmul(x [M, K], W [K, N])  ->  reshape(conv2d(reshape(x, [M, K, 1, 1]), W^T [N, K, 1, 1]), [M, N])
 
 so the classifier is rewritten that way before those kernels are chosen, and only for the kernels
-this build's CPU gets; elsewhere it stays TVM's matmul.
+this build's CPU gets (the kernel dispatch pass runs it); elsewhere it stays TVM's matmul.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from appliance.deploy.compiler.kernels.cpu_simd import rewrite_calls, static_shape
+from appliance.deploy.compiler.kernels.common import static_shape
+from appliance.deploy.compiler.passes.rewrite import rewrite_calls
 
 MATMUL, PERMUTE = "relax.matmul", "relax.permute_dims"
 

@@ -17,6 +17,17 @@ import math
 PARALLEL_MIN = 1 << 14  # elements: below this a thread pool wake-up costs more than it saves
 
 
+def run(mod, build):
+    """The pass (after epilogue fusion, where kernel dispatch used a kernel of ours): (mod, {"scheduled"})."""
+    if not build.kernels_used():
+        return mod, {"scheduled": 0}
+    mod, count = schedule_glue(mod)
+    epilogues = build.results["epilogue_fusion"]
+    build.log(f"compile: {epilogues['fused']} of {epilogues['kernels']} kernels compute the elementwise ops after "
+              f"them in their write-back; {count} glue functions (padding, layout) run on all cores")
+    return mod, {"scheduled": count}
+
+
 def schedule_glue(mod):
     """mod (legalized and fused) with every unscheduled function made only of spatial blocks
     scheduled: intermediates inlined into the last block, its outer loops in parallel.

@@ -23,6 +23,15 @@ CONV, MATMUL, DEQUANTIZE = "relax.nn.conv2d", "relax.matmul", "relax.dequantize"
 QUANT_DTYPES = ("int8", "uint8")
 
 
+def run(mod, build):
+    """The pass: with --int8-compute int8, the quantized layers rewritten to int8 arithmetic; then
+    the layers counted (build.layers): {"int8", "simulated", "fp32", "simulated_layers"}."""
+    if build.options["int8_compute"] == "int8":
+        mod = rewrite_int8(mod)
+    build.layers = classify_layers(mod, build.onnx_model)
+    return mod, {name: build.layers[name] for name in ("int8", "simulated", "fp32")}
+
+
 def rewrite_int8(mod):
     """mod with every quantized conv2d/matmul of `main` it can handle computing in int8."""
     from tvm import relax

@@ -2,19 +2,20 @@
 
 MobileNet-style blocks expand with a 1x1 convolution (the first block: the stem's 3x3), apply
 bias and ReLU6 (float32) or requantize (int8), and run a depthwise one. The depthwise kernel
-(cpu_conv.py) reads 16 channels of a pixel as one vector, [N, C/16, H, W, 16], so between the two
+(kernels/simd_depthwise.py) reads 16 channels of a pixel as one vector, [N, C/16, H, W, 16], so between the two
 a pass of its own padded the NCHW output and transposed it into that layout, an element at a
 time (MobileNetV2 int8: 17 such passes, about 0.4 of 3.2 ms on 2 cores). Here the convolution
 runs on the channel-vector kernel that writes [N, O/16, H, W, 16] itself, a pixel's 16 channels
-one vector store (x86_int8 / cpu_conv.conv2d_kernel(blocked_out=True)), the elementwise chain
+one vector store (x86_vnni / simd_conv.conv2d_kernel(blocked_out=True)), the elementwise chain
 after it is replayed on that layout (per-channel constants blocked the same way), and only the
 padding, 16 contiguous values per pixel, is left between the two kernels. The outputs are the
 same: the same sums in the same order and the same elementwise ops on each value. Measured in
 alternated A/B rounds: MobileNetV2 int8 x0.84 (3.21 -> 2.71 ms), float32 x0.93 (4.36 -> 4.06 ms).
 
 The chain must be elementwise ops each read once (bias, ReLU6 as TVM's importer writes it, the
-requantize `int8_rewrite` makes) whose other inputs are scalars or per-channel [1, C, 1, 1]
-tensors, then the pad, reshape and transpose `_depthwise` emits. Anything else (a residual add,
+requantize passes/int8_arith.py makes) whose other inputs are scalars or per-channel [1, C, 1, 1]
+tensors, then the pad, reshape and transpose simd_depthwise emits. A kernel a handover starts from names
+its blocked twin in the registry (`Kernel.handover`). Anything else (a residual add,
 a second reader, output channels not a multiple of 16) keeps the NCHW handover.
 """
 
@@ -22,18 +23,62 @@ from __future__ import annotations
 
 import numpy as np
 
-LANES = 16
+from appliance.deploy.compiler.kernels import simd_conv, x86_vnni
+from appliance.deploy.compiler.kernels.common import GEOMETRY, LANES
+from appliance.deploy.compiler.kernels.registry import blocked_kernel, kernel_named, kernels_for
+from appliance.deploy.compiler.passes.rewrite import count_calls
+
 ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
                "relax.astype", "relax.clip", "relax.quantize", "relax.dequantize", "relax.nn.relu"}
-# the kernels a handover starts from, by the names x86_int8 and cpu_conv add them under (pixels first)
-KERNELS = (("vnni_conv2d_pixels_", "int8", True), ("vnni_conv2d_", "int8", False),
-           ("fp32_conv2d_pixels_", "float32", True), ("fp32_conv2d_", "float32", False))
 
+
+def run(mod, build):
+    """The pass, after kernel dispatch: the int8 handovers where the int8 convolutions run on our
+    kernels, then the float32 ones; adds "handoffs" and "pixels" (the kernels with 16 pixels a
+    vector left after it) to kernel dispatch's counts, and logs the kernels each layer got.
+    Returns (mod, {"int8": handoffs, "float32": handoffs})."""
+    dispatch = build.results["kernel_dispatch"]
+    int8, fp32 = dispatch["int8"], dispatch["float32"]
+    out = {"int8": 0, "float32": 0}
+    layers = build.layers
+    if int8["reason"] is None:
+        mod, out["int8"] = blocked_handoff(mod)
+        int8.update(handoffs=out["int8"], pixels=_pixel_calls(mod, "int8"))
+        build.log(f"compile: {int8['layers']} of {layers['int8']} int8 layers on {_label(build.cpu, 'int8')} kernels "
+                  f"({int8['matmuls']} of them matmuls, as 1x1 convolutions; {int8['pixels']} with 16 pixels a vector; "
+                  f"{int8['handoffs']} writing the depthwise layout after them), {int8['depthwise']} depthwise on "
+                  "vector kernels")
+    if fp32["reason"] is None:
+        mod, out["float32"] = blocked_handoff(mod, build.cpu.tile)
+        fp32.update(handoffs=out["float32"], pixels=_pixel_calls(mod, "float32"))
+        build.log(f"compile: {fp32['layers']} of {layers['fp32']} float32 layers on {fp32['kind']} register-tiled "
+                  f"kernels ({fp32['matmuls']} of them matmuls, as 1x1 convolutions; {fp32['pixels']} with 16 pixels "
+                  f"a vector; {fp32['handoffs']} writing the depthwise layout after them; the rest: grouped)")
+    return mod, out
+
+
+def _label(cpu, group: str) -> str:
+    return next((k.label for k in kernels_for(cpu, group) if k.label), group)
+
+
+def _pixel_calls(mod, dtype: str) -> int:
+    """How many layers of mod run on a kernel with 16 pixels a vector: its calls of the functions
+    added under such a kernel's name (layers of the same shapes share one function)."""
+    def pixels(name):
+        kernel = kernel_named(name)
+        return kernel is not None and kernel.pixels and kernel.dtype == dtype
+
+    return count_calls(mod, pixels)
+
+
+def _source(name: str):
+    """The registry's kernel of a PrimFunc a handover may start from or stops at; None otherwise."""
+    kernel = kernel_named(name)
+    return kernel if kernel is not None and (kernel.handover or kernel.blocked) else None
 
 
 def blocked_handoff(mod, tile: tuple | None = None):
-    """mod (after the conv and depthwise kernels are chosen: x86_int8.use_vnni_kernels and
-    cpu_conv.use_depthwise_int8_kernels, or cpu_conv.use_fp32_kernels with `tile`) with each
+    """mod (after kernel dispatch; with `tile`, the CPU's, for the float32 kernels too) with each
     convolution whose output only feeds a depthwise kernel, through elementwise ops, writing that
     kernel's blocked layout; returns (mod, how many)."""
     from tvm import relax
@@ -88,10 +133,8 @@ def _op(value) -> str | None:
 
 def _plan(mod, var, value, bindings, uses):
     """For `var` = permute_dims(reshape(pad(chain(call_tir(conv kernel))), [n, C/16, 16, h, w])), the
-    blocked input `cpu_conv._depthwise` makes: what to emit instead; None for anything else."""
+    blocked input simd_depthwise makes: what to emit instead; None for anything else."""
     from tvm import relax
-
-    from appliance.deploy.compiler.kernels.cpu_simd import GEOMETRY
 
     if _op(value) != "relax.permute_dims" or [int(a) for a in value.attrs.axes] != [0, 1, 3, 4, 2]:
         return None
@@ -107,7 +150,7 @@ def _plan(mod, var, value, bindings, uses):
     chain, current = [], pad.args[0]
     while isinstance(current, relax.Var) and uses.get(current) == 1:
         step = bindings.get(current)
-        if _op(step) == "relax.call_tir" and any(step.args[0].name_hint.startswith(k[0]) for k in KERNELS):
+        if _op(step) == "relax.call_tir" and _source(step.args[0].name_hint) is not None:
             break
         op, args = _elementwise(mod, step)
         if op is None or not isinstance(args[0], relax.Var) or any(not _side_input(arg) for arg in args[1:]):
@@ -118,10 +161,10 @@ def _plan(mod, var, value, bindings, uses):
         return None
     call = bindings[current]
     kernel = call.args[0]
-    kind = next((k for k in KERNELS if kernel.name_hint.startswith(k[0])), None)
-    if kind is None:
+    kind = _source(kernel.name_hint)
+    if kind is None or kind.handover is None:  # a blocked kernel already: no GEOMETRY, nothing to remake
         return None
-    _, dtype, pixels = kind
+    dtype, pixels = kind.dtype, kind.pixels
     if pixels:
         geometry = (1, 1, 1, 1)
     elif mod[kernel].attrs is not None and mod[kernel].attrs.get(GEOMETRY) is not None:
@@ -133,7 +176,8 @@ def _plan(mod, var, value, bindings, uses):
         return None
     data, weights = call.args[1]
     return {"data": data, "weights": weights.value.numpy(), "o": o, "out": (h, w), "n": n, "geometry": geometry,
-            "dtype": dtype, "pixels": pixels, "chain": list(reversed(chain)), "pad": pad, "name": kernel.name_hint}
+            "dtype": dtype, "pixels": pixels, "chain": list(reversed(chain)), "pad": pad, "name": kernel.name_hint,
+            "blocked": blocked_kernel(kind).name}
 
 
 def _elementwise(mod, step):
@@ -182,29 +226,23 @@ def _emit(builder, mutator, plan, tile):
     """Emit the blocked kernel, the chain on its layout and the padding; returns the padded var."""
     from tvm import relax
 
-    from appliance.deploy.compiler.kernels import cpu_simd as cpu_conv
-
-    from appliance.deploy.compiler.kernels import x86_vnni as x86_int8
-
     n, o, (oh, ow) = plan["n"], plan["o"], plan["out"]
     sh, sw, dh, dw = plan["geometry"]
     packed = plan["weights"]
     data = mutator.visit_expr(plan["data"])
-    if plan["dtype"] == "int8":  # data [N, C/4, H, W, 4], weights x86_int8's [O/16, C/4, KH, KW, 16, 4]
+    if plan["dtype"] == "int8":  # data [N, C/4, H, W, 4], weights x86_vnni's [O/16, C/4, KH, KW, 16, 4]
         _, c4, h, w, _ = (int(d) for d in data.ty.shape)
-        if plan["pixels"]:  # cpu_pixels' [O/OT, C/4, OT, 4]
-            packed = x86_int8.pack_weights(np.ascontiguousarray(packed.transpose(0, 2, 1, 3)).reshape(o, c4 * 4, 1, 1))
+        if plan["pixels"]:  # x86_vnni.pixels_kernel's [O/OT, C/4, OT, 4]
+            packed = x86_vnni.pack_weights(np.ascontiguousarray(packed.transpose(0, 2, 1, 3)).reshape(o, c4 * 4, 1, 1))
         _, _, kh, kw, _, _ = packed.shape
-        func, _ = x86_int8.conv2d_kernel(n, c4, h, w, o // LANES, kh, kw, (sh, sw), (dh, dw), blocked_out=True)
-        name = "vnni_conv2d_blocked_"
-    else:  # data NCHW, weights cpu_conv's [O/16, C, KH, KW, 16]
+        func, _ = x86_vnni.conv2d_kernel(n, c4, h, w, o // LANES, kh, kw, (sh, sw), (dh, dw), blocked_out=True)
+    else:  # data NCHW, weights simd_conv's [O/16, C, KH, KW, 16]
         _, c, h, w = (int(d) for d in data.ty.shape)
-        if plan["pixels"]:  # cpu_pixels' [O/OT, C, OT]
-            packed = cpu_conv.pack_weights(np.ascontiguousarray(packed.transpose(0, 2, 1)).reshape(o, c, 1, 1))
+        if plan["pixels"]:  # x86_avx512's [O/OT, C, OT]
+            packed = simd_conv.pack_weights(np.ascontiguousarray(packed.transpose(0, 2, 1)).reshape(o, c, 1, 1))
         _, _, kh, kw, _ = packed.shape
-        func, _ = cpu_conv.conv2d_kernel(n, c, h, w, o // LANES, kh, kw, (sh, sw), (dh, dw), tile, blocked_out=True)
-        name = "fp32_conv2d_blocked_"
-    kernel = builder.add_func(func.without_attr("global_symbol"), name + plan["name"].split("_")[-1])
+        func, _ = simd_conv.conv2d_kernel(n, c, h, w, o // LANES, kh, kw, (sh, sw), (dh, dw), tile, blocked_out=True)
+    kernel = builder.add_func(func.without_attr("global_symbol"), plan["blocked"] + plan["name"].split("_")[-1])
     current = builder.emit(relax.call_tir(kernel, [data, relax.const(packed)],
                                           relax.TensorType((n, o // LANES, oh, ow, LANES),
                                                            "int32" if plan["dtype"] == "int8" else "float32")))

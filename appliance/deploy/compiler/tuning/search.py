@@ -12,31 +12,15 @@ the JSON database saves a PrimFunc, hence the 0.1.14.post1 pin in the locks.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
-import sys
 import time
-import types
 from pathlib import Path
 
-from appliance.core.errors import DataError
+from appliance.core.errors import DataError, EnvironmentProblem
 from appliance.assets.tuning_db import HEADER, RECORDS, WORKLOADS, cpu_of, installed_databases, read_header, same_kind
-
-
-def cpu_tensor_intrinsics() -> None:
-    """Import `tvm.s_tir.tensor_intrin` with only its x86 and ARM submodules: the package's
-    __init__ also registers CUDA, ROCm and Hexagon intrinsics (about 25 s of a 30 s import)."""
-    import tvm.s_tir
-
-    name = "tvm.s_tir.tensor_intrin"
-    if name not in sys.modules:
-        package = types.ModuleType(name)
-        package.__path__ = [str(Path(tvm.s_tir.__file__).parent / "tensor_intrin")]
-        sys.modules[name] = package
-        for sub in ("x86", "arm_cpu"):
-            importlib.import_module(f"{name}.{sub}")
+from appliance.deploy.compiler.runtime import cpu_tensor_intrinsics
 
 
 def prepare_meta_schedule() -> None:
@@ -206,8 +190,6 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     import tvm_ffi
 
     if tvm_ffi.__version__.startswith("0.1.15"):
-        from appliance.core.errors import EnvironmentProblem
-
         raise EnvironmentProblem(f"apache-tvm-ffi {tvm_ffi.__version__}: crashes in MetaSchedule tuning (ToJSONGraph); "
                                  "install 0.1.14.post1 as manifests/dev.lock pins it")
     prepare_meta_schedule()
