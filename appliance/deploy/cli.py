@@ -139,6 +139,7 @@ def register_compile(subparsers) -> None:
                    help="do not apply the installed tuning databases ($APPLIANCE_TUNING_DIR, then tuning/ next to "
                    "the venv) that match the target and CPU; they apply by default when neither --tune nor "
                    "--tuning-db is given")
+    p.add_argument("--dump-ir", metavar="DIR", help="write the Relax module after each compiler pass into DIR (TVMScript)")
     gpu_routes.add_arguments(p)
     p.set_defaults(func=compile_command)
 
@@ -152,7 +153,8 @@ def compile_command(args) -> int:
         refuse_failed_gate(args.model)
     info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
                          tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
-                         int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning, rpc=args.rpc, rpc_key=args.rpc_key)
+                         int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning, rpc=args.rpc, rpc_key=args.rpc_key,
+                         dump_ir=args.dump_ir)
     if "tuning" in info:
         t = info["tuning"]
         if t["reused"]:

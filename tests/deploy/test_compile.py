@@ -19,14 +19,25 @@ def machine_of(path) -> str:
 
 
 def test_host_build_matches_onnxruntime(tmp_path, exported, val_npz):
-    out = tmp_path / "x86"
+    """With --dump-ir, the module after import and after each pass of the pipeline, in its order,
+    and compile.json's record of the passes."""
+    from appliance.deploy.compiler.pipeline import PASSES
+
+    out, dumps = tmp_path / "x86", tmp_path / "ir"
     proc = run_appliance("compile", str(exported / "model.onnx"), "--target", "x86_64", "--out", str(out),
-                         "--samples", str(val_npz))
+                         "--samples", str(val_npz), "--dump-ir", str(dumps))
     assert proc.returncode == 0, proc.stderr
-    check = json.loads((out / "compile.json").read_text())["check"]
+    info = json.loads((out / "compile.json").read_text())
+    check = info["check"]
     assert check["samples"] == 32 and check["passed"]
     assert check["max_abs_diff"] <= 1e-4 and check["top1_agreement"] == 1.0
     assert "X86-64" in machine_of(out / "model.so")
+    names = [name for name, _ in PASSES]
+    assert [p["pass"] for p in info["passes"]] == names
+    assert sorted(f.name for f in dumps.iterdir()) == ["00-imported.py"] + [f"{i:02d}-{n}.py" for i, n in enumerate(names, 1)]
+    dispatched = (dumps / "02-kernel_dispatch.py").read_text()
+    assert "fp32_conv2d_" in dispatched and "fp32_conv2d_" not in (dumps / "00-imported.py").read_text()
+    assert info["passes"][1]["counts"]["float32"] == info["fp32_kernels"] and info["fp32_kernels"]["layers"] > 0
 
 
 def test_aarch64_build_is_an_arm_elf_with_lineage(compiled_arm, exported):

@@ -1,4 +1,5 @@
-"""The register-tiled float32 and depthwise kernels (appliance/deploy/compiler/kernels/cpu_simd.py): against torch's
+"""The register-tiled float32 and depthwise kernels (appliance/deploy/compiler/kernels/simd_conv.py,
+simd_depthwise.py, x86_avx512.py): against torch's
 float64 convolution on awkward shapes, with every CPU's tile built and run on this host (the tiles
 differ in size only; LLVM legalises the vectors for whichever CPU runs them). The whole-model
 builds with them are checked against onnxruntime in test_compile.py and, under qemu, the package
@@ -7,24 +8,28 @@ and edge tests."""
 import numpy as np
 import pytest
 
-from appliance.deploy.compiler.driver import TARGETS
+from appliance.deploy.compiler.passes.epilogue_fusion import fuse_epilogues
+from appliance.deploy.compiler.passes.kernel_dispatch import lower_group
+from appliance.deploy.compiler.passes.legalize_fuse import legalize_and_fuse
+from appliance.deploy.compiler.targets import CPU, TARGETS, describe_cpu, target_for
+
+
+def cpu_with(tile):
+    """An x86_64 CPU description with this register tile (vector unit tile[0]) and no dot products."""
+    return CPU("x86_64-linux-gnu", "", tile[0], tile, ())
 
 
 def host_target():
-    from appliance.deploy.compiler.driver import target_for
-
     return target_for("x86_64")
 
 
 def test_the_tile_is_chosen_by_the_build_cpu_not_by_the_machine_compiling():
-    from appliance.deploy.compiler.kernels.cpu_simd import tile_for
-
-    assert tile_for({**TARGETS["x86_64"], "mcpu": "sapphirerapids"}) == ("avx512", 2, 7)
-    assert tile_for({**TARGETS["x86_64"], "mcpu": "znver3"}) == ("avx2", 1, 6)
-    assert tile_for({**TARGETS["x86_64"], "mcpu": "nehalem"}) is None  # SSE only: TVM's generic kernels
-    assert tile_for(TARGETS["x86_64"]) is None  # no CPU named: no assumption
-    assert tile_for(TARGETS["aarch64"]) == ("neon", 1, 6)
-    assert tile_for(TARGETS["aarch64-dotprod"]) == ("neon", 1, 6)
+    assert describe_cpu({**TARGETS["x86_64"], "mcpu": "sapphirerapids"}).tile == ("avx512", 2, 7)
+    assert describe_cpu({**TARGETS["x86_64"], "mcpu": "znver3"}).tile == ("avx2", 1, 6)
+    assert describe_cpu({**TARGETS["x86_64"], "mcpu": "nehalem"}).tile is None  # SSE only: TVM's generic kernels
+    assert describe_cpu(TARGETS["x86_64"]).tile is None  # no CPU named: no assumption
+    assert describe_cpu(TARGETS["aarch64"]).tile == ("neon", 1, 6)
+    assert describe_cpu(TARGETS["aarch64-dotprod"]).tile == ("neon", 1, 6)
 
 
 TILES = [("avx512", 2, 7), ("avx2", 1, 6), ("neon", 1, 6)]
@@ -34,16 +39,15 @@ SHAPES = [
     (2, 3, 17, 10, 7, 2, 1, (3, 3, 3, 3)),    # a stem: 10 outputs (padded to 16, one block), batch 2, odd size
     (1, 24, 9, 48, 1, 1, 1, (0, 0, 0, 0)),    # 1x1, 3 blocks (odd: one block per tile)
     (1, 8, 12, 32, 3, 2, 2, (2, 1, 0, 2)),    # stride 2, dilation 2, uneven padding
-    (2, 20, 8, 30, 1, 1, 1, (0, 0, 0, 0)),    # 1x1 of 64 pixels: AVX-512 puts 16 pixels in a vector (cpu_pixels.py)
+    (2, 20, 8, 30, 1, 1, 1, (0, 0, 0, 0)),    # 1x1 of 64 pixels: AVX-512 puts 16 pixels in a vector (x86_avx512.py)
 ]
 
 
 def run_conv(x, w, stride, dilation, padding, groups, tile, out_dtype=None):
-    """A Relax conv2d of x with constant w through cpu_conv's rewrite, built for this host and run."""
+    """A Relax conv2d of x with constant w through the float32 or int8 depthwise kernel dispatch, built for this host and run."""
     import tvm
     from tvm import relax
 
-    from appliance.deploy.compiler.kernels.cpu_simd import use_depthwise_int8_kernels, use_fp32_kernels
 
     builder = relax.BlockBuilder()
     data = relax.Var("x", relax.TensorType(x.shape, str(x.dtype)))
@@ -53,8 +57,7 @@ def run_conv(x, w, stride, dilation, padding, groups, tile, out_dtype=None):
                                                          padding=list(padding), dilation=[dilation, dilation],
                                                          groups=groups, out_dtype=out_dtype))
         builder.emit_func_output(out)
-    rewrite = use_depthwise_int8_kernels if x.dtype == np.int8 else use_fp32_kernels
-    mod, count = rewrite(builder.get(), tile)
+    mod, count = lower_group(builder.get(), cpu_with(tile), "int8-depthwise" if x.dtype == np.int8 else "float32")
     assert count == 1
     vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
     return vm["main"](tvm.runtime.tensor(x)).numpy()
@@ -103,9 +106,7 @@ def test_depthwise_float32_and_int8_match_the_reference(n, c, size, k, stride, p
 
 
 def host_tile():
-    from appliance.deploy.compiler.kernels.cpu_simd import tile_for
-
-    return tile_for(host_target()) or ("avx2", 1, 6)
+    return describe_cpu(host_target()).tile or ("avx2", 1, 6)
 
 
 def test_other_convolutions_are_left_alone():
@@ -113,7 +114,6 @@ def test_other_convolutions_are_left_alone():
     as they are."""
     from tvm import relax
 
-    from appliance.deploy.compiler.kernels.cpu_simd import use_depthwise_int8_kernels, use_fp32_kernels
 
     builder = relax.BlockBuilder()
     data = relax.Var("x", relax.TensorType((1, 8, 6, 6), "float32"))
@@ -126,8 +126,8 @@ def test_other_convolutions_are_left_alone():
             plain = builder.emit(relax.op.nn.conv2d(qdata, relax.const(np.ones((8, 8, 3, 3), np.int8)), out_dtype="int32"))
             out = builder.emit_output(relax.Tuple([grouped, runtime, plain]))
         builder.emit_func_output(out)
-    assert use_fp32_kernels(builder.get(), host_tile())[1] == 0
-    assert use_depthwise_int8_kernels(builder.get(), host_tile())[1] == 0
+    assert lower_group(builder.get(), cpu_with(host_tile()), "float32")[1] == 0
+    assert lower_group(builder.get(), cpu_with(host_tile()), "int8-depthwise")[1] == 0
 
 
 def test_a_float_model_says_which_kernels_it_got(tmp_path):
@@ -136,7 +136,6 @@ def test_a_float_model_says_which_kernels_it_got(tmp_path):
     import torch
 
     from appliance.deploy.compiler.driver import compile_model
-    from appliance.deploy.compiler.kernels.cpu_simd import tile_for
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 20, 3, padding=1), torch.nn.ReLU(),
                                 torch.nn.Conv2d(20, 20, 3, padding=1, groups=20), torch.nn.ReLU(),
@@ -146,7 +145,7 @@ def test_a_float_model_says_which_kernels_it_got(tmp_path):
                       dynamo=False)
     lines = []
     tiled = compile_model(path, "x86_64", tmp_path / "tiled", log=lines.append)
-    tile = tile_for(host_target())
+    tile = describe_cpu(host_target()).tile
     if tile:
         # both convolutions, and the classifier as a 1x1 convolution (cpu_dense.py)
         assert tiled["fp32_kernels"] == {"kind": tile[0], "layers": 3, "matmuls": 1, "pixels": 0, "handoffs": 0,
@@ -166,9 +165,8 @@ def test_a_classifier_of_several_rows_runs_on_the_conv_kernels(tmp_path):
     import torch
 
     from appliance.deploy.compiler.driver import compile_model
-    from appliance.deploy.compiler.kernels.cpu_simd import tile_for
 
-    if not tile_for(host_target()):
+    if not describe_cpu(host_target()).tile:
         pytest.skip("this CPU has no vector unit the float32 kernels are sized for")
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 5 * 5, 70), torch.nn.ReLU(),
                                 torch.nn.Linear(70, 37)).eval()
@@ -190,7 +188,6 @@ def test_the_ops_after_a_kernel_run_in_its_write_back(channels):
     import tvm
     from tvm import relax
 
-    from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues, use_fp32_kernels
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((1, 16, 10, 10)).astype(np.float32)
@@ -205,9 +202,9 @@ def test_the_ops_after_a_kernel_run_in_its_write_back(channels):
             summed = builder.emit(relax.op.add(relax.op.add(conv, relax.const(bias)), residual))
             out = builder.emit_output(relax.op.clip(summed, 0.0, 6.0))
         builder.emit_func_output(out)
-    mod, count = use_fp32_kernels(builder.get(), host_tile())
+    mod, count = lower_group(builder.get(), cpu_with(host_tile()), "float32")
     assert count == 1
-    mod, kernels, fused = fuse_epilogues(mod)
+    mod, kernels, fused = fuse_epilogues(legalize_and_fuse(mod))
     assert (kernels, fused) == (1, 1)
     called = [f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert len(called) == 2  # the input's padding, and the kernel with add, add and clip in it
@@ -254,13 +251,12 @@ def test_glue_runs_on_all_cores_and_gives_the_same_bits():
 
 def test_a_1x1_conv_puts_pixels_in_the_vectors_and_its_epilogue_in_the_write_back():
     """A 1x1 float32 conv of stride 1 over whole vectors of 16 pixels, on an AVX-512 build: the
-    pixel kernel (cpu_pixels.py), with the bias, residual add and ReLU6 computed in its vectorised
+    pixel kernel (x86_avx512.py), with the bias, residual add and ReLU6 computed in its vectorised
     write-back; one function in all. Against torch's float64 ops. Other CPUs keep the channel kernels."""
     import torch
     import tvm
     from tvm import relax
 
-    from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues, use_fp32_kernels
 
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, 24, 8, 12)).astype(np.float32)  # 96 pixels: 6 vectors
@@ -276,9 +272,9 @@ def test_a_1x1_conv_puts_pixels_in_the_vectors_and_its_epilogue_in_the_write_bac
             out = builder.emit_output(relax.op.clip(summed, 0.0, 6.0))
         builder.emit_func_output(out)
     for tile, kernel in ((("avx2", 1, 6), "fp32_conv2d_0"), (("avx512", 2, 7), "fp32_conv2d_pixels_0")):
-        mod, count = use_fp32_kernels(builder.get(), tile)
+        mod, count = lower_group(builder.get(), cpu_with(tile), "float32")
         assert count == 1 and kernel in [gv.name_hint for gv in mod.get_global_vars()]
-    mod, kernels, fused = fuse_epilogues(mod)  # the AVX-512 one
+    mod, kernels, fused = fuse_epilogues(legalize_and_fuse(mod))  # the AVX-512 one
     assert (kernels, fused) == (1, 1)
     called = [f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert len(called) == 1  # the kernel with add, add and clip in it
@@ -323,7 +319,6 @@ def test_a_float32_conv_hands_its_output_to_the_depthwise_kernel_in_its_layout(k
     import tvm
     from tvm import relax
 
-    from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues, use_fp32_kernels
     from appliance.deploy.compiler.passes.layout_handover import blocked_handoff
 
     rng = np.random.default_rng(k)
@@ -341,12 +336,12 @@ def test_a_float32_conv_hands_its_output_to_the_depthwise_kernel_in_its_layout(k
         builder.emit_func_output(out)
     outputs, functions = [], []
     for handoff in (False, True):
-        mod, count = use_fp32_kernels(builder.get(), host_tile())
+        mod, count = lower_group(builder.get(), cpu_with(host_tile()), "float32")
         assert count == 2
         if handoff:
             mod, count = blocked_handoff(mod, host_tile())
             assert count == 1
-        mod, kernels, fused = fuse_epilogues(mod)
+        mod, kernels, fused = fuse_epilogues(legalize_and_fuse(mod))
         assert (kernels, fused) == (2, 1)  # the conv with its bias and ReLU6; nothing after the depthwise
         functions.append(sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in mod.functions_items()))
         vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())

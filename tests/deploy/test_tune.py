@@ -100,7 +100,7 @@ def test_bad_or_mismatched_database_is_one_line(tmp_path, exported):
 def test_damaged_record_file_is_named(tmp_path, exported):
     from appliance.deploy.compiler.tuning.search import tuning_target
     from appliance.core.manifest import sha256_file
-    from appliance.deploy.compiler.driver import target_for
+    from appliance.deploy.compiler.targets import target_for
 
     model = exported / "model.onnx"
     db = tmp_path / "db"

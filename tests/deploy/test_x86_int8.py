@@ -5,29 +5,27 @@ instruction. The whole-model builds with them are checked against onnxruntime in
 import numpy as np
 import pytest
 
+from appliance.deploy.compiler.passes.epilogue_fusion import fuse_epilogues
+from appliance.deploy.compiler.passes.kernel_dispatch import lower_group
+from appliance.deploy.compiler.passes.legalize_fuse import legalize_and_fuse
+from appliance.deploy.compiler.targets import TARGETS, describe_cpu, target_for
+
 
 def host_target():
-    from appliance.deploy.compiler.driver import target_for
-
     return target_for("x86_64")
 
 
 def needs_vnni():
-    from appliance.deploy.compiler.kernels.x86_vnni import has_vnni
-
-    if not has_vnni(host_target()):
+    if not describe_cpu(host_target()).has("avx512vnni"):
         pytest.skip(f"this CPU ({host_target().get('mcpu')}) has no AVX-512 VNNI: the generic kernels are used")
 
 
 def test_vnni_is_chosen_by_the_build_cpu_not_by_the_machine_compiling():
-    from appliance.deploy.compiler.driver import TARGETS
-    from appliance.deploy.compiler.kernels.x86_vnni import has_vnni
-
-    assert has_vnni({**TARGETS["x86_64"], "mcpu": "sapphirerapids"})
-    assert not has_vnni({**TARGETS["x86_64"], "mcpu": "znver3"})  # AVX2 only
-    assert not has_vnni({**TARGETS["x86_64"], "mcpu": "skylake-avx512"})  # AVX-512 without VNNI
-    assert not has_vnni(TARGETS["x86_64"])  # no CPU named: no assumption
-    assert not has_vnni(TARGETS["aarch64-dotprod"])
+    assert describe_cpu({**TARGETS["x86_64"], "mcpu": "sapphirerapids"}).has("avx512vnni")
+    assert not describe_cpu({**TARGETS["x86_64"], "mcpu": "znver3"}).has("avx512vnni")  # AVX2 only
+    assert not describe_cpu({**TARGETS["x86_64"], "mcpu": "skylake-avx512"}).has("avx512vnni")  # AVX-512 without VNNI
+    assert not describe_cpu(TARGETS["x86_64"]).has("avx512vnni")  # no CPU named: no assumption
+    assert not describe_cpu(TARGETS["aarch64-dotprod"]).has("avx512vnni")
 
 
 # (batch, channels in, size, channels out, kernel, stride, dilation, padding, the kernel it gets)
@@ -36,7 +34,7 @@ SHAPES = [
     (2, 3, 17, 10, 7, 2, 1, 3, "vnni_conv2d_0"),    # a stem: 3 channels (padded to 4), 10 outputs (not 16), batch 2, odd size
     (1, 24, 9, 40, 1, 1, 1, 0, "vnni_conv2d_0"),    # 1x1 of 81 pixels: not whole vectors of 16
     (1, 8, 12, 16, 3, 2, 2, 2, "vnni_conv2d_0"),    # stride 2 with dilation 2
-    # 1x1 with 16 pixels a vector (cpu_pixels.py): 22 channels (padded to 24), batch 2, tiles of 6 x 2
+    # 1x1 with 16 pixels a vector (x86_vnni.pixels_kernel): 22 channels (padded to 24), batch 2, tiles of 6 x 2
     (2, 22, 8, 24, 1, 1, 1, 0, "vnni_conv2d_pixels_0"),
     (1, 16, 28, 96, 1, 1, 1, 0, "vnni_conv2d_pixels_0"),  # MobileNetV2's expansion at 28x28: 49 vectors, tiles of 12 x 1
 ]
@@ -51,8 +49,6 @@ def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad, ker
     import tvm
     from tvm import relax
 
-    from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues
-    from appliance.deploy.compiler.kernels.x86_vnni import use_vnni_kernels
 
     rng = np.random.default_rng(n * 1000 + c * 10 + k)
     x = rng.integers(-128, 128, (n, c, size, size), dtype=np.int8)
@@ -65,10 +61,10 @@ def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad, ker
             out = builder.emit_output(relax.op.nn.conv2d(padded, relax.const(w), strides=[stride, stride],
                                                          dilation=[dilation, dilation], out_dtype="int32"))
         builder.emit_func_output(out)
-    mod, count = use_vnni_kernels(builder.get())
+    mod, count = lower_group(builder.get(), describe_cpu(host_target()), "int8")
     assert count == 1
     assert kernel in [gv.name_hint for gv in mod.get_global_vars()]
-    mod, kernels, fused = fuse_epilogues(mod)  # as compile does: the correction after it, in its write-back
+    mod, kernels, fused = fuse_epilogues(legalize_and_fuse(mod))  # as compile does: the correction after it, in its write-back
     assert (kernels, fused) == (1, 1)
     vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
     got = vm["main"](tvm.runtime.tensor(x)).numpy()
@@ -82,7 +78,6 @@ def test_int8_conv_on_vnni_is_exact(n, c, size, o, k, stride, dilation, pad, ker
 def test_grouped_and_float_convolutions_are_left_alone():
     from tvm import relax
 
-    from appliance.deploy.compiler.kernels.x86_vnni import use_vnni_kernels
 
     builder = relax.BlockBuilder()
     data = relax.Var("x", relax.TensorType((1, 8, 6, 6), "int8"))
@@ -94,7 +89,7 @@ def test_grouped_and_float_convolutions_are_left_alone():
             floating = builder.emit(relax.op.nn.conv2d(fdata, relax.const(np.ones((4, 8, 1, 1), np.float32))))
             out = builder.emit_output(relax.Tuple([depthwise, floating]))
         builder.emit_func_output(out)
-    _, count = use_vnni_kernels(builder.get())
+    _, count = lower_group(builder.get(), describe_cpu(host_target()), "int8")
     assert count == 0
 
 
@@ -139,15 +134,13 @@ def test_a_1x1_conv_hands_its_output_to_the_depthwise_kernel_in_its_layout(c, o,
     import tvm
     from tvm import relax
 
-    from appliance.deploy.compiler.kernels.cpu_simd import fuse_epilogues, tile_for, use_depthwise_int8_kernels
     from appliance.deploy.compiler.passes.layout_handover import blocked_handoff
-    from appliance.deploy.compiler.kernels.x86_vnni import use_vnni_kernels
 
     x = np.random.default_rng(1).integers(-128, 128, (1, c, size, size), dtype=np.int8)
     outputs = []
     for handoff in (False, True):
-        mod, depthwise = use_depthwise_int8_kernels(requantized_block(c, o, size, residual=False), tile_for(host_target()))
-        mod, convs = use_vnni_kernels(mod)
+        mod, depthwise = lower_group(requantized_block(c, o, size, residual=False), describe_cpu(host_target()), "int8-depthwise")
+        mod, convs = lower_group(mod, describe_cpu(host_target()), "int8")
         assert (depthwise, convs) == (1, 1)
         if handoff:
             mod, count = blocked_handoff(mod)
@@ -155,7 +148,7 @@ def test_a_1x1_conv_hands_its_output_to_the_depthwise_kernel_in_its_layout(c, o,
             names = [gv.name_hint for gv in mod.get_global_vars()]
             assert any(name.startswith("vnni_conv2d_blocked_") for name in names)
             assert not any(name.startswith(("vnni_conv2d_pixels_", "vnni_conv2d_0")) for name in names)
-        mod, kernels, fused = fuse_epilogues(mod)
+        mod, kernels, fused = fuse_epilogues(legalize_and_fuse(mod))
         assert kernels == fused == 2
         vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(host_target())), tvm.cpu())
         outputs.append(vm["main"](tvm.runtime.tensor(x)).numpy())
@@ -164,10 +157,8 @@ def test_a_1x1_conv_hands_its_output_to_the_depthwise_kernel_in_its_layout(c, o,
 
 def test_a_requantized_tensor_read_twice_keeps_the_nchw_handover():
     needs_vnni()
-    from appliance.deploy.compiler.kernels.cpu_simd import tile_for, use_depthwise_int8_kernels
     from appliance.deploy.compiler.passes.layout_handover import blocked_handoff
-    from appliance.deploy.compiler.kernels.x86_vnni import use_vnni_kernels
 
-    mod, _ = use_depthwise_int8_kernels(requantized_block(16, 32, 16, residual=True), tile_for(host_target()))
-    mod, _ = use_vnni_kernels(mod)
+    mod, _ = lower_group(requantized_block(16, 32, 16, residual=True), describe_cpu(host_target()), "int8-depthwise")
+    mod, _ = lower_group(mod, describe_cpu(host_target()), "int8")
     assert blocked_handoff(mod)[1] == 0

@@ -8,11 +8,8 @@ This package's top stays light (the CLI reads the targets and choices below whil
 verbs, `appliance --help` included): `compile_model` is imported from driver.py on first use.
 """
 
+from appliance.deploy.compiler.options import FP32_KERNELS, INT8_COMPUTE, INT8_KERNELS
 from appliance.deploy.compiler.targets import CROSS_COMPILER, TARGETS
-
-INT8_COMPUTE = ("int8", "simulated")
-INT8_KERNELS = ("auto", "generic")  # auto: the CPU's dot-product kernels where this build has them (kernels/registry.py)
-FP32_KERNELS = ("auto", "generic")  # auto: register-tiled float32 convolutions where the CPU has a vector unit
 
 __all__ = ["compile_model", "CROSS_COMPILER", "TARGETS", "INT8_COMPUTE", "INT8_KERNELS", "FP32_KERNELS"]
 

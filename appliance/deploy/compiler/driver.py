@@ -16,10 +16,10 @@ from pathlib import Path
 from appliance.assets.tuning_db import FILES
 from appliance.core.errors import DataError, EnvironmentProblem
 from appliance.core.manifest import atomic_write_text, write_manifest
-from appliance.deploy.compiler import FP32_KERNELS, INT8_COMPUTE, INT8_KERNELS
 from appliance.deploy.compiler.check import check_against_ort, host_latency_ms
 from appliance.deploy.compiler.frontend import import_relax
 from appliance.deploy.compiler.passes import Build
+from appliance.deploy.compiler.options import FP32_KERNELS, INT8_COMPUTE, INT8_KERNELS
 from appliance.deploy.compiler.passes.int8_arith import output_scale
 from appliance.deploy.compiler.pipeline import run_pipeline
 from appliance.deploy.compiler.runtime import use_physical_cores

@@ -22,6 +22,12 @@ def run(mod, build):
     return mod, {"int8": int8, "float32": fp32}
 
 
+def lower_group(mod, cpu, group: str):
+    """mod with the calls the kernels of `group` (kernels/registry.py) that `cpu` has take computed
+    by them; returns (mod, how many)."""
+    return lower_with(mod, kernels_for(cpu, group), cpu)
+
+
 def lower_with(mod, kernels, cpu):
     """mod with each call the first of `kernels` takes computed by it; returns (mod, how many)."""
     def replace(builder, call, index):

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 def run(mod, build):
     """The pass: (mod, {"ran": whether it ran})."""
-    from tvm import relax
-
     if not build.kernels_used():
         return mod, {"ran": False}
-    return relax.get_pipeline("zero")(mod), {"ran": True}
+    return legalize_and_fuse(mod), {"ran": True}
+
+
+def legalize_and_fuse(mod):
+    """mod through relax's "zero" pipeline."""
+    from tvm import relax
+
+    return relax.get_pipeline("zero")(mod)
