@@ -32,9 +32,3 @@ class Build:
     onnx_model: object = None
     layers: dict = field(default_factory=dict)
     results: dict = field(default_factory=dict)
-
-    def kernels_used(self) -> bool:
-        """Whether the kernel dispatch put any layer on a kernel of ours."""
-        dispatch = self.results.get("kernel_dispatch", {})
-        int8, fp32 = dispatch.get("int8", {}), dispatch.get("float32", {})
-        return bool(fp32.get("layers") or int8.get("layers") or int8.get("depthwise"))

@@ -164,7 +164,7 @@ def apply_installed(mod, target_name: str, tvm_target: dict, log=print):
 
 
 def tunable_tasks(tasks) -> list:
-    """The extracted tasks minus the kernels scheduled by hand (x86_int8.py's VNNI convolutions:
+    """The extracted tasks minus the kernels scheduled by hand (kernels/: every kernel of ours is
     `tirx.is_scheduled`), which MetaSchedule would otherwise search, and fail to (it cannot count
     the FLOPs of their vector intrinsic)."""
     def scheduled(task):
@@ -179,7 +179,7 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     """Tune every kernel of `mod` with `trials` measured candidates each; write the database to
     db_dir (built beside it, then renamed, so an interrupted run leaves no half database).
 
-    rpc: HOST:PORT of a TVM RPC server that times the candidates (tune_rpc.py) instead of this CPU;
+    rpc: HOST:PORT of a TVM RPC server that times the candidates (tuning/rpc.py) instead of this CPU;
     they are then built as shared libraries, with cross_compiler for an ARM device."""
     import tvm
     from tvm import relax
