@@ -27,14 +27,15 @@ class Range:
         """Why value is not allowed (to follow the key's name), or None."""
         if isinstance(value, float) and not math.isfinite(value):
             return f"must be a finite number, got {value}"
+        shown = _shown(value)
         if self.gt is not None and not value > self.gt:
-            return f"must be greater than {_num(self.gt)}, got {value}"
+            return f"must be greater than {_num(self.gt)}, got {shown}"
         if self.ge is not None and not value >= self.ge:
-            return f"must be at least {_num(self.ge)}, got {value}"
+            return f"must be at least {_num(self.ge)}, got {shown}"
         if self.lt is not None and not value < self.lt:
-            return f"must be less than {_num(self.lt)}, got {value}"
+            return f"must be less than {_num(self.lt)}, got {shown}"
         if self.le is not None and not value <= self.le:
-            return f"must be at most {_num(self.le)}, got {value}"
+            return f"must be at most {_num(self.le)}, got {shown}"
         return None
 
 
@@ -44,6 +45,15 @@ NON_NEGATIVE = Range(ge=0)
 FRACTION = Range(ge=0, le=1)
 COUNT = NON_NEGATIVE  # an int that may be 0
 AT_LEAST_ONE = Range(ge=1)
+INT64 = Range(ge=-(2**63), le=2**63 - 1)  # every integer key: what numpy, torch and JSON readers hold
+SEED = Range(ge=0, le=2**32 - 1)  # numpy's legacy seeding and DataLoader workers take 32 bits
+
+
+def _shown(value) -> str:
+    """A number for a message: an integer of hundreds of digits is described, not printed."""
+    if isinstance(value, int) and value.bit_length() > 100:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return str(value)
 
 
 def _num(x: float) -> str:
@@ -54,9 +64,11 @@ def _num(x: float) -> str:
 
 def _flag(parse, allowed: Range, what: str):
     def convert(text: str):
+        if "\0" in text:
+            raise argparse.ArgumentTypeError(f"must be {what}, got a NUL character in {text!r}")
         try:
             value = parse(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
         problem = allowed.problem(value)
         if problem:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from appliance.core.errors import DataError
 from data_tools.check.image_probe import ImageProblem, content_hash, probe_image
-from data_tools.check.schema import validate
+from data_tools.check.schema import schema_num_classes, validate
 from data_tools.example import decode_example
+from data_tools.labels import label_problem
 from data_tools.tfrecord import TFRecordWriter, detect_compression, iter_records_with_offsets
 
 IMAGE_STATS = ("brightness", "contrast", "width", "height", "aspect", "encoded_size")
@@ -167,11 +168,15 @@ def check_record(data: bytes, schema: dict, max_pixels: int) -> tuple[list, dict
         example = decode_example(data)
     except DataError as err:
         return [("parse", str(err))], {}
-    problems = validate(example, schema)
-    summary: dict = {"numeric": {}}
     label_key, image_key = schema.get("label_key"), schema.get("image_key")
-    label = example.get(label_key)
-    if label is not None and len(label) == 1 and getattr(label, "dtype", None) is not None:
+    problems = validate(example, schema, skip=label_key)
+    summary: dict = {"numeric": {}}
+    label = example.get(label_key) if label_key else None
+    # The label is judged as training judges it (data_tools.labels), so what passes here trains.
+    label_wrong = label_problem(label, label_key, schema_num_classes(schema)) if label_key else None
+    if label_wrong:
+        problems.append(label_wrong)
+    elif label_key:
         summary["label"] = int(label[0])
         text = example.get("image/class/text")
         if isinstance(text, list) and len(text) == 1:
