@@ -17,16 +17,17 @@ MAX_CLASSES = 100_000
 
 def label_problem(value, key: str, num_classes: int | None) -> tuple[str, str] | None:
     """(check, detail) when `value` (a feature as decode_example gives it, None if absent) is not a
-    valid label, else None. check is "label" (missing or malformed) or "label_range".
+    valid label, else None. check is "schema" (missing or malformed) or "label_range", the data
+    check's names for them.
     num_classes None: the classes are not known yet (0..MAX_CLASSES-1 are possible)."""
     if value is None:
-        return "label", f"no {key} feature (the class label)"
+        return "schema", f"missing required feature {key!r}"
     if not isinstance(value, np.ndarray):
-        return "label", f"{key} holds bytes, not an integer class"
+        return "schema", f"{key} holds bytes, not an integer class"
     if value.dtype.kind != "i":
-        return "label", f"{key} holds {value.dtype} numbers, not an int64 class"
+        return "schema", f"{key} holds {value.dtype} numbers, not an int64 class"
     if len(value) != 1:
-        return "label", f"{key} has {len(value)} values; a class label is exactly one"
+        return "schema", f"{key} has {len(value)} values; a class label is exactly one"
     label = int(value[0])
     if num_classes is None and not 0 <= label < MAX_CLASSES:
         return "label_range", f"{key} = {label} outside 0..{MAX_CLASSES - 1} (no more classes are supported)"

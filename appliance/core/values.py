@@ -60,6 +60,14 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose mistakes are one `PROG: error: ...` line (no usage block first, which
+    buried the line that mattered); its sub-parsers are of the same class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 # --- argparse types: `p.add_argument("--max-drop", type=non_negative_float)` -------------------
 
 def _flag(parse, allowed: Range, what: str):
@@ -85,6 +93,11 @@ non_negative_float = _flag(float, NON_NEGATIVE, "a number")
 fraction_float = _flag(float, FRACTION, "a number in [0, 1]")
 non_negative_int = _flag(int, COUNT, "an integer")
 positive_int = _flag(int, AT_LEAST_ONE, "an integer")
+
+
+def int_in(allowed: Range, what: str):
+    """An argparse type: an integer within `allowed` (the bound is in the message)."""
+    return _flag(int, allowed, what)
 
 
 def output_dir(text: str) -> str:

@@ -11,12 +11,15 @@ import dataclasses
 import glob
 import hashlib
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 from appliance.core.errors import ConfigError
+from appliance.core.inputs import describe
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.models import ARCHITECTURES
 from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range
@@ -252,9 +255,16 @@ def _resolve(patterns: tuple[str, ...], base: Path, source: str, key: str) -> tu
     files: list[str] = []
     for pattern in patterns:
         full = pattern if Path(pattern).is_absolute() else str(base / pattern)
-        matches = sorted(glob.glob(full))
+        try:
+            matches = sorted(glob.glob(full))
+        except ValueError:  # a NUL byte
+            matches = []
         if not matches:
             raise ConfigError(f"{source}: [data] {key}: {pattern!r} matches no file")
+        for match in matches:
+            mode = os.stat(match).st_mode
+            if not stat.S_ISREG(mode):  # a directory, /dev/zero, a pipe: never read as records
+                raise ConfigError(f"{source}: [data] {key}: {match} is {describe(mode)}, not a TFRecord file")
         files.extend(str(Path(m).resolve()) for m in matches)
     return tuple(files)
 

@@ -175,7 +175,7 @@ def check_record(data: bytes, schema: dict, max_pixels: int) -> tuple[list, dict
     # The label is judged as training judges it (data_tools.labels), so what passes here trains.
     label_wrong = label_problem(label, label_key, schema_num_classes(schema)) if label_key else None
     if label_wrong:
-        problems.append(label_wrong)
+        problems.insert(0, label_wrong)
     elif label_key:
         summary["label"] = int(label[0])
         text = example.get("image/class/text")

@@ -117,5 +117,5 @@ def test_binary_schema_file_is_one_line(tmp_path):
         load_schema(schema)
     assert str(err.value) == f"{schema}: not a schema file (byte 0 is not UTF-8 text)"
     schema.write_text('{"features": {"image/encoded": {"dtype": "bytes"}}, "num_classes": "ten"}')
-    with pytest.raises(ConfigError, match="num_classes must be a non-negative integer, got 'ten'"):
+    with pytest.raises(ConfigError, match="num_classes must be an integer in 0..100000, got 'ten'"):
         load_schema(schema)
