@@ -13,6 +13,7 @@ it and pass it back with --schema to pin it):
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -115,6 +116,25 @@ def schema_num_classes(schema: dict) -> int | None:
     return None
 
 
+def _check_spec(path, key: str, spec) -> None:
+    """One feature's spec: a dtype, and counts and bounds that are numbers (what validate compares)."""
+    if not isinstance(spec, dict) or spec.get("dtype") not in DTYPES:
+        raise ConfigError(f"{path}: features.{key}: dtype must be one of {', '.join(DTYPES)}")
+    if not isinstance(spec.get("required", False), bool):
+        raise ConfigError(f"{path}: features.{key}: required must be true or false, got {spec['required']!r}")
+    for name in ("min_count", "max_count"):
+        value = spec.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+            raise ConfigError(f"{path}: features.{key}: {name} must be an integer in 0..{2**31 - 1}, got {value!r}")
+    for name in ("min", "max"):
+        value = spec.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) >= 2**63:
+            raise ConfigError(f"{path}: features.{key}: {name} must be a finite number, got {value!r}")
+    if ("min" in spec) != ("max" in spec):
+        raise ConfigError(f"{path}: features.{key}: min and max go together")
+
+
 def load_schema(path: str | Path) -> dict:
     """Read a schema file; a malformed one is a ConfigError naming the file and what is wrong."""
     path = Path(path)
@@ -127,8 +147,10 @@ def load_schema(path: str | Path) -> dict:
     if not isinstance(schema, dict) or not isinstance(schema.get("features"), dict):
         raise ConfigError(f"{path}: schema needs a \"features\" object mapping feature keys to specs")
     for key, spec in schema["features"].items():
-        if not isinstance(spec, dict) or spec.get("dtype") not in DTYPES:
-            raise ConfigError(f"{path}: features.{key}: dtype must be one of {', '.join(DTYPES)}")
+        _check_spec(path, key, spec)
+    for name in ("image_key", "label_key"):
+        if schema.get(name) is not None and (not isinstance(schema[name], str) or not schema[name]):
+            raise ConfigError(f"{path}: {name} must be a feature name or null, got {schema[name]!r}")
     schema.setdefault("image_key", "image/encoded" if "image/encoded" in schema["features"] else None)
     schema.setdefault("label_key", "image/class/label" if "image/class/label" in schema["features"] else None)
     label = schema["features"].get(schema["label_key"] or "")
