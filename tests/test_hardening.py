@@ -235,3 +235,23 @@ def test_a_huge_label_is_quarantined_without_allocating(capsys, tmp_path):
     assert report["records_quarantined"] == 1 and report["records_valid"] == 12
     reasons = (tmp_path / "out" / "quarantine" / "reasons.jsonl").read_text()
     assert f"image/class/label = {2**62} outside" in reasons
+
+
+@pytest.mark.parametrize("out, expected", [("DIR", "is a directory; give the file to write"),
+                                           ("FILE/x.tar", "is not a writable directory")])
+def test_package_out_that_cannot_be_the_package_is_refused_before_work(capsys, tmp_path, out, expected):
+    (tmp_path / "FILE").write_text("a file\n")
+    out = str(tmp_path) if out == "DIR" else str(tmp_path / out)
+    with pytest.raises(SystemExit) as exit_:
+        main(["package", str(tmp_path), "--target", "aarch64", "--out", out])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/null"])
+def test_data_check_says_a_device_is_one_and_reads_nothing(capsys, tmp_path, device):
+    started = time.monotonic()
+    status = main(["data", "check", device, "--out", str(tmp_path / "out"), "--no-progress", "--jobs", "1"])
+    err = capsys.readouterr().err
+    assert status == 2 and time.monotonic() - started < 10
+    assert f"appliance data check: {device}: is a device, not a TFRecord file" in err.splitlines()

@@ -102,12 +102,30 @@ def int_in(allowed: Range, what: str):
 
 def output_dir(text: str) -> str:
     """--out DIR: refused at parse time when it is an existing file or a directory we cannot write."""
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL character")
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
     probe = path if path.exists() else next((p for p in path.absolute().parents if p.exists()), None)
     if probe is not None and probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
+    return text
+
+
+def output_file(text: str) -> str:
+    """--out FILE: refused at parse time when it is an existing directory (or not a regular file)
+    or its directory is not writable, before the work that would write it."""
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL character")
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give the file to write (e.g. {path / 'out.tar'})")
+    if path.exists() and not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a regular file")
+    probe = next((p for p in path.absolute().parents if p.exists()), None)
+    if probe is not None and (not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not a writable directory")
     return text
 
 

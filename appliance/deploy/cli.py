@@ -188,7 +188,7 @@ def register_package(subparsers) -> None:
         "installs with no network. Refuses when any shipped ELF file needs a glibc above --glibc-floor.")
     p.add_argument("compiled", metavar="COMPILE_DIR")
     p.add_argument("--target", default="aarch64", choices=["aarch64"])
-    p.add_argument("--out", required=True, metavar="edge-package.tar")
+    p.add_argument("--out", required=True, metavar="edge-package.tar", type=values.output_file)
     p.add_argument("--glibc-floor", default=glibc_floor.DEFAULT_GLIBC_FLOOR, metavar="2.X",
                    help=f"oldest glibc the device may have (default {glibc_floor.DEFAULT_GLIBC_FLOOR}: Debian 10+, "
                    "Ubuntu 18.10+, RHEL 8+, JetPack 5+)")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 from array import array
 import os
+import stat
 import time
 from collections import Counter
 from pathlib import Path
 
 from appliance.core.errors import DataError
+from appliance.core.inputs import describe
 from data_tools.check.image_probe import ImageProblem, content_hash, probe_image
 from data_tools.check.schema import schema_num_classes, validate
 from data_tools.example import decode_example
@@ -99,9 +101,11 @@ def scan_file(task: ScanTask) -> FileResult:
     result = FileResult(task.file_index, task.path, task.split)
     path = Path(task.path)
     try:
-        result.bytes = path.stat().st_size
-        if path.is_dir():
-            raise IsADirectoryError(21, "is a directory")
+        info = path.stat()
+        result.bytes = info.st_size
+        if not stat.S_ISREG(info.st_mode):  # a directory, /dev/zero, a pipe: never read as records
+            result.error = f"is {describe(info.st_mode)}, not a TFRecord file"
+            return result
         with open(path, "rb"):
             pass
         result.compression = detect_compression(path)

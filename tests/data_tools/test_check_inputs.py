@@ -29,7 +29,7 @@ def test_bad_files_get_one_line_each_and_the_rest_is_reported(tmp_path):
     assert lines[0] == f"appliance data check: {missing}: cannot read: No such file or directory"
     assert lines[1].startswith(f"appliance data check: {text}: not a TFRecord file")
     assert lines[2] == f"appliance data check: {empty}: empty file: no records"
-    assert lines[3].startswith(f"appliance data check: {unreadable_dir}: cannot read")
+    assert lines[3] == f"appliance data check: {unreadable_dir}: is a directory, not a TFRecord file"
     report = json.loads((out / "report.json").read_text())
     assert report["records_total"] == report["records_valid"] + report["records_quarantined"] == len(
         planted.val_records)
