@@ -12,6 +12,7 @@ import traceback
 
 from appliance import __version__
 from appliance.core.errors import ApplianceError
+from appliance.core.values import OneLineParser
 
 # Modules that contribute verbs. Each exposes `register(subparsers)` and sets
 # `func` on its parsers; heavy imports (torch, tvm) happen inside the functions
@@ -27,7 +28,7 @@ VERB_MODULES = [  # in the order of the pipeline, as `appliance --help` lists th
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="appliance",
         description="Offline on-prem training: check TFRecord data, train with torchrun, "
         "ship quantized ARM models. Every stage works with no network.",

@@ -86,6 +86,35 @@ def _inline_initializer_identities(proto) -> None:
             proto.graph.node.remove(node)
 
 
+# Elements in one tensor of a graph we accept (1 GiB of float32): ~300x the largest activation of
+# ResNet-50 at 224 px. A ConstantOfShape of [1, 2^20, 2^20] is a memory bomb, not a model.
+MAX_TENSOR_ELEMENTS = 1 << 28
+
+
+def check_tensor_sizes(proto, path) -> None:
+    """Every tensor whose shape ONNX shape inference can tell (symbolic axes count as 1) holds at
+    most MAX_TENSOR_ELEMENTS; DataError naming the node and the size otherwise, before any runtime
+    allocates it (onnxruntime, onnx2torch and TVM's constant folding all would)."""
+    import math
+
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:  # noqa: BLE001 - a graph inference cannot follow is judged by the runtime
+        return
+    producers = {out: node for node in inferred.graph.node for out in node.output}
+    for value in [*inferred.graph.value_info, *inferred.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        elements = math.prod(d.dim_value if d.HasField("dim_value") else 1 for d in dims)
+        if elements > MAX_TENSOR_ELEMENTS:
+            node = producers.get(value.name)
+            what = f"{node.op_type} node {node.name or value.name!r}" if node else f"tensor {value.name!r}"
+            shape = "x".join(str(d.dim_value) if d.HasField("dim_value") else d.dim_param or "?" for d in dims)
+            raise DataError(f"{path}: {what} makes a tensor of {elements} elements ({shape}), more than "
+                            f"{MAX_TENSOR_ELEMENTS} (a memory bomb, not an image model)")
+
+
 def onnx_module(path: str | Path, num_classes: int, in_channels: int | None = None):
     """A trainable torch module (a torch.fx GraphModule) from an ONNX graph, its weights included.
 
@@ -99,6 +128,7 @@ def onnx_module(path: str | Path, num_classes: int, in_channels: int | None = No
         proto = onnx.load(str(path))
     except Exception as err:  # protobuf's DecodeError and onnx's own
         raise DataError(f"{path}: not an ONNX model ({type(err).__name__}: {err})") from None
+    check_tensor_sizes(proto, path)
     _inline_initializer_identities(proto)
     if in_channels is not None:
         _check_input_channels(proto, path, in_channels)
@@ -186,6 +216,35 @@ def save_trained_model(out_dir: str | Path, model, card: ModelCard, onnx_graph: 
     return out_dir
 
 
+def nonfinite_weights(state: dict) -> str | None:
+    """The first float tensor of a state dict holding NaN or infinity, described; None if there is none.
+    Such weights make every output NaN: a run that diverged, or a file changed by someone."""
+    import torch
+
+    for key, tensor in state.items():
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                return f"{key} holds {bad} NaN or infinite value(s) of {tensor.numel()}"
+    return None
+
+
+def mismatched_weights(state: dict, own: dict, shapes: bool = True) -> str | None:
+    """The first tensor of `state` that the model's state dict `own` cannot take as it is: another
+    shape (shapes=True), or a dtype of another kind. A float tensor relabelled as int32 keeps its
+    bytes and its size, and load_state_dict would cast the integers it now reads: refused."""
+    for key, tensor in state.items():
+        mine = own.get(key)
+        if mine is None:
+            continue
+        if shapes and tuple(tensor.shape) != tuple(mine.shape):
+            return f"{key} has shape {tuple(tensor.shape)}, the model's is {tuple(mine.shape)}"
+        if (tensor.dtype.is_floating_point, tensor.dtype.is_complex) != (mine.dtype.is_floating_point,
+                                                                        mine.dtype.is_complex):
+            return f"{key} is {tensor.dtype} where the model has {mine.dtype} (relabelled or other weights)"
+    return None
+
+
 def load_trained_model(model_dir: str | Path):
     """(model in eval mode, card) from a trained-model directory. Loads no pickle."""
     from safetensors.torch import load_file
@@ -201,6 +260,9 @@ def load_trained_model(model_dir: str | Path):
         state = load_file(str(weights))
     except Exception as err:  # safetensors raises its own error types for damaged files
         raise DataError(f"{weights}: unreadable weights ({err})") from None
+    problem = mismatched_weights(state, model.state_dict()) or nonfinite_weights(state)
+    if problem:
+        raise DataError(f"{weights}: {problem}; these weights cannot be used")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DataError(f"{weights}: weights do not match {card.architecture} "

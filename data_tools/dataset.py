@@ -27,7 +27,8 @@ from data_tools.example import decode_example
 from data_tools.index import RecordFile, load_index
 
 # Feature kinds a spec may ask for: a single value, or a whole list ("[]").
-KINDS = ("bytes", "str", "int", "float", "image", "bytes[]", "str[]", "int64[]", "float32[]")
+# "raw": the feature exactly as decode_example gives it, None when absent (the caller judges it).
+KINDS = ("bytes", "str", "int", "float", "image", "bytes[]", "str[]", "int64[]", "float32[]", "raw")
 CLASSIFICATION_FEATURES = {"image/encoded": "image", "image/class/label": "int"}
 
 
@@ -148,6 +149,9 @@ class TFRecordDataset(Dataset):
             else:
                 sample = {}
                 for key, kind in self.features.items():
+                    if kind == "raw":
+                        sample[key] = decoded.get(key)
+                        continue
                     if key not in decoded:
                         raise ValueError(f"feature {key!r} is missing")
                     try:

@@ -37,7 +37,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verify_bundle import Refusal, check_signature, check_sums, extract, private_copy  # noqa: E402
+from verify_bundle import Refusal, check_signature, check_sums, extract, private_copy, read_small  # noqa: E402
 
 SELF_TEST_TIMEOUT_S = 900
 
@@ -160,7 +160,7 @@ def refuse_downgrade(prefix: Path, current: str | None, version: str, bundle: Pa
     signed with the same key stays valid forever; installing it must be a decision)."""
     if current is None or allowed:
         return
-    installed = json.loads((prefix / "releases" / current / "install.json").read_text())["version"]
+    installed = json.loads(read_small(prefix / "releases" / current / "install.json", "install record"))["version"]
     new, old = version_key(version), version_key(installed)
     if new is None or old is None:
         raise Refusal(f"{bundle}: cannot tell whether version {version} is older than the installed {installed} "
@@ -254,7 +254,7 @@ def place_weights(root: Path, release_dir: Path, listed: dict[str, str]) -> dict
     if not index_path.exists():
         return {}
     try:
-        index = json.loads(index_path.read_text())
+        index = json.loads(read_small(index_path, "weights index"))
         files = {name: (entry["file"], entry["sha256"]) for name, entry in index.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise Refusal(f"weights/index.json: not a weights index ({err})") from None
@@ -476,7 +476,7 @@ def install(args) -> int:
 
         current = linked_release(prefix, "current")
         if current:
-            record = json.loads((prefix / "releases" / current / "install.json").read_text())
+            record = json.loads(read_small(prefix / "releases" / current / "install.json", "install record"))
             if record["bundle_sha256"] == bundle_sha and args.profile in (None, record["profile"]):
                 log(f"{bundle.name} (profile {record['profile']}) is already installed and current "
                     f"({prefix / 'current'} -> releases/{current}): nothing to do")

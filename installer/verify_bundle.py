@@ -33,6 +33,7 @@ class Refusal(Exception):
 
 
 COPY_NAME = "bundle.tar"
+MAX_LIST_BYTES = 16 << 20  # SHA256SUMS and bundle.json: a line per file of a few thousand files
 
 
 class PrivateCopy:
@@ -62,6 +63,21 @@ class PrivateCopy:
         bundle is 3.5 GB), and nothing reads the copy after extraction."""
         self.close()
         self.path.unlink(missing_ok=True)
+
+
+def read_small(path: Path, what: str, limit: int = MAX_LIST_BYTES) -> bytes:
+    """A small file read whole, refused (one line) when it is not a regular file or past limit bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        raise Refusal(f"{path}: cannot read the {what}: {err.strerror or err}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Refusal(f"{path}: not a regular file, so not a {what}")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise Refusal(f"{path}: more than {limit >> 20} MiB, too large for a {what}")
+    return data
 
 
 def check_private(directory: Path) -> None:
@@ -125,14 +141,23 @@ def _members(tar: tarfile.TarFile, bundle: Path, dest: Path) -> tuple[str, list[
     members = tar.getmembers()
     if not members:
         raise Refusal(f"{bundle}: empty tar")
-    top = members[0].name.split("/", 1)[0]
-    seen = set()
+    top = member_name(members[0].name).split("/", 1)[0]
+    seen: dict[str, str] = {}
     for member in members:
         _refuse_unsafe(member, top, dest)
-        if member.name in seen:  # a later copy would silently replace the checked one
-            raise Refusal(f"{member.name}: appears twice in the bundle")
-        seen.add(member.name)
+        # By the file it lands on: `T/./x`, `T//x` and `T/x/` are all T/x. A later copy would
+        # silently replace the checked one at extraction.
+        name = member_name(member.name)
+        if name in seen:
+            also = "" if seen[name] == member.name else f" (as {seen[name]} and {member.name})"
+            raise Refusal(f"{member.name}: appears twice in the bundle{also}")
+        seen[name] = member.name
     return top, members
+
+
+def member_name(name: str) -> str:
+    """The path a member's name extracts to, in one spelling: no `.`, empty or trailing parts."""
+    return posixpath.normpath(name) if name not in ("", ".") else name
 
 
 def check_sums(copy: PrivateCopy, dest: Path) -> tuple[str, dict]:
@@ -143,16 +168,22 @@ def check_sums(copy: PrivateCopy, dest: Path) -> tuple[str, dict]:
     """
     with copy.tar() as tar:
         top, members = _members(tar, copy.origin, dest)
-        files = {m.name[len(top) + 1:]: m for m in members if m.isfile()}
+        files = {member_name(m.name)[len(top) + 1:]: m for m in members if m.isfile()}
         if "SHA256SUMS" not in files:
             raise Refusal(f"{copy.origin}: SHA256SUMS missing")
+        for small in ("SHA256SUMS", "bundle.json"):  # read whole below: text, never gigabytes
+            if small in files and files[small].size > MAX_LIST_BYTES:
+                raise Refusal(f"{small}: {files[small].size} bytes, more than the {MAX_LIST_BYTES >> 20} MiB "
+                              "such a list can be")
         listed = {}
         for number, line in enumerate(tar.extractfile(files["SHA256SUMS"]).read().decode("utf-8", "replace")
                                       .splitlines(), 1):
             digest, sep, name = line.partition("  ")
             if not sep or len(digest) != 64:
                 raise Refusal(f"SHA256SUMS: line {number}: not `<sha256>  <file>`")
-            listed[name] = digest
+            if member_name(name) in listed:
+                raise Refusal(f"SHA256SUMS: line {number}: {name} is listed twice")
+            listed[member_name(name)] = digest
         for name, member in files.items():
             if name == "SHA256SUMS":
                 continue

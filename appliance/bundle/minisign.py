@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import stat
 import time
 
 # --- Ed25519 (RFC 8032, section 6) -------------------------------------------------------
@@ -154,11 +155,39 @@ def _b64_line(text: str, what: str, length: int) -> bytes:
     return raw
 
 
+MAX_KEY_FILE_BYTES = 64 << 10  # a .pub, .key or .minisig is a few hundred bytes (a trusted comment is one line)
+
+
+def read_small_text(path: str, what: str, limit: int = MAX_KEY_FILE_BYTES) -> str:
+    """A key or signature file as UTF-8 text, read no further than limit bytes: a link to /dev/zero
+    or a 200 MB "signature" is refused, not read whole. FileNotFoundError passes through."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a device, pipe or socket"
+            raise SignatureError(f"{path}: is {kind}, not a {what}")
+        data = os.read(fd, limit + 1)
+        while len(data) <= limit and (block := os.read(fd, limit + 1 - len(data))):
+            data += block
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise SignatureError(f"{path}: more than {limit // 1024} KiB, too large for a {what}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SignatureError(f"{path}: not a {what} (byte {err.start} is not UTF-8 text)") from None
+
+
 def read_public_key(path_or_text: str) -> tuple[bytes, bytes]:
     """(key id, public key) from a minisign .pub file, or from its base64 line (like `minisign -P`)."""
     if os.path.exists(path_or_text):
-        with open(path_or_text, encoding="utf-8") as f:
-            lines = [ln for ln in f.read().splitlines() if ln.strip()]
+        try:
+            text = read_small_text(path_or_text, "minisign public key")
+        except OSError as err:
+            raise SignatureError(f"{path_or_text}: unreadable ({err.strerror or err})") from None
+        lines = [ln for ln in text.splitlines() if ln.strip()]
         what = path_or_text
         line = lines[-1] if lines else ""
     else:
@@ -354,12 +383,11 @@ def verify_digest(digest: bytes, file_name: str, signature_path: str, public_key
     the bytes checked are the bytes used); file_name only names it in errors."""
     key_id, public = read_public_key(public_key)
     try:
-        with open(signature_path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        lines = read_small_text(signature_path, "minisign signature").splitlines()
     except FileNotFoundError:
         raise SignatureError(f"{signature_path}: signature file missing") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise SignatureError(f"{signature_path}: unreadable ({err})") from None
+    except OSError as err:
+        raise SignatureError(f"{signature_path}: unreadable ({err.strerror or err})") from None
     if len(lines) < 4 or not lines[2].startswith("trusted comment: "):
         raise SignatureError(f"{signature_path}: not a minisign signature file")
     raw = _b64_line(lines[1], signature_path, 74)

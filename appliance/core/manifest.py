@@ -71,7 +71,8 @@ CWD_ENV = "APPLIANCE_COMMAND_CWD"
 def remember_command(argv: list[str]) -> None:
     """Record `appliance ARGV` (and the directory it ran in) for every manifest this process and
     its children write."""
-    os.environ[COMMAND_ENV] = shlex.join(["appliance", *argv])
+    # An environment value cannot hold NUL (argv from a shell never does; a caller's list may).
+    os.environ[COMMAND_ENV] = shlex.join(["appliance", *argv]).replace("\0", "\\0")
     os.environ[CWD_ENV] = os.getcwd()
 
 

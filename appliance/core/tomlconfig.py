@@ -12,26 +12,36 @@ import typing
 from pathlib import Path
 
 from appliance.core.errors import ConfigError
-from appliance.core.values import ANY, Range
+from appliance.core.inputs import MAX_CONFIG_BYTES, read_bounded
+from appliance.core.values import ANY, INT64, Range
+
+MAX_NESTING = 32  # tables and arrays inside each other; no config of ours needs more than 3
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict:
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such {what}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not a {what}") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read the {what}: {err.strerror or err}") from None
+    """A TOML file of at most MAX_CONFIG_BYTES, nested at most MAX_NESTING deep, as a dict."""
+    data = read_bounded(path, what, MAX_CONFIG_BYTES, error=ConfigError)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not a TOML text file (byte {err.start} is not UTF-8)") from None
     try:
-        return tomllib.loads(text)
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: arrays or tables nested too deeply (at most {MAX_NESTING} levels)") from None
+    if _depth(raw) > MAX_NESTING:
+        raise ConfigError(f"{path}: arrays or tables nested too deeply (at most {MAX_NESTING} levels)")
+    return raw
+
+
+def _depth(value, limit: int = MAX_NESTING + 1) -> int:
+    """Nesting depth of lists and dicts, counted no further than limit."""
+    if limit <= 0 or not isinstance(value, (dict, list)):
+        return 0
+    items = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(v, limit - 1) for v in items), default=0)
 
 
 def _type_name(tp) -> str:
@@ -50,7 +60,8 @@ def _coerce(value, tp, where: str):
         key_tp, value_tp = typing.get_args(tp)
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a table of {_type_name(value_tp)[2:]}s, got {value!r}")
-        return {_coerce(k, key_tp, where): _coerce(v, value_tp, f"{where}.{k}") for k, v in value.items()}
+        return {_coerce(k, key_tp, f"{where} key {k!r}"): _coerce(v, value_tp, f"{where}.{k}")
+                for k, v in value.items()}
     if typing.get_origin(tp) is tuple:
         (item_tp, _) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -63,9 +74,15 @@ def _coerce(value, tp, where: str):
           isinstance(value, tp))
     if not ok:
         raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r}")
+    if tp is str and "\0" in value:
+        raise ConfigError(f"{where} must not contain a NUL character, got {value!r}")
     if tp in (int, float):
-        value = float(value) if tp is float else value
-        problem = allowed.problem(value)
+        if tp is float:
+            try:
+                value = float(value)
+            except OverflowError:  # an integer of hundreds of digits
+                raise ConfigError(f"{where} must be a finite number, got an integer of {len(str(value))} digits") from None
+        problem = allowed.problem(value) or (INT64.problem(value) if tp is int else None)
         if problem:
             raise ConfigError(f"{where} {problem}")
     return value

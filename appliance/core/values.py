@@ -27,14 +27,15 @@ class Range:
         """Why value is not allowed (to follow the key's name), or None."""
         if isinstance(value, float) and not math.isfinite(value):
             return f"must be a finite number, got {value}"
+        shown = _shown(value)
         if self.gt is not None and not value > self.gt:
-            return f"must be greater than {_num(self.gt)}, got {value}"
+            return f"must be greater than {_num(self.gt)}, got {shown}"
         if self.ge is not None and not value >= self.ge:
-            return f"must be at least {_num(self.ge)}, got {value}"
+            return f"must be at least {_num(self.ge)}, got {shown}"
         if self.lt is not None and not value < self.lt:
-            return f"must be less than {_num(self.lt)}, got {value}"
+            return f"must be less than {_num(self.lt)}, got {shown}"
         if self.le is not None and not value <= self.le:
-            return f"must be at most {_num(self.le)}, got {value}"
+            return f"must be at most {_num(self.le)}, got {shown}"
         return None
 
 
@@ -44,19 +45,38 @@ NON_NEGATIVE = Range(ge=0)
 FRACTION = Range(ge=0, le=1)
 COUNT = NON_NEGATIVE  # an int that may be 0
 AT_LEAST_ONE = Range(ge=1)
+INT64 = Range(ge=-(2**63), le=2**63 - 1)  # every integer key: what numpy, torch and JSON readers hold
+SEED = Range(ge=0, le=2**32 - 1)  # numpy's legacy seeding and DataLoader workers take 32 bits
+
+
+def _shown(value) -> str:
+    """A number for a message: an integer of hundreds of digits is described, not printed."""
+    if isinstance(value, int) and value.bit_length() > 100:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return str(value)
 
 
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose mistakes are one `PROG: error: ...` line (no usage block first, which
+    buried the line that mattered); its sub-parsers are of the same class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 # --- argparse types: `p.add_argument("--max-drop", type=non_negative_float)` -------------------
 
 def _flag(parse, allowed: Range, what: str):
     def convert(text: str):
+        if "\0" in text:
+            raise argparse.ArgumentTypeError(f"must be {what}, got a NUL character in {text!r}")
         try:
             value = parse(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
         problem = allowed.problem(value)
         if problem:
@@ -75,14 +95,37 @@ non_negative_int = _flag(int, COUNT, "an integer")
 positive_int = _flag(int, AT_LEAST_ONE, "an integer")
 
 
+def int_in(allowed: Range, what: str):
+    """An argparse type: an integer within `allowed` (the bound is in the message)."""
+    return _flag(int, allowed, what)
+
+
 def output_dir(text: str) -> str:
     """--out DIR: refused at parse time when it is an existing file or a directory we cannot write."""
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL character")
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
     probe = path if path.exists() else next((p for p in path.absolute().parents if p.exists()), None)
     if probe is not None and probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
+    return text
+
+
+def output_file(text: str) -> str:
+    """--out FILE: refused at parse time when it is an existing directory (or not a regular file)
+    or its directory is not writable, before the work that would write it."""
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL character")
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give the file to write (e.g. {path / 'out.tar'})")
+    if path.exists() and not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a regular file")
+    probe = next((p for p in path.absolute().parents if p.exists()), None)
+    if probe is not None and (not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not a writable directory")
     return text
 
 

@@ -15,7 +15,7 @@ from appliance.deploy import verify as edge_verify
 from appliance.deploy.edge import glibc_floor
 from appliance.deploy.gpu import routes as gpu_routes
 from appliance.deploy.edge import qemu
-from appliance.deploy.export import DEFAULT_MAX_REL_ERROR
+from appliance.deploy.export import DEFAULT_MAX_REL_ERROR, OPSETS
 from appliance.core.errors import GateFailed
 
 
@@ -35,7 +35,8 @@ def register_export(subparsers) -> None:
         "against PyTorch on samples (parity.json).")
     p.add_argument("model", metavar="RUN_DIR|CHECKPOINT")
     p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
-    p.add_argument("--opset", type=values.positive_int, default=17)
+    p.add_argument("--opset", type=values.int_in(OPSETS, "an ONNX opset"), default=17,
+                   help=f"ONNX opset, {OPSETS.ge:.0f}..{OPSETS.le:.0f} (default 17)")
     p.add_argument("--batch", default="dynamic", metavar="dynamic|N",
                    help="batch axis: dynamic (default) or a fixed size")
     p.add_argument("--samples", nargs="+", metavar="FILE",
@@ -189,7 +190,7 @@ def register_package(subparsers) -> None:
         "installs with no network. Refuses when any shipped ELF file needs a glibc above --glibc-floor.")
     p.add_argument("compiled", metavar="COMPILE_DIR")
     p.add_argument("--target", default="aarch64", choices=["aarch64"])
-    p.add_argument("--out", required=True, metavar="edge-package.tar")
+    p.add_argument("--out", required=True, metavar="edge-package.tar", type=values.output_file)
     p.add_argument("--glibc-floor", default=glibc_floor.DEFAULT_GLIBC_FLOOR, metavar="2.X",
                    help=f"oldest glibc the device may have (default {glibc_floor.DEFAULT_GLIBC_FLOOR}: Debian 10+, "
                    "Ubuntu 18.10+, RHEL 8+, JetPack 5+)")

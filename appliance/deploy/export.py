@@ -7,8 +7,12 @@ import warnings
 from pathlib import Path
 
 from appliance.core.errors import DataError
+from appliance.core.values import Range
 
 DEFAULT_MAX_REL_ERROR = 1e-5
+# The opsets torch's TorchScript exporter writes (torch.onnx._constants: ONNX_MIN_OPSET and
+# ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET, the same on torch 2.11 and 2.14); 999 fails deep in torch.
+OPSETS = Range(ge=7, le=20)
 
 
 def find_model_dir(path) -> Path:
@@ -44,6 +48,9 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
     from appliance.core.manifest import atomic_write_text, write_manifest
     from appliance.models import CARD_NAME, WEIGHTS_NAME, load_trained_model
 
+    problem = OPSETS.problem(opset)
+    if problem:
+        raise DataError(f"opset {problem}")
     model_dir = find_model_dir(model_path)
     model, card = load_trained_model(model_dir)
     preprocessing = preprocessing_of(card)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.core.errors import DataError
+from appliance.models import check_tensor_sizes
 
 METADATA_KEYS = ("appliance.preprocessing", "appliance.class_names", "appliance.model_card")
 
@@ -36,6 +37,7 @@ def load_onnx(path):
         raise DataError(f"{path}: not a valid ONNX model ({first})") from None
     if not model.graph.node:
         raise DataError(f"{path}: not a valid ONNX model (the graph has no nodes)")
+    check_tensor_sizes(model, path)
     return model
 
 

@@ -15,6 +15,7 @@ from typing import Annotated
 from appliance.core.errors import ConfigError
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, Range
+from appliance.deploy.export import OPSETS
 
 TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment", "distributed", "profile")
 
@@ -34,7 +35,7 @@ class CheckSection:
 
 @dataclass(frozen=True)
 class ExportSection:
-    opset: Annotated[int, AT_LEAST_ONE] = 17
+    opset: Annotated[int, OPSETS] = 17
     max_rel_error: Annotated[float, NON_NEGATIVE] = 1e-5
 
 
@@ -108,6 +109,9 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     if sections["package"].target not in sections["compile"].targets:
         raise ConfigError(f"{path}: [package] target {sections['package'].target!r} is not among "
                           f"[compile] targets {list(sections['compile'].targets)}")
+    out = (source.parent / sections["pipeline"].out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{path}: [pipeline] out: {out} exists and is not a directory")
     training = {name: raw[name] for name in TRAIN_SECTIONS if name in raw}
     if not isinstance(training.get("data", {}), dict) or "train" not in training.get("data", {}):
         raise ConfigError(f"{path}: [data] train = [...] is required (the TFRecord files to train on)")

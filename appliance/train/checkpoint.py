@@ -55,6 +55,7 @@ from safetensors.torch import load as load_tensor_bytes, save_file
 from appliance.core.errors import ConfigError, EnvironmentProblem
 from appliance.core.values import human_bytes
 from appliance.core.manifest import sha256_file
+from appliance.models import nonfinite_weights
 from appliance.train import faults
 
 COMMIT_MARKER = "COMMITTED"
@@ -443,6 +444,9 @@ class CheckpointManager:
             raise _other_world(path, trainer["world_size"], self.world_size)
         rng = _parse_json(f"rng-rank{self.rank}.json", get(f"rng-rank{self.rank}.json"), dict)
         model_state = _parse_tensors("model.safetensors", get("model.safetensors"))
+        nonfinite = nonfinite_weights(model_state)  # never saved so (the NaN stop): changed after saving
+        if nonfinite:
+            raise CheckpointDamaged(f"model.safetensors: {nonfinite}")
         name = f"optimizer-rank{self.rank}" if trainer["optimizer_sharded"] else "optimizer"
         rest = _parse_json(f"{name}.json", get(f"{name}.json"), dict)
         try:

@@ -103,7 +103,7 @@ def register(subparsers) -> None:
 def slurm_parser() -> argparse.ArgumentParser:
     """`appliance train slurm ...`: its own parser (appliance.cli hands it the rest of the line),
     since `train`'s first argument is a file, not a sub-verb."""
-    s = argparse.ArgumentParser(
+    s = values.OneLineParser(
         prog="appliance train slurm",
         description="Write an sbatch script that runs `appliance train`'s torchrun command on N nodes under srun.")
     s.add_argument("config", metavar="CONFIG.toml", help="the training config")

@@ -11,26 +11,38 @@ import dataclasses
 import glob
 import hashlib
 import json
+import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 from appliance.core.errors import ConfigError
+from appliance.core.inputs import describe
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.models import ARCHITECTURES
-from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, Range
+from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range
 from appliance.train.quality import GATE_KEYS, check_thresholds
+from data_tools.labels import MAX_CLASSES
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's
+MONITORED = ("val_loss", "val_acc")  # what an evaluation records, so what [checkpoint] monitor may name
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Upper bounds: far above any real run, low enough that a typo cannot ask for terabytes.
+MAX_IMAGE_SIZE = 4096  # pixels per side of the model's input
+MAX_BATCH = 65536
+MAX_WORKERS = 256
+MAX_FREE_GB = 1_000_000.0  # 1 PB
 
 
 @dataclass(frozen=True)
 class RunSection:
     name: str
     out_dir: str = "runs"
-    seed: Annotated[int, COUNT] = 0
+    seed: Annotated[int, SEED] = 0
     deterministic: bool = True
     log_every: Annotated[int, AT_LEAST_ONE] = 10
 
@@ -40,14 +52,14 @@ class DataSection:
     train: tuple[str, ...]
     val: tuple[str, ...] = ()
     classes: tuple[str, ...] = ()
-    num_classes: Annotated[int, COUNT] = 0  # taken from `classes` when 0
+    num_classes: Annotated[int, Range(ge=0, le=MAX_CLASSES)] = 0  # taken from `classes` when 0
     image_key: str = "image/encoded"
     label_key: str = "image/class/label"
-    image_size: Annotated[int, AT_LEAST_ONE] = 224
+    image_size: Annotated[int, Range(ge=1, le=MAX_IMAGE_SIZE)] = 224
     channels: int = 3
     mean: tuple[float, ...] = (0.485, 0.456, 0.406)
     std: tuple[Annotated[float, POSITIVE], ...] = (0.229, 0.224, 0.225)
-    num_workers: Annotated[int, COUNT] = 2
+    num_workers: Annotated[int, Range(ge=0, le=MAX_WORKERS)] = 2
     check_report: str = ""  # a data-check report.json whose gate must have passed
 
 
@@ -83,8 +95,8 @@ class ScheduleSection:
 class TrainSection:
     epochs: Annotated[int, COUNT] = 1
     max_steps: Annotated[int, COUNT] = 0  # 0: epochs decide
-    batch_size: Annotated[int, AT_LEAST_ONE] = 32  # per process
-    grad_accum: Annotated[int, AT_LEAST_ONE] = 1
+    batch_size: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 32  # per process
+    grad_accum: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 1
     precision: str = "auto"
     grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # 0 disables clipping
     # The quality gate on the trained model (appliance/train/quality.py); they judge, not train.
@@ -102,7 +114,7 @@ class CheckpointSection:
     keep_best: Annotated[int, COUNT] = 1
     monitor: str = "val_loss"
     mode: str = "min"
-    min_free_gb: Annotated[float, NON_NEGATIVE] = 1.0
+    min_free_gb: Annotated[float, Range(ge=0, le=MAX_FREE_GB)] = 1.0
 
 
 @dataclass(frozen=True)
@@ -201,8 +213,19 @@ def _check_values(cfg: Config, source: str) -> None:
         bad("[optimizer] name", f"{cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.train.precision not in PRECISIONS:
         bad("[train] precision", f"{cfg.train.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if cfg.checkpoint.monitor not in MONITORED:
+        bad("[checkpoint] monitor", f"{cfg.checkpoint.monitor!r} is not one of {', '.join(MONITORED)} "
+            "(what an evaluation records)")
     if cfg.checkpoint.mode not in ("min", "max"):
         bad("[checkpoint] mode", f"{cfg.checkpoint.mode!r} is not 'min' or 'max'")
+    if len(cfg.data.classes) > MAX_CLASSES:
+        bad("[data] classes", f"names {len(cfg.data.classes)} classes, at most {MAX_CLASSES} are supported")
+    for key in ("image_key", "label_key"):
+        if not getattr(cfg.data, key):
+            bad(f"[data] {key}", "must name a feature, got an empty string")
+    for name in cfg.distributed.env:
+        if not ENV_NAME.fullmatch(name):
+            bad("[distributed] env", f"key {name!r} is not an environment variable name (letters, digits, _)")
     if cfg.num_classes < 2:
         bad("[data]", "needs `classes` (names) or `num_classes` >= 2")
     if cfg.data.classes and cfg.data.num_classes and len(cfg.data.classes) != cfg.data.num_classes:
@@ -232,9 +255,16 @@ def _resolve(patterns: tuple[str, ...], base: Path, source: str, key: str) -> tu
     files: list[str] = []
     for pattern in patterns:
         full = pattern if Path(pattern).is_absolute() else str(base / pattern)
-        matches = sorted(glob.glob(full))
+        try:
+            matches = sorted(glob.glob(full))
+        except ValueError:  # a NUL byte
+            matches = []
         if not matches:
             raise ConfigError(f"{source}: [data] {key}: {pattern!r} matches no file")
+        for match in matches:
+            mode = os.stat(match).st_mode
+            if not stat.S_ISREG(mode):  # a directory, /dev/zero, a pipe: never read as records
+                raise ConfigError(f"{source}: [data] {key}: {match} is {describe(mode)}, not a TFRecord file")
         files.extend(str(Path(m).resolve()) for m in matches)
     return tuple(files)
 
@@ -276,6 +306,10 @@ def config_from_dict(raw: dict, path: str | Path) -> Config:
         sections["run"] = dataclasses.replace(run, out_dir=str(base / run.out_dir))
     if not run.name or "/" in run.name or run.name.startswith("."):
         raise ConfigError(f"{source}: [run] name {run.name!r} must be a plain directory name")
+    model_raw = raw.get("model", {})
+    if sections["model"].init.endswith(".onnx") and "architecture" not in model_raw:
+        # An ONNX init says which graph to train: the architecture is that graph's.
+        sections["model"] = dataclasses.replace(sections["model"], architecture="onnx")
     init_sha256 = ""
     if sections["model"].init:
         from appliance.train.init_weights import resolve_init

@@ -14,6 +14,7 @@ import torch
 
 from appliance.core.errors import DataError
 from appliance.train import faults
+from data_tools.labels import label_problem
 
 
 def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> torch.Tensor:
@@ -26,12 +27,10 @@ def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> t
 
     preprocessing = {"image_size": image_size, "mean": mean, "std": std,
                      "channel_order": "RGB" if channels == 3 else "L"}
-    try:
-        return torch.from_numpy(preprocess_image(encoded, preprocessing))
-    except ValueError:
-        raise
-    except Exception as err:  # PIL raises several types for damaged images
-        raise DataError(f"undecodable image ({err})") from None
+    # Every failure of the bytes is the record's (Pillow raises ValueError for a PNG text-chunk
+    # bomb, OSError for truncation, ...); preprocess_image's own ValueErrors are of the config.
+    image = decode_for_augmentation(encoded, channels)
+    return torch.from_numpy(preprocess_image(image, preprocessing))
 
 
 def decode_for_augmentation(encoded: bytes, channels: int):
@@ -43,8 +42,8 @@ def decode_for_augmentation(encoded: bytes, channels: int):
     try:
         image = Image.open(io.BytesIO(encoded))
         return image.convert("RGB" if channels == 3 else "L")
-    except Exception as err:  # PIL raises several types for damaged images
-        raise DataError(f"undecodable image ({err})") from None
+    except Exception as err:  # noqa: BLE001 - PIL raises several types for damaged images
+        raise DataError(f"undecodable image ({type(err).__name__}: {err})") from None
 
 
 def _dataset(cfg, files, augment: bool = False):
@@ -58,10 +57,11 @@ def _dataset(cfg, files, augment: bool = False):
     slow = faults.slow_decode_seconds()
     if slow and files == cfg.data.train:
         transform = functools.partial(_slowed, transform, slow)
-    # "bytes": the image is decoded by decode_image above, the one preprocessing definition.
-    dataset = TFRecordDataset(files, features={cfg.data.image_key: "bytes", cfg.data.label_key: "int"},
-                              image_key=cfg.data.image_key, label_key=cfg.data.label_key, transform=transform)
-    dataset = _CheckedLabels(dataset, cfg.num_classes)
+    # "bytes": the image is decoded by decode_image above, the one preprocessing definition;
+    # "raw": the label is judged by data_tools.labels, the definition the data check uses.
+    dataset = TFRecordDataset(files, features={cfg.data.image_key: "bytes", cfg.data.label_key: "raw"},
+                              image_key=cfg.data.image_key, label_key=cfg.data.label_key)
+    dataset = CheckedSamples(dataset, cfg.data.label_key, cfg.num_classes, transform)
     if augment:
         from data_tools.augment import SeededAugmentation, TrainTransform
 
@@ -80,23 +80,30 @@ def _slowed(transform, seconds: float, encoded: bytes):
     return transform(encoded)
 
 
-class _CheckedLabels(torch.utils.data.Dataset):
-    """(image, label) samples whose label must be a class of the config."""
+class CheckedSamples(torch.utils.data.Dataset):
+    """(image, label) samples whose label is valid by data_tools.labels (present, one int64 value,
+    a class of the config) and whose image decodes; a failure names the file and the record."""
 
-    def __init__(self, dataset, num_classes: int):
-        self.dataset, self.num_classes = dataset, num_classes
+    def __init__(self, dataset, label_key: str, num_classes: int, transform):
+        self.dataset, self.label_key, self.num_classes = dataset, label_key, num_classes
+        self.transform = transform
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index):
-        image, label = self.dataset[index]
-        if not 0 <= label < self.num_classes:
-            # Caught here with the record's address, instead of as an index error deep in the loss.
+        encoded, raw_label = self.dataset[index]
+        problem = label_problem(raw_label, self.label_key, self.num_classes)
+        try:
+            if problem is not None:
+                if problem[0] == "label_range":  # caught here, not as an index error deep in the loss
+                    raise DataError(f"label {int(raw_label[0])} is outside 0..{self.num_classes - 1} "
+                                    f"(the config has {self.num_classes} classes)")
+                raise DataError(problem[1])
+            return self.transform(encoded), int(raw_label[0])
+        except DataError as err:
             file, number = self.dataset.locate(int(index))
-            raise DataError(f"{file}: record {number}: label {label} is outside 0..{self.num_classes - 1} "
-                            f"(the config has {self.num_classes} classes)")
-        return image, label
+            raise DataError(f"{file}: record {number}: {err}") from None
 
 
 def train_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.core.errors import ConfigError, DataError
-from appliance.models import CARD_NAME, ONNX_ARCHITECTURE, WEIGHTS_NAME, classifier_head
+from appliance.models import (CARD_NAME, ONNX_ARCHITECTURE, WEIGHTS_NAME, classifier_head, mismatched_weights,
+                              nonfinite_weights)
 from appliance.core.manifest import sha256_file
 from appliance.assets.weights import PREFIX as TORCHVISION_PREFIX, find_weights
 
@@ -139,6 +140,10 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
         raise DataError(f"{init.path}: weights do not fit {architecture}: first mismatched keys {', '.join(shapes)}"
                         + (f"; unexpected {', '.join(unexpected[:3])}" if unexpected else "")
                         + "; list them in [model] reset to re-initialise them")
+    kept = {k: v for k, v in state.items() if k in own and k not in reinit}
+    problem = mismatched_weights(kept, own, shapes=False) or nonfinite_weights(kept)
+    if problem:
+        raise DataError(f"{init.path}: {problem}; these weights cannot start training")
     fresh = model.state_dict()
     loaded = {k: (fresh[k] if k in reinit else state[k]) for k in own if k in state or k in reinit}
     if architecture == ONNX_ARCHITECTURE:

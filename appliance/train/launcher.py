@@ -24,7 +24,7 @@ from appliance.core.errors import ApplianceError, ConfigError, DataError
 from appliance.core.manifest import atomic_write_text
 from appliance.core.progress import quiet
 from appliance.train import worker_error
-from appliance.train.preflight import interface_address, network_env
+from appliance.train.preflight import interface_address, network_env, split_endpoint
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -212,6 +212,15 @@ def check_before_start(cfg) -> None:
         prepare_model(cfg, log=lambda line: None)
 
 
+def check_nodes(spec: LaunchSpec) -> None:
+    """--nnodes, --node-rank and --rdzv-endpoint agree, before a rendezvous waits for nodes that cannot come."""
+    if not 0 <= spec.node_rank < spec.nnodes:
+        raise ConfigError(f"--node-rank {spec.node_rank} is not a node of --nnodes {spec.nnodes} "
+                          f"(ranks 0..{spec.nnodes - 1})")
+    if spec.rdzv_endpoint:
+        split_endpoint(spec.rdzv_endpoint)
+
+
 def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult | str:
     """Validate, preflight, then run torchrun to its end on this node. Returns the run's result
     (or, with dry_run, the command line that would run). Raises ApplianceError with one line on
@@ -223,6 +232,7 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     nproc = resolve_nproc(spec.nproc_per_node)
     if spec.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
+    check_nodes(spec)
     iface = spec.iface or cfg.distributed.iface
     cmd = torchrun_command(str(config.resolve()), nproc=nproc, nnodes=spec.nnodes, node_rank=spec.node_rank,
                            rdzv_endpoint=spec.rdzv_endpoint, rdzv_id=cfg.run.name,
@@ -230,9 +240,9 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
                            local_addr=interface_address(iface) if iface else "", profile=spec.profile)
     env = launch_env(cmd, nproc, network_env(iface, cfg.distributed.env))
     printable = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
+    check_before_start(cfg)  # --dry-run too: it promises what a real start would accept
     if dry_run:
         return printable
-    check_before_start(cfg)
     from appliance.core.dirlock import directory_lock
 
     # One run per run directory, for the run's life: two would kill each other mid-save and mix

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import re
 import shutil
 import socket
 import struct
@@ -51,7 +52,9 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
         number = int(port)
     except ValueError:
         number = -1
-    if not host or not 0 < number < 65536:
+    # A host name, an IPv4 address or a bracketed IPv6 one (with its %zone): nothing a shell or a
+    # resolver would read differently.
+    if not re.fullmatch(r"[A-Za-z0-9._:%-]+", host) or not 0 < number < 65536:
         raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.5:29400")
     return host, number
 

@@ -45,6 +45,9 @@ def check_command(args) -> int:
     inputs = [(f, None) for f in args.files] + [(f, "train") for f in args.train] + [(f, "val") for f in args.val]
     if not inputs:
         raise ConfigError("data check: give TFRecord files, or --train and --val files")
+    for flag, key in (("--image-key", args.image_key), ("--label-key", args.label_key)):
+        if not key or "\0" in key:
+            raise ConfigError(f"data check: {flag} must name a feature, got {key!r}")
     if args.val and not args.train:
         raise ConfigError("data check: --val needs --train (leakage is checked between the two)")
     report, status = run_check(

@@ -6,11 +6,14 @@ condition is true. Training configs can require a report whose gate passed.
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 import re
+from pathlib import Path
 
-from appliance.core.errors import ConfigError
+from appliance.core.errors import ConfigError, DataError
+from appliance.core.inputs import read_bounded
 
 METRICS = {
     "corrupt": "damaged byte ranges plus records that do not parse",
@@ -68,16 +71,14 @@ def _fmt(x: float) -> str:
 
 def require_passing_report(report_path) -> dict:
     """Load a data check report.json and raise DataError unless its gate passed (for training configs)."""
-    import json
-    from pathlib import Path
-
-    from appliance.core.errors import DataError
-
     path = Path(report_path)
+    data = read_bounded(path, "data check report", limit=256 << 20)  # a report of millions of records
     try:
-        report = json.loads(path.read_text())
-    except OSError as err:
-        raise DataError(f"{path}: cannot read the data check report: {err.strerror}") from None
+        report = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not a data check report (byte {err.start} is not UTF-8 text)") from None
+    except RecursionError:
+        raise DataError(f"{path}: not a data check report (JSON nested too deeply)") from None
     except json.JSONDecodeError as err:
         raise DataError(f"{path}: line {err.lineno}: not a data check report (invalid JSON)") from None
     gate = report.get("gate") if isinstance(report, dict) else None

@@ -10,14 +10,17 @@ from __future__ import annotations
 import dataclasses
 from array import array
 import os
+import stat
 import time
 from collections import Counter
 from pathlib import Path
 
 from appliance.core.errors import DataError
+from appliance.core.inputs import describe
 from data_tools.check.image_probe import ImageProblem, content_hash, probe_image
-from data_tools.check.schema import validate
+from data_tools.check.schema import schema_num_classes, validate
 from data_tools.example import decode_example
+from data_tools.labels import label_problem
 from data_tools.tfrecord import TFRecordWriter, detect_compression, iter_records_with_offsets
 
 IMAGE_STATS = ("brightness", "contrast", "width", "height", "aspect", "encoded_size")
@@ -98,9 +101,11 @@ def scan_file(task: ScanTask) -> FileResult:
     result = FileResult(task.file_index, task.path, task.split)
     path = Path(task.path)
     try:
-        result.bytes = path.stat().st_size
-        if path.is_dir():
-            raise IsADirectoryError(21, "is a directory")
+        info = path.stat()
+        result.bytes = info.st_size
+        if not stat.S_ISREG(info.st_mode):  # a directory, /dev/zero, a pipe: never read as records
+            result.error = f"is {describe(info.st_mode)}, not a TFRecord file"
+            return result
         with open(path, "rb"):
             pass
         result.compression = detect_compression(path)
@@ -167,11 +172,15 @@ def check_record(data: bytes, schema: dict, max_pixels: int) -> tuple[list, dict
         example = decode_example(data)
     except DataError as err:
         return [("parse", str(err))], {}
-    problems = validate(example, schema)
-    summary: dict = {"numeric": {}}
     label_key, image_key = schema.get("label_key"), schema.get("image_key")
-    label = example.get(label_key)
-    if label is not None and len(label) == 1 and getattr(label, "dtype", None) is not None:
+    problems = validate(example, schema, skip=label_key)
+    summary: dict = {"numeric": {}}
+    label = example.get(label_key) if label_key else None
+    # The label is judged as training judges it (data_tools.labels), so what passes here trains.
+    label_wrong = label_problem(label, label_key, schema_num_classes(schema)) if label_key else None
+    if label_wrong:
+        problems.insert(0, label_wrong)
+    elif label_key:
         summary["label"] = int(label[0])
         text = example.get("image/class/text")
         if isinstance(text, list) and len(text) == 1:

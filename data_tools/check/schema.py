@@ -13,12 +13,15 @@ it and pass it back with --schema to pin it):
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from appliance.core.errors import ConfigError
+from appliance.core.inputs import read_bounded
+from data_tools.labels import MAX_CLASSES
 
 DTYPES = ("bytes", "int64", "float")
 REQUIRED_FRACTION = 0.9  # a key in at least this share of the sample is required
@@ -76,10 +79,13 @@ def infer_num_classes(histogram: dict[int, int], stray_fraction: float = 0.01) -
     return labels[-1] + 1
 
 
-def validate(example: dict, schema: dict) -> list[tuple[str, str]]:
-    """Problems of one decoded example: (check, detail) with check 'schema' or 'label_range'."""
+def validate(example: dict, schema: dict, skip: str | None = None) -> list[tuple[str, str]]:
+    """Problems of one decoded example: (check, detail) with check 'schema' or 'label_range'.
+    skip: a key checked elsewhere (the label, by data_tools.labels)."""
     problems = []
     for key, spec in schema["features"].items():
+        if key == skip:
+            continue
         value = example.get(key)
         if value is None:
             if spec.get("required"):
@@ -100,13 +106,40 @@ def validate(example: dict, schema: dict) -> list[tuple[str, str]]:
     return problems
 
 
+def schema_num_classes(schema: dict) -> int | None:
+    """The classes a schema knows: its num_classes, else its label's max + 1; None when unknown."""
+    if schema.get("num_classes"):
+        return int(schema["num_classes"])
+    spec = schema["features"].get(schema.get("label_key") or "")
+    if spec is not None and isinstance(spec.get("max"), int) and spec.get("min", 0) == 0:
+        return spec["max"] + 1
+    return None
+
+
+def _check_spec(path, key: str, spec) -> None:
+    """One feature's spec: a dtype, and counts and bounds that are numbers (what validate compares)."""
+    if not isinstance(spec, dict) or spec.get("dtype") not in DTYPES:
+        raise ConfigError(f"{path}: features.{key}: dtype must be one of {', '.join(DTYPES)}")
+    if not isinstance(spec.get("required", False), bool):
+        raise ConfigError(f"{path}: features.{key}: required must be true or false, got {spec['required']!r}")
+    for name in ("min_count", "max_count"):
+        value = spec.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+            raise ConfigError(f"{path}: features.{key}: {name} must be an integer in 0..{2**31 - 1}, got {value!r}")
+    for name in ("min", "max"):
+        value = spec.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) >= 2**63:
+            raise ConfigError(f"{path}: features.{key}: {name} must be a finite number, got {value!r}")
+    if ("min" in spec) != ("max" in spec):
+        raise ConfigError(f"{path}: features.{key}: min and max go together")
+
+
 def load_schema(path: str | Path) -> dict:
     """Read a schema file; a malformed one is a ConfigError naming the file and what is wrong."""
     path = Path(path)
     try:
-        schema = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read schema: {err.strerror}") from None
+        schema = json.loads(read_bounded(path, "schema file", error=ConfigError).decode("utf-8"))
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not a schema file (byte {err.start} is not UTF-8 text)") from None
     except json.JSONDecodeError as err:
@@ -114,14 +147,18 @@ def load_schema(path: str | Path) -> dict:
     if not isinstance(schema, dict) or not isinstance(schema.get("features"), dict):
         raise ConfigError(f"{path}: schema needs a \"features\" object mapping feature keys to specs")
     for key, spec in schema["features"].items():
-        if not isinstance(spec, dict) or spec.get("dtype") not in DTYPES:
-            raise ConfigError(f"{path}: features.{key}: dtype must be one of {', '.join(DTYPES)}")
+        _check_spec(path, key, spec)
+    for name in ("image_key", "label_key"):
+        if schema.get(name) is not None and (not isinstance(schema[name], str) or not schema[name]):
+            raise ConfigError(f"{path}: {name} must be a feature name or null, got {schema[name]!r}")
     schema.setdefault("image_key", "image/encoded" if "image/encoded" in schema["features"] else None)
     schema.setdefault("label_key", "image/class/label" if "image/class/label" in schema["features"] else None)
     label = schema["features"].get(schema["label_key"] or "")
     if schema.get("num_classes") is not None and (not isinstance(schema["num_classes"], int)
-                                                  or isinstance(schema["num_classes"], bool) or schema["num_classes"] < 0):
-        raise ConfigError(f"{path}: num_classes must be a non-negative integer, got {schema['num_classes']!r}")
+                                                  or isinstance(schema["num_classes"], bool)
+                                                  or not 0 <= schema["num_classes"] <= MAX_CLASSES):
+        raise ConfigError(f"{path}: num_classes must be an integer in 0..{MAX_CLASSES}, "
+                          f"got {schema['num_classes']!r}")
     if schema.get("num_classes") and label is not None and "max" not in label:
         label.update(min=0, max=int(schema["num_classes"]) - 1)
     schema.setdefault("num_classes", None)

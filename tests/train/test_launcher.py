@@ -1,9 +1,12 @@
 """`appliance train --dry-run` and `appliance train slurm`: the exact commands a user would run."""
 
+import os
 import shlex
 import sys
 
 from conftest import run_appliance
+from data_tools.example import encode_example
+from data_tools.tfrecord import write_records
 
 CONFIG = """
 [run]
@@ -15,7 +18,8 @@ classes = ["a", "b"]
 
 
 def _config(tmp_path):
-    (tmp_path / "train.tfrecord").write_bytes(b"")
+    # A real record: --dry-run opens and frame-checks the data files as a real start does.
+    write_records(tmp_path / "train.tfrecord", [encode_example({"image/encoded": b"png", "image/class/label": 0})])
     path = tmp_path / "train.toml"
     path.write_text(CONFIG)
     return path
@@ -27,7 +31,12 @@ def test_dry_run_prints_standalone_torchrun_on_loopback(tmp_path):
     assert proc.returncode == 0, proc.stderr
     words = shlex.split(proc.stdout)
     env = [w for w in words if "=" in w and w.split("=")[0].isupper()]
-    assert "GLOO_SOCKET_IFNAME=lo" in env and "OMP_NUM_THREADS=1" in env  # this box: 2 cores, no GPU
+    assert "GLOO_SOCKET_IFNAME=lo" in env
+    # The caller's OMP_NUM_THREADS wins; else the cores are shared out between the 2 processes (no GPU here).
+    if "OMP_NUM_THREADS" in os.environ:
+        assert not any(w.startswith("OMP_NUM_THREADS=") for w in env)
+    else:
+        assert f"OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // 2)}" in env
     cmd = words[len(env):]
     assert cmd[:3] == [sys.executable, "-m", "appliance.train.agent"]
     assert cmd[3:] == ["--standalone", "--local-addr", "127.0.0.1", "--nproc-per-node", "2", "--max-restarts", "3",

@@ -88,7 +88,7 @@ def test_preflight_finds_an_unreachable_endpoint(tmp_path):
 
 
 def test_preflight_finds_too_little_disk(tmp_path):
-    config = make_config(tmp_path, train_records=8, val_records=3, checkpoint={"min_free_gb": 1e9})
+    config = make_config(tmp_path, train_records=8, val_records=3, checkpoint={"min_free_gb": 1e6})
     proc = run_appliance("train", str(config), "--preflight")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
