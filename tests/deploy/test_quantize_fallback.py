@@ -132,3 +132,24 @@ def test_tvm_build_of_the_mixed_model_agrees_with_onnxruntime(tmp_path, fallback
     layers, check = info["layers"], info["check"]
     assert layers["int8"] >= 1 and layers["fp32"] >= 1, layers  # mixed int8/fp32 in one library
     assert check["top1_agreement"] == 1.0 and check["passed"], check
+
+
+def test_pipeline_quantize_stage_falls_back_and_its_summary_names_the_path(tmp_path, outlier):
+    from types import SimpleNamespace
+
+    from appliance.core.errors import GateFailed
+    from appliance.deploy.stages import quantize_stage
+    from appliance.pipeline.runner import build_summary, format_summary
+
+    model, calib, val = outlier
+    settings = dict(mode="int8", method="minmax", per_channel=True, calib_samples=64, max_drop=1.0)
+    with pytest.raises(GateFailed):  # [quantize] fallback = "none": the pipeline stops at the gate as before
+        quantize_stage(model, [calib], [val], tmp_path / "none", fallback="none", **settings)
+    result = quantize_stage(model, [calib], [val], tmp_path / "auto", **settings)
+    assert result.gate_passed and result.report["produced_by"] == "float layers"
+    summary = build_summary(SimpleNamespace(out_dir=tmp_path, source=tmp_path / "pipeline.toml"),
+                            {"quantize": result}, ["quantize"], 1.0)
+    assert summary["quantize_path"] == {"produced_by": "float layers", "method": "minmax", "per_channel": True,
+                                        "float_layers": result.report["float_layers"]}
+    assert f"float layers (minmax, per-channel); kept in float: {', '.join(result.report['float_layers'])}" \
+        in format_summary(summary)
