@@ -67,13 +67,15 @@ def measure_sensitivity(builder: Int8Builder, recipe: Recipe, layers: list[Layer
             row["top1_all_but_this_quantized"] = _top1(
                 builder.build(path, replace(recipe, float_layers=(row["layer"],))), ax, ay)
             bar.update()
+    all_top1 = _top1(builder.build(path, recipe), ax, ay)
     path.unlink(missing_ok=True)
     for rank, row in enumerate(rows, 1):
         row["rank"] = rank
         row["error_percent_only_this_quantized"] = 100 * 10 ** (-row["sqnr_db_only_this_quantized"] / 10)
     return {"recipe": recipe.label(), "layers": len(rows), "error_samples": int(len(ex)),
+            "bound": f"{2 * len(rows)} models run on {len(ex)} samples, then {2 * min(top_k, len(rows))} on {len(ax)}",
             "accuracy_samples": int(len(ax)), "top_k": min(top_k, len(rows)),
-            "sqnr_db_all_quantized": all_sqnr, "top1_all_quantized": _top1(builder.build(path, recipe), ax, ay),
+            "sqnr_db_all_quantized": all_sqnr, "top1_all_quantized": all_top1,
             "top1_fp32": float((fp32_logits[:accuracy_samples].argmax(1) == ay).mean()),
             "error_seconds": round(error_seconds, 2), "seconds": round(time.monotonic() - start, 2),
             "ranking": rows}

@@ -106,6 +106,7 @@ def test_fallback_keeps_the_outlier_layers_in_float_and_passes(fallback_run):
     assert top["layer"] in floats and top["top1_only_this_quantized"] < sens["top1_fp32"] - 0.3
     errors = [r["sqnr_db_only_this_quantized"] for r in sens["ranking"]]
     assert errors == sorted(errors)
+    assert sorted(p.name for p in out.iterdir()) == ["accuracy.html", "accuracy.json", "manifest.json", "model.int8.onnx"]
     page = (out / "accuracy.html").read_text()
     assert "Per-layer sensitivity" in page and 'class="sensitivity"' in page and "Kept in float" in page
 
