@@ -10,6 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
+from appliance.core.html_report import PALETTE, bars_svg, page
+from appliance.core.manifest import atomic_write_text
+
+SENSITIVITY_CHART_ROWS = 20
+
 
 def evaluate(session, x: np.ndarray, y: np.ndarray) -> dict:
     """Predictions, top-1 and median single-sample latency of an onnxruntime session."""
@@ -26,7 +31,7 @@ def evaluate(session, x: np.ndarray, y: np.ndarray) -> dict:
         start = time.perf_counter()
         session.run(None, one)
         times.append((time.perf_counter() - start) * 1000)
-    return {"predictions": logits.argmax(1), "top1": float((logits.argmax(1) == y).mean()),
+    return {"predictions": logits.argmax(1), "logits": logits, "top1": float((logits.argmax(1) == y).mean()),
             "latency_ms_median": statistics.median(times)}
 
 
@@ -47,9 +52,6 @@ def compare(fp32_path, quant_path, fp32: dict, quant: dict, mode: str, samples: 
 
 
 def write_reports(out_dir: Path, report: dict) -> None:
-    from appliance.core.html_report import bars_svg, page
-    from appliance.core.manifest import atomic_write_text
-
     atomic_write_text(out_dir / "accuracy.json", json.dumps(report, indent=2) + "\n")
     q, f, mode = report["quantized"], report["fp32"], report["mode"].upper()
     charts = "".join([
@@ -63,6 +65,71 @@ def write_reports(out_dir: Path, report: dict) -> None:
 <table><tr><th></th><th>top-1</th><th>size</th><th>latency (median)</th><th>model</th></tr>
 <tr><td>FP32</td><td>{f['top1'] * 100:.2f}%</td><td>{f['bytes']:,} B</td><td>{f['latency_ms_median']:.3f} ms</td><td>{html.escape(f['model'])}</td></tr>
 <tr><td>{mode}</td><td>{q['top1'] * 100:.2f}%</td><td>{q['bytes']:,} B</td><td>{q['latency_ms_median']:.3f} ms</td><td>{html.escape(q['model'])}</td></tr>
-</table>{charts}"""
+</table>{charts}{_fallback_html(report)}{_sensitivity_html(report.get("sensitivity"))}"""
     page_html = page(f"FP32 vs {mode}", "appliance quantize", "accuracy.json", report["gate_passed"], body)
     atomic_write_text(out_dir / "accuracy.html", page_html)
+
+
+def _fallback_html(report: dict) -> str:
+    fallback = report.get("fallback")
+    if not fallback:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(a['step'])}</td><td>{html.escape(a['recipe'])}</td><td>{a['top1'] * 100:.2f}%</td>"
+        f"<td>{a['top1_drop_points']:.2f}</td><td>{'yes' if a['passed'] else 'no'}</td><td>{a['bytes']:,} B</td>"
+        f"<td>{a['latency_ms_median']:.3f} ms</td></tr>" for a in fallback["attempts"])
+    floats = report.get("float_layers") or []
+    cost = fallback.get("cost")
+    kept = ""
+    if floats and cost:
+        kept = (f"<p>Kept in float ({len(floats)}): " + ", ".join(f"<code>{html.escape(n)}</code>" for n in floats)
+                + f". They cost {cost['extra_bytes']:,} B more than the all-INT8 model ({cost['all_int8_bytes']:,} B) "
+                f"and host latency x{cost['latency_ratio']:.2f} ({cost['all_int8_latency_ms_median']:.3f} -> "
+                f"{cost['latency_ms_median']:.3f} ms).</p>")
+    return (f"<h2>How the INT8 model was made: {html.escape(report.get('produced_by', ''))}</h2>{kept}"
+            f"<p>--fallback {html.escape(fallback['mode'])}, at most {fallback['max_float_layers']} float layers; "
+            "every attempt, in order, on the whole validation set:</p>"
+            "<table><tr><th>step</th><th>recipe</th><th>top-1</th><th>drop</th><th>passed</th><th>size</th>"
+            f"<th>latency</th></tr>{rows}</table>")
+
+
+def _sensitivity_html(sens: dict | None) -> str:
+    if not sens:
+        return ""
+    ranking = sens["ranking"]
+    rows = "".join(
+        f"<tr><td>{r['rank']}</td><td><code>{html.escape(r['layer'])}</code></td><td>{html.escape(r['op_type'])}</td>"
+        f"<td>{r['sqnr_db_only_this_quantized']:.1f}</td><td>{r['sqnr_db_all_but_this_quantized']:.1f}</td>"
+        f"<td>{r['sqnr_gain_db_in_float']:+.2f}</td>"
+        f"<td>{_pct(r.get('top1_only_this_quantized'))}</td><td>{_pct(r.get('top1_all_but_this_quantized'))}</td></tr>"
+        for r in ranking)
+    chart = ranked_bars_svg(f"Output error with only this layer quantized, % of the signal (top {SENSITIVITY_CHART_ROWS})",
+                            "%", [(r["layer"], r["error_percent_only_this_quantized"])
+                                  for r in ranking[:SENSITIVITY_CHART_ROWS]])
+    return f"""<h2>Per-layer sensitivity ({sens['layers']} quantized layers, {html.escape(sens['recipe'])})</h2>
+<p>Output error (SQNR of the logits against FP32, higher is better) on the first {sens['error_samples']} validation
+samples for every layer; top-1 on the first {sens['accuracy_samples']} for the {sens['top_k']} most harmful.
+All layers quantized: SQNR {sens['sqnr_db_all_quantized']:.1f} dB, top-1 {sens['top1_all_quantized'] * 100:.2f}%
+(FP32 {sens['top1_fp32'] * 100:.2f}%). Measured in {sens['seconds']:.1f} s.</p>{chart}
+<table class="num"><tr><th>rank</th><th>layer</th><th>op</th><th>SQNR only this quantized (dB)</th>
+<th>SQNR all but this (dB)</th><th>gain in float (dB)</th><th>top-1 only this</th><th>top-1 all but this</th></tr>
+{rows}</table>"""
+
+
+def _pct(value) -> str:
+    return "" if value is None else f"{value * 100:.2f}%"
+
+
+def ranked_bars_svg(title: str, unit: str, values: list[tuple[str, float]]) -> str:
+    """Horizontal bars with long labels (layer names, shortened from the left), zero at the left edge."""
+    top = max((abs(v) for _, v in values), default=0) or 1.0
+    rows = []
+    for i, (label, value) in enumerate(values):
+        y, width = 30 + i * 22, 260 * max(value, 0) / top
+        short = label if len(label) <= 42 else "..." + label[-39:]
+        rows.append(f'<text x="0" y="{y + 13}" font-size="11">{html.escape(short)}<title>{html.escape(label)}</title></text>'
+                    f'<rect x="300" y="{y}" width="{width:.1f}" height="16" fill="{PALETTE[0]}"/>'
+                    f'<text x="{305 + width:.1f}" y="{y + 13}" font-size="11">{value:.3g} {unit}</text>')
+    return (f'<svg class="sensitivity" xmlns="http://www.w3.org/2000/svg" width="680" height="{40 + 22 * len(values)}" '
+            f'role="img"><text x="0" y="16" font-size="14" font-weight="bold">{html.escape(title)}</text>'
+            f'{"".join(rows)}</svg>')

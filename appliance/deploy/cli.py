@@ -80,6 +80,15 @@ def register_quantize(subparsers) -> None:
     p.add_argument("--calib-samples", type=values.positive_int, default=128)
     p.add_argument("--val-samples", type=values.positive_int, default=1000)
     p.add_argument("--max-drop", type=values.non_negative_float, default=1.0, help="allowed top-1 drop in points (default 1.0)")
+    p.add_argument("--fallback", choices=quantize.FALLBACKS, default="auto",
+                   help="INT8 over --max-drop: auto (default) tries per-channel weights and the other calibrations, "
+                   "then keeps the most sensitive layers in float; none: exit 3 at once")
+    p.add_argument("--max-float-layers", type=values.non_negative_int, default=quantize.MAX_FLOAT_LAYERS, metavar="N",
+                   help=f"--fallback auto keeps at most N layers in float (default {quantize.MAX_FLOAT_LAYERS})")
+    p.add_argument("--no-sensitivity", action="store_true",
+                   help="INT8: skip the per-layer sensitivity of a model that passes (fallback still measures it)")
+    p.add_argument("--sensitivity-samples", type=values.positive_int, default=quantize.ERROR_SAMPLES, metavar="N",
+                   help=f"validation samples the per-layer output error is measured on (default {quantize.ERROR_SAMPLES})")
     p.add_argument("--json", action="store_true", help="print the accuracy report as one JSON object on stdout")
     p.set_defaults(func=quantize_command)
 
@@ -89,12 +98,18 @@ def quantize_command(args) -> int:
 
     report = quantize_model(args.model, args.calib, args.out, val_files=args.val, mode=args.mode,
                             method=args.method, per_channel=args.per_channel, scheme=args.scheme,
-                            calib_samples=args.calib_samples, val_samples=args.val_samples, max_drop=args.max_drop)
+                            calib_samples=args.calib_samples, val_samples=args.val_samples, max_drop=args.max_drop,
+                            fallback=args.fallback, max_float_layers=args.max_float_layers,
+                            sensitivity=not args.no_sensitivity, sensitivity_samples=args.sensitivity_samples)
     q, f = report["quantized"], report["fp32"]
     line = (f"wrote {q['model']}: top-1 {f['top1'] * 100:.2f}% -> {q['top1'] * 100:.2f}% "
             f"(drop {report['top1_drop_points']:.2f} points, allowed {args.max_drop:g}), agreement "
             f"{report['prediction_agreement'] * 100:.2f}%, size x{report['size_ratio']:.2f}, latency "
             f"x{report['latency_ratio']:.2f}; report {Path(args.out) / 'accuracy.html'}")
+    if args.mode == "int8":
+        line += f"\nINT8 made by: {report['produced_by']} ({report['method']}{', per-channel' * report['per_channel']})"
+        if report["float_layers"]:
+            line += f"; kept in float: {', '.join(report['float_layers'])}"
     print(json.dumps(report) if args.json else line)
     if not report["gate_passed"]:
         raise GateFailed(f"{q['model']}: top-1 dropped {report['top1_drop_points']:.2f} points, more than "

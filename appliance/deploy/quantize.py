@@ -4,6 +4,11 @@ INT8 is S8S8 QDQ by default: onnxruntime's U8S8 kernels saturate on AVX2 CPUs wi
 (measured up to 7.7 % output error) unless weights use 7 bits (`--scheme u8s8`, reduce_range),
 and QDQ is the form TVM can import. Calibration and evaluation tensors go
 through the same preprocessing as export and the edge runner.
+
+When the INT8 model drops more than --max-drop, `--fallback auto` (the default) looks for one that
+does not (appliance.deploy.fallback): per-channel weights and other calibrations first, then the
+most sensitive layers kept in float. Per-layer sensitivity (appliance.deploy.sensitivity) goes
+into the report either way unless switched off.
 """
 
 from __future__ import annotations
@@ -12,46 +17,26 @@ import warnings
 from pathlib import Path
 
 from appliance.core.errors import DataError
+from appliance.core.manifest import write_manifest
+from appliance.deploy.accuracy_report import compare, evaluate, write_reports
+from appliance.deploy.fallback import Attempt, find_passing
+from appliance.deploy.int8_builder import METHODS, CalibrationSet, Int8Builder, Recipe, quantized_layers
+from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
+from appliance.deploy.samples import check_input_shape, load_samples
+from appliance.deploy.sensitivity import ERROR_SAMPLES, measure_sensitivity
 
-METHODS = ("minmax", "entropy", "percentile")
+__all__ = ["METHODS", "SCHEMES", "FALLBACKS", "MAX_FLOAT_LAYERS", "ERROR_SAMPLES", "CalibrationSet", "quantize_model", "quantize_int8", "quantize_fp16"]
+
 SCHEMES = ("s8s8", "u8s8")
-
-
-class CalibrationSet:
-    """onnxruntime CalibrationDataReader over preprocessed samples, one tensor per call."""
-
-    def __init__(self, input_name: str, x):
-        self.input_name, self.x, self.i = input_name, x, 0
-
-    def get_next(self):
-        if self.i >= len(self.x):
-            return None
-        self.i += 1
-        return {self.input_name: self.x[self.i - 1:self.i]}
-
-    def rewind(self):
-        self.i = 0
+FALLBACKS = ("auto", "none")
+MAX_FLOAT_LAYERS = 10
 
 
 def quantize_int8(model_path: Path, out_path: Path, calib_x, input_name: str, method: str, per_channel: bool,
-                  scheme: str = "s8s8"):
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    prepared = out_path.with_name(".prepared.onnx")
-    try:
-        # Folds and infers shapes first, as onnxruntime recommends before static quantization.
-        quant_pre_process(str(model_path), str(prepared), skip_symbolic_shape=True)
-        quantize_static(str(prepared), str(out_path), CalibrationSet(input_name, calib_x),
-                        quant_format=QuantFormat.QDQ, weight_type=QuantType.QInt8, per_channel=per_channel,
-                        activation_type=QuantType.QInt8 if scheme == "s8s8" else QuantType.QUInt8,
-                        reduce_range=scheme == "u8s8",
-                        calibrate_method={"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-                                          "percentile": CalibrationMethod.Percentile}[method])
-    finally:
-        prepared.unlink(missing_ok=True)
-        for leftover in out_path.parent.glob("*augmented_model.onnx"):
-            leftover.unlink()
+                  scheme: str = "s8s8", float_layers: tuple[str, ...] = ()):
+    """One INT8 QDQ model; float_layers: node names kept in float."""
+    with Int8Builder(Path(model_path), calib_x, input_name, scheme) as builder:
+        builder.build(Path(out_path), Recipe(method, per_channel, tuple(float_layers)))
 
 
 def quantize_fp16(model, out_path: Path):
@@ -67,13 +52,11 @@ def quantize_fp16(model, out_path: Path):
 
 
 def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="int8", method="minmax",
-                   per_channel=False, scheme="s8s8", calib_samples=128, val_samples=1000, max_drop=1.0) -> dict:
+                   per_channel=False, scheme="s8s8", calib_samples=128, val_samples=1000, max_drop=1.0,
+                   fallback="auto", max_float_layers=MAX_FLOAT_LAYERS, sensitivity=True,
+                   sensitivity_samples=ERROR_SAMPLES) -> dict:
+    """Quantize, evaluate, write accuracy.json/.html and the manifest; the report says whether the gate passed."""
     import onnx
-
-    from appliance.deploy.accuracy_report import compare, evaluate, write_reports
-    from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
-    from appliance.deploy.samples import check_input_shape, load_samples
-    from appliance.core.manifest import write_manifest
 
     model_path, out_dir = Path(model_path), Path(out_dir)
     model = load_onnx(model_path)
@@ -89,9 +72,12 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / f"model.{mode}.onnx"
     tmp = out_dir / f".model.{mode}.onnx.tmp"
-    clamped = 0
+    fp32 = evaluate(ort_session(model_path), val.x, val.y)
+    clamped, extra = 0, {}
     if mode == "int8":
-        quantize_int8(model_path, tmp, calib.x, inp.name, method, per_channel, scheme)
+        chosen, extra = _int8(model_path, tmp, calib.x, val, inp.name, fp32, scheme, Recipe(method, per_channel),
+                              max_drop, fallback, max_float_layers, sensitivity, sensitivity_samples)
+        method, per_channel = chosen.recipe.method, chosen.recipe.per_channel
     else:
         clamped = quantize_fp16(model, tmp)
     quantized = onnx.load(str(tmp))
@@ -101,14 +87,68 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     onnx.save(quantized, str(tmp))
     tmp.replace(out_path)
 
-    report = compare(model_path, out_path, evaluate(ort_session(model_path), val.x, val.y),
-                     evaluate(ort_session(out_path), val.x, val.y), mode, len(val.x), max_drop)
+    report = compare(model_path, out_path, fp32, evaluate(ort_session(out_path), val.x, val.y), mode, len(val.x),
+                     max_drop)
     report.update({"method": method if mode == "int8" else None, "per_channel": per_channel,
                    "format": f"QDQ {scheme.upper()}{' reduce_range' if scheme == 'u8s8' else ''}" if mode == "int8" else "float16, float32 inputs/outputs",
                    "calibration_samples": int(len(calib.x)), "fp16_clamped_weight_warnings": clamped,
-                   "validation_source": "calibration data (no --val given)" if not val_files else "--val"})
+                   "validation_source": "calibration data (no --val given)" if not val_files else "--val", **extra})
     write_reports(out_dir, report)
     write_manifest(out_dir, "quantize", [model_path, *calib.files, *(val.files if val_files else [])],
                    {"mode": mode, "method": method, "per_channel": per_channel, "scheme": scheme, "calib_samples": calib_samples,
-                    "max_drop": max_drop, "gate_passed": report["gate_passed"]})
+                    "max_drop": max_drop, "fallback": fallback if mode == "int8" else None,
+                    "float_layers": extra.get("float_layers", []), "produced_by": extra.get("produced_by"),
+                    "gate_passed": report["gate_passed"]})
     return report
+
+
+def _int8(model_path, out_path, calib_x, val, input_name, fp32, scheme, asked: Recipe, max_drop, fallback,
+          max_float_layers, sensitivity, sensitivity_samples) -> tuple[Attempt, dict]:
+    """(the attempt written to out_path, the report's INT8 sections: path taken, attempts, sensitivity)."""
+    candidate = out_path.with_name(".candidate.onnx")
+
+    def attempt(recipe: Recipe, step: str) -> Attempt:
+        builder.build(candidate, recipe)
+        result = evaluate(ort_session(candidate), val.x, val.y)
+        drop = (fp32["top1"] - result["top1"]) * 100
+        return Attempt(recipe, step, result["top1"], drop, drop <= max_drop, candidate.stat().st_size,
+                       result["latency_ms_median"], result)
+
+    def measure(recipe: Recipe) -> dict:
+        builder.build(candidate, recipe)
+        layers = quantized_layers(load_onnx(candidate))
+        return measure_sensitivity(builder, recipe, layers, fp32["logits"], val.x, val.y, out_path.parent,
+                                   error_samples=sensitivity_samples)
+
+    with Int8Builder(model_path, calib_x, input_name, scheme) as builder:
+        try:
+            first = attempt(asked, "ptq")
+            chosen, attempts, sens = first, [first], None
+            if not first.passed and fallback == "auto":
+                chosen, attempts, sens = find_passing(first, attempt, measure, max_float_layers)
+            elif sensitivity:
+                sens = measure(first.recipe)
+            builder.build(out_path, chosen.recipe)
+        finally:
+            candidate.unlink(missing_ok=True)
+    extra = {"produced_by": chosen.step if chosen.passed else "none (gate failed)",
+             "fallback": {"mode": fallback, "max_float_layers": max_float_layers,
+                          "attempts": [a.row() for a in attempts]},
+             "float_layers": list(chosen.recipe.float_layers)}
+    if chosen.recipe.float_layers:
+        base = next(a for a in attempts if a.recipe == replace_floats(chosen.recipe))
+        ranking = {r["layer"]: r for r in sens["ranking"]}
+        extra["fallback"]["cost"] = {
+            "all_int8_bytes": base.bytes, "bytes": chosen.bytes, "extra_bytes": chosen.bytes - base.bytes,
+            "all_int8_latency_ms_median": base.latency_ms_median, "latency_ms_median": chosen.latency_ms_median,
+            "latency_ratio": chosen.latency_ms_median / base.latency_ms_median,
+            "layers": [{"layer": name, "op_type": ranking[name]["op_type"],
+                        "extra_weight_bytes": 3 * ranking[name]["weight_elements"]}
+                       for name in chosen.recipe.float_layers]}
+    if sens is not None:
+        extra["sensitivity"] = sens
+    return chosen, extra
+
+
+def replace_floats(recipe: Recipe) -> Recipe:
+    return Recipe(recipe.method, recipe.per_channel)

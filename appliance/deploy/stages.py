@@ -79,12 +79,15 @@ class QuantizeResult:
 
 
 def quantize_stage(model: Path, calib_files, val_files, out_dir: Path, *, mode: str, method: str,
-                   per_channel: bool, calib_samples: int, max_drop: float) -> QuantizeResult:
-    """Quantize, then measure on val_files; GateFailed when top-1 drops more than max_drop points."""
+                   per_channel: bool, calib_samples: int, max_drop: float, fallback: str = "auto",
+                   max_float_layers: int = 10) -> QuantizeResult:
+    """Quantize, then measure on val_files; GateFailed when top-1 drops more than max_drop points
+    (after --fallback auto found no INT8 model within it)."""
     from appliance.deploy.quantize import quantize_model
 
     quantize_model(model, list(calib_files), out_dir, val_files=list(val_files), mode=mode, method=method,
-                   per_channel=per_channel, calib_samples=calib_samples, val_samples=1_000_000, max_drop=max_drop)
+                   per_channel=per_channel, calib_samples=calib_samples, val_samples=1_000_000, max_drop=max_drop,
+                   fallback=fallback, max_float_layers=max_float_layers)
     result = QuantizeResult.load(out_dir)
     if not result.gate_passed:
         raise GateFailed(f"{Path(out_dir) / ACCURACY_JSON}: {mode} top-1 dropped "

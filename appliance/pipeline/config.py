@@ -46,6 +46,8 @@ class QuantizeSection:
     per_channel: bool = True
     calib_samples: Annotated[int, AT_LEAST_ONE] = 256
     max_drop: Annotated[float, Range(ge=0, le=100)] = 1.0  # top-1 points
+    fallback: str = "auto"  # "auto": other calibrations, then sensitive layers in float; "none": stop at once
+    max_float_layers: Annotated[int, COUNT] = 10
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     q = sections["quantize"]
     if q.mode not in ("int8", "fp16", "none"):
         raise ConfigError(f"{path}: [quantize] mode must be int8, fp16 or none, got {q.mode!r}")
+    if q.fallback not in ("auto", "none"):
+        raise ConfigError(f"{path}: [quantize] fallback must be auto or none, got {q.fallback!r}")
     for target in sections["compile"].targets:
         if target not in ("x86_64", "aarch64", "aarch64-dotprod"):
             raise ConfigError(f"{path}: [compile] unknown target {target!r} (x86_64, aarch64, aarch64-dotprod)")

@@ -187,7 +187,8 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
             lambda r: [r["export"].model, *clean(r, "train"), *clean(r, "val")],
             lambda d, r: deploy.quantize_stage(r["export"].model, clean(r, "train"), clean(r, "val"), d,
                                                mode=q.mode, method=q.method, per_channel=q.per_channel,
-                                               calib_samples=q.calib_samples, max_drop=q.max_drop),
+                                               calib_samples=q.calib_samples, max_drop=q.max_drop,
+                                               fallback=q.fallback, max_float_layers=q.max_float_layers),
             deploy.QuantizeResult.load))
 
     def deployed(results: Results) -> Path:
@@ -276,6 +277,9 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
         summary["accuracy"]["fp32_top1"] = q["fp32"]["top1"]
         summary["accuracy"][f"{q['mode']}_top1"] = q["quantized"]["top1"]
         summary["accuracy"]["quantized_top1_drop_points"] = q["top1_drop_points"]
+        if q["mode"] == "int8":  # which path made the model the edge runs (fallback: which layers stayed float)
+            summary["quantize_path"] = {"produced_by": q.get("produced_by", "ptq"), "method": q["method"],
+                                        "per_channel": q["per_channel"], "float_layers": q.get("float_layers", [])}
         summary["sizes_bytes"].update({"onnx_fp32": q["fp32"]["bytes"], f"onnx_{q['mode']}": q["quantized"]["bytes"]})
         summary["latency_ms"].update({"host_ort_fp32": q["fp32"]["latency_ms_median"],
                                       f"host_ort_{q['mode']}": q["quantized"]["latency_ms_median"]})
@@ -333,6 +337,11 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  size {key:27s} {value / 1024:.1f} KiB")
     for key, value in summary["latency_ms"].items():
         lines.append(f"  latency {key:24s} {value:.3f} ms")
+    path = summary.get("quantize_path")
+    if path:
+        floats = f"; kept in float: {', '.join(path['float_layers'])}" if path["float_layers"] else ""
+        lines.append(f"  {'int8 made by':32s} {path['produced_by']} ({path['method']}"
+                     f"{', per-channel' if path['per_channel'] else ''}){floats}")
     for name, path in summary["artifacts"].items():
         lines.append(f"  {name:32s} {path}")
     lines.append(f"  summary                          {Path(summary['out_dir']) / 'summary.json'}")

@@ -50,11 +50,11 @@ def test_gate_fails_when_calibration_misses_the_signal(tmp_path, exported, val_t
     np.savez(flat, x=np.full((4, 3, 16, 16), -0.66, np.float32), y=np.zeros(4, np.int64))
     out = tmp_path / "bad"
     proc = run_appliance("quantize", str(exported / "model.onnx"), "--calib", str(flat), "--val", str(val_tfrecord),
-                         "--out", str(out))
+                         "--out", str(out), "--fallback", "none", "--no-sensitivity")
     assert proc.returncode == 3 and len(proc.stderr.strip().splitlines()) == 1  # GateFailed
     assert "top-1 dropped" in proc.stderr and "more than --max-drop 1" in proc.stderr
     report = json.loads((out / "accuracy.json").read_text())
-    assert not report["gate_passed"] and report["top1_drop_points"] > 1.0
+    assert not report["gate_passed"] and report["top1_drop_points"] > 1.0 and report["produced_by"] == "none (gate failed)"
     assert "FAIL" in (out / "accuracy.html").read_text()
     # ... and that model does not slip through to a device.
     proc = run_appliance("compile", str(out / "model.int8.onnx"), "--target", "aarch64", "--out", str(tmp_path / "c"))
@@ -70,3 +70,21 @@ def test_calibration_set_of_the_wrong_shape_is_one_line(tmp_path, exported):
     assert len(lines) == 1
     assert f"{wrong}: samples have shape (N, 1, 28, 28) but" in lines[0] and "expects (batch, 3, 16, 16)" in lines[0]
     assert not (tmp_path / "o" / "model.int8.onnx").exists()
+
+
+def test_fallback_auto_recovers_what_a_bad_calibration_lost(tmp_path, exported, val_tfrecord):
+    # The same flat calibration: by default the first convolution, whose input range the flat
+    # images miss, stays in float and the model passes; the report says so.
+    flat = tmp_path / "flat.npz"
+    np.savez(flat, x=np.full((4, 3, 16, 16), -0.66, np.float32), y=np.zeros(4, np.int64))
+    out = tmp_path / "auto"
+    proc = run_appliance("quantize", str(exported / "model.onnx"), "--calib", str(flat), "--val", str(val_tfrecord),
+                         "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "accuracy.json").read_text())
+    assert report["gate_passed"] and report["produced_by"] == "float layers"
+    assert report["float_layers"] == ["/0/0.0/Conv"] and "kept in float: /0/0.0/Conv" in proc.stdout
+    manifest = read_manifest(out)
+    assert manifest["params"]["float_layers"] == ["/0/0.0/Conv"] and manifest["params"]["gate_passed"]
+    proc = run_appliance("compile", str(out / "model.int8.onnx"), "--target", "aarch64", "--out", str(tmp_path / "c"))
+    assert proc.returncode == 0, proc.stderr  # a passing fallback model is not refused

@@ -25,12 +25,14 @@ def write(tmp_path, text):
 def test_defaults_and_output_dir(tmp_path):
     cfg = load_pipeline_config(write(tmp_path, BASE))
     assert cfg.quantize.mode == "int8" and cfg.compile.targets == ("x86_64", "aarch64")
+    assert cfg.quantize.fallback == "auto" and cfg.quantize.max_float_layers == 10
     assert cfg.out_dir == (tmp_path / "pipeline-out").resolve()
 
 
 @pytest.mark.parametrize("extra, message", [
     ("[quantize]\nmod = 'int8'\n", "[quantize] unknown key 'mod'"),
     ("[quantize]\nmax_drop = 'one'\n", "[quantize] max_drop must be a number"),
+    ("[quantize]\nfallback = 'always'\n", "[quantize] fallback must be auto or none, got 'always'"),
     ("[compile]\ntargets = ['riscv']\n", "unknown target 'riscv'"),
     ("[package]\ntarget = 'aarch64'\n[compile]\ntargets = ['x86_64']\n", "is not among [compile] targets"),
     ("[deploy]\nx = 1\n", "unknown section [deploy]"),
@@ -72,6 +74,7 @@ def test_fingerprint_follows_params_and_input_hashes():
     ("[verify]\nmin_agreement = 1.5\n", "[verify] min_agreement must be at most 1, got 1.5"),
     ("[quantize]\nmax_drop = nan\n", "[quantize] max_drop must be a finite number, got nan"),
     ("[quantize]\ncalib_samples = -4\n", "[quantize] calib_samples must be at least 1, got -4"),
+    ("[quantize]\nmax_float_layers = -1\n", "[quantize] max_float_layers must be at least 0, got -1"),
     ("[export]\nmax_rel_error = -1e-5\n", "[export] max_rel_error must be at least 0, got -1e-05"),
     ("[pipeline]\nmax_restarts = -3\n", "[pipeline] max_restarts must be at least 0, got -3"),
     ("[optimizer]\nlr = inf\n", "[optimizer] lr must be a finite number, got inf"),
