@@ -54,6 +54,10 @@ def register(subparsers) -> None:
                    help="split IMAGE_DIR into train-* and val-* shards: F of each class to validation, "
                    "seeded by --seed, near-duplicate images kept on one side (default 0: no split)")
     p.add_argument("--decompress", action="store_true", help="SOURCE files are GZIP/ZLIB TFRecords")
+    p.add_argument("--masks", metavar="MASK_DIR", default=None,
+                   help="segmentation: IMAGE_DIR holds the images, MASK_DIR a class-id PNG per image (same stem); "
+                   "written in TensorFlow DeepLab's record convention. A SOURCE holding just images/ and masks/ "
+                   "is taken as such a pair")
     p.set_defaults(func=convert)
 
     for name in DATA_VERB_MODULES:
@@ -135,6 +139,7 @@ def cat_file(args) -> int:
 def convert(args) -> int:
     from appliance.core.progress import Progress
     from data_tools.convert import check_val_fraction, convert_image_folder, decompress_files, find_images
+    from data_tools.convert_masks import is_mask_folder_pair
 
     if args.decompress:
         bars = []
@@ -153,6 +158,8 @@ def convert(args) -> int:
     if len(args.sources) != 1:
         raise DataError("convert takes one IMAGE_DIR (or several files with --decompress)")
     check_val_fraction(args.val_fraction)
+    if args.masks or is_mask_folder_pair(args.sources[0]):
+        return convert_masks(args)
     _, images = find_images(args.sources[0])
     with Progress(total=len(images), desc="convert", unit="img") as bar:
         paths = convert_image_folder(args.sources[0], args.out, shards=args.shards, prefix=args.prefix,
@@ -169,4 +176,27 @@ def convert(args) -> int:
             print(f"  {name:{width}s}  {counts['train'][name]:5d}  {counts['val'][name]:5d}")
         print(f"  {'total':{width}s}  {sum(counts['train'].values()):5d}  {sum(counts['val'].values()):5d}"
               f"  ({len(split['groups_kept_together'])} groups of near-duplicate images kept on one side)")
+    return 0
+
+
+def convert_masks(args) -> int:
+    """`data convert IMAGES --masks MASKS` (or a folder of images/ + masks/): DeepLab-convention records."""
+    from appliance.core.progress import Progress
+    from data_tools.convert_masks import convert_mask_folders, find_pairs
+
+    images_dir = Path(args.sources[0])
+    masks_dir = Path(args.masks) if args.masks else images_dir / "masks"
+    if not args.masks:
+        images_dir = images_dir / "images"
+    pairs = find_pairs(images_dir, masks_dir)
+    with Progress(total=len(pairs), desc="convert", unit="img") as bar:
+        paths = convert_mask_folders(images_dir, masks_dir, args.out, shards=args.shards, prefix=args.prefix,
+                                     seed=args.seed, progress=bar.update, val_fraction=args.val_fraction)
+    print(f"{len(pairs)} image/mask pairs -> {len(paths)} shards in {args.out} (DeepLab segmentation records)")
+    if args.val_fraction:
+        from appliance.core.manifest import read_manifest
+
+        split = read_manifest(args.out)["params"]["split"]
+        print(f"  train {split['counts']['train']}, val {split['counts']['val']} "
+              f"({len(split['groups_kept_together'])} groups of near-duplicate images kept on one side)")
     return 0

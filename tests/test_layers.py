@@ -18,6 +18,7 @@ LAYERS = [
     ("core", ["appliance", "appliance.core", "appliance.assets", "appliance.__main__"]),
     ("data", ["data_tools"]),
     ("models", ["appliance.models"]),
+    ("tasks", ["appliance.tasks"]),  # per task: samples, model, loss, figures, gate (DESIGN.md "models and tasks")
     ("stages", ["appliance.train", "appliance.deploy", "appliance.bundle"]),
     ("pipeline", ["appliance.pipeline"]),
     ("cli", ["appliance.cli", "appliance.doctor", "*.cli"]),

@@ -21,7 +21,7 @@ from typing import Annotated
 from appliance.core.errors import ConfigError
 from appliance.core.inputs import describe
 from appliance.core.tomlconfig import parse_section, read_toml
-from appliance.models import ARCHITECTURES
+from appliance.tasks import TASK_KINDS, task_for
 from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range
 from appliance.train.quality import GATE_KEYS, check_thresholds
 from data_tools.labels import MAX_CLASSES
@@ -108,6 +108,15 @@ class TrainSection:
 
 
 @dataclass(frozen=True)
+class TaskSection:
+    """What the model learns (appliance/tasks/): one class per image, or one per pixel."""
+
+    kind: str = "classification"  # or "segmentation"
+    ignore_label: Annotated[int, Range(ge=0, le=255)] = 255  # segmentation: mask pixels that count for nothing
+    class_weights: tuple[Annotated[float, POSITIVE], ...] = ()  # segmentation: per-class loss weights
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
     every_steps: Annotated[int, AT_LEAST_ONE] = 500
     keep_last: Annotated[int, AT_LEAST_ONE] = 3
@@ -163,6 +172,7 @@ class Config:
     augment: AugmentSection = field(default_factory=AugmentSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    task: TaskSection = field(default_factory=TaskSection)
     source: str = ""
     init_sha256: str = ""  # of [model] init's weights, hashed when the config is read: part of training_hash
 
@@ -189,26 +199,37 @@ class Config:
             d["ddp_bucket_cap_mb"] = bucket_cap_mb
         d["model"]["init"] = self.init_sha256  # the weights decide, not where the file lies
         d.pop("profile")  # measuring a run does not change it
+        if self.task == TaskSection():
+            d.pop("task")  # classification's hashes stay those of runs made before [task] existed
         d["run"] = {"seed": self.run.seed, "deterministic": self.run.deterministic}
         d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps", *GATE_KEYS)}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.task == TaskSection():
+            d.pop("task")  # a classification run's manifest reads as before [task] existed
+        return d
 
 
 _SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
                   "schedule": ScheduleSection, "train": TrainSection, "checkpoint": CheckpointSection,
                   "augment": AugmentSection, "distributed": DistributedSection,
-                  "profile": ProfileSection}
+                  "profile": ProfileSection, "task": TaskSection}
 
 
 def _check_values(cfg: Config, source: str) -> None:
     def bad(where, what):
         raise ConfigError(f"{source}: {where} {what}")
 
-    if cfg.model.architecture not in ARCHITECTURES:
-        bad("[model] architecture", f"{cfg.model.architecture!r} is not one of {', '.join(ARCHITECTURES)}")
+    if cfg.task.kind not in TASK_KINDS:
+        bad("[task] kind", f"{cfg.task.kind!r} is not one of {', '.join(TASK_KINDS)}")
+    architectures = task_for(cfg.task).architectures
+    if cfg.model.architecture not in architectures:
+        bad("[model] architecture", f"{cfg.model.architecture!r} is not one of {', '.join(architectures)}"
+            f" (for [task] kind {cfg.task.kind!r})")
+    if cfg.task.class_weights and len(cfg.task.class_weights) != cfg.num_classes:
+        bad("[task] class_weights", f"needs {cfg.num_classes} values (one per class), got {len(cfg.task.class_weights)}")
     if cfg.optimizer.name not in OPTIMIZERS:
         bad("[optimizer] name", f"{cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.train.precision not in PRECISIONS:

@@ -13,6 +13,7 @@ import time
 import torch
 
 from appliance.core.errors import DataError
+from appliance.tasks import task_for
 from appliance.train import faults
 from data_tools.labels import label_problem
 
@@ -47,6 +48,9 @@ def decode_for_augmentation(encoded: bytes, channels: int):
 
 
 def _dataset(cfg, files, augment: bool = False):
+    samples = task_for(cfg.task).dataset(cfg, files, augment)
+    if samples is not None:  # the task makes its own samples (segmentation: image and mask)
+        return samples
     from data_tools.dataset import TFRecordDataset
 
     if augment:

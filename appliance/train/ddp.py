@@ -10,7 +10,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from appliance.core.errors import ConfigError
-from appliance.models import ONNX_ARCHITECTURE, build_model, classifier_head
+from appliance.models import ONNX_ARCHITECTURE, classifier_head
+from appliance.tasks import task_for
 from appliance.train.config import DEFAULT_BUCKET_CAP_MB
 from appliance.train.init_weights import apply_init, resolve_init
 
@@ -65,7 +66,8 @@ def prepare_model(cfg, log=print) -> tuple[nn.Module, dict | None]:
     if cfg.model.init:
         init = resolve_init(cfg.model.init, Path(cfg.source).parent, cfg.source)
     graph = init.path if init is not None and cfg.model.architecture == ONNX_ARCHITECTURE else None
-    model = build_model(cfg.model.architecture, cfg.num_classes, cfg.data.channels, onnx_graph=graph)
+    model = task_for(cfg.task).build_model(cfg.model.architecture, cfg.num_classes, cfg.data.channels,
+                                           onnx_graph=graph)
     if init is not None:
         try:
             report = apply_init(model, init, cfg.model.reset, cfg.model.architecture, log)

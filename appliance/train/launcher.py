@@ -23,6 +23,7 @@ from appliance import __version__
 from appliance.core.errors import ApplianceError, ConfigError, DataError
 from appliance.core.manifest import atomic_write_text
 from appliance.core.progress import quiet
+from appliance.tasks import task_for
 from appliance.train import worker_error
 from appliance.train.preflight import interface_address, network_env, split_endpoint
 
@@ -146,17 +147,16 @@ class TrainResult:
     val_confusion: tuple | None = None  # [true][predicted] counts at the last evaluation
     class_names: tuple[str, ...] = ()
     quality: dict | None = None  # the quality gate's figures (appliance.train.quality), once judged
+    task: dict | None = None  # the model card's [task] (None: classification)
 
     def judged(self, thresholds) -> "TrainResult":
         """This result with the quality gate's figures for thresholds (a Thresholds); quality stays
         None without a validation pass that recorded its confusion counts."""
         from dataclasses import replace
 
-        from appliance.train.quality import quality_figures
-
         if self.val_confusion is None:
             return self
-        return replace(self, quality=quality_figures(self.val_confusion, self.class_names, thresholds))
+        return replace(self, quality=task_for(self.task).quality(self.val_confusion, self.class_names, thresholds))
 
     @classmethod
     def from_run_dir(cls, run_dir: Path) -> "TrainResult":
@@ -176,15 +176,16 @@ class TrainResult:
         last = evals[-1] if evals else {}
         confusion = last.get("val_confusion")
         try:
-            names = json.loads((run_dir / MODEL_DIR_NAME / "model.json").read_text()).get("class_names", [])
+            card = json.loads((run_dir / MODEL_DIR_NAME / "model.json").read_text())
+            names, task = card.get("class_names", []), card.get("extra", {}).get("task")
         except (OSError, ValueError, AttributeError):
-            names = []
+            names, task = [], None
         return cls(run_dir=run_dir, model_dir=run_dir / MODEL_DIR_NAME, checkpoints_dir=run_dir / "checkpoints",
                    metrics_path=metrics_path, manifest_path=run_dir / MANIFEST_NAME,
                    steps=int(read_manifest(run_dir)["params"].get("steps", 0)),
                    val_acc=last.get("val_acc"), val_loss=last.get("val_loss"),
                    val_confusion=tuple(map(tuple, confusion)) if isinstance(confusion, list) else None,
-                   class_names=tuple(map(str, names or ())))
+                   class_names=tuple(map(str, names or ())), task=task if isinstance(task, dict) else None)
 
 
 METRICS_NAME = "metrics.jsonl"

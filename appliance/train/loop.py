@@ -34,7 +34,7 @@ from appliance.train.determinism import rng_state, set_determinism, set_rng_stat
 from appliance.core.manifest import atomic_write_text
 from appliance.models import ONNX_ARCHITECTURE, ONNX_GRAPH_NAME, ModelCard, save_trained_model
 from appliance.train.ddp import build_training_model, pick_precision
-from appliance.train.metrics import per_class
+from appliance.tasks import task_for
 from appliance.train.optimizer import build_optimizer, build_scheduler
 from appliance.train import profiling
 from appliance.train.profile_report import PROFILE_HTML, PROFILE_JSON
@@ -81,9 +81,10 @@ def peak_memory_mb(device) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, autocast, num_classes: int = 0) -> dict:
+def evaluate(model, loader, device, autocast, num_classes: int = 0, task=None) -> dict:
     """Loss and top-1 over the whole validation set (each record counted once across ranks), and
     with num_classes the confusion counts val_confusion[true][predicted] (for the quality gate).
+    The task (default classification) says what is counted: images, or labelled pixels.
 
     Takes the unwrapped model: shares may differ by a batch between ranks, and DDP's forward
     would run collectives. Rank 0's buffers (BatchNorm statistics) are what gets saved, so
@@ -93,16 +94,18 @@ def evaluate(model, loader, device, autocast, num_classes: int = 0) -> dict:
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
+    task = task or task_for(None)
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with autocast():
             logits = model(images)
-        totals[0] += nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
-        totals[1] += (logits.argmax(1) == labels).sum()
-        totals[2] += labels.numel()
+        loss, correct, counted, pairs = task.eval_counts(logits, labels, num_classes)
+        totals[0] += loss
+        totals[1] += correct
+        totals[2] += counted
         if num_classes:
             # On the CPU: CUDA's bincount has no deterministic kernel (use_deterministic_algorithms refuses it).
-            pairs = (labels * num_classes + logits.argmax(1)).cpu()
+            pairs = pairs.cpu()
             confusion += torch.bincount(pairs, minlength=num_classes ** 2).to(device)
     dist.all_reduce(totals)
     model.train()
@@ -127,8 +130,9 @@ class TrainWindow:
         self.steps = 0
 
     def count_predictions(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        self.counts[4] += (logits.detach().argmax(1) == labels).sum()
-        self.counts[5] += labels.numel()
+        labelled = labels < logits.shape[1]  # segmentation's ignored pixels are no prediction to count
+        self.counts[4] += ((logits.detach().argmax(1) == labels) & labelled).sum()
+        self.counts[5] += labelled.sum()
 
     def count_step(self, grad_norm: torch.Tensor, clip: float) -> None:
         norm = grad_norm.detach().to(self.counts)
@@ -215,12 +219,14 @@ def train(cfg: Config, resume: str = "auto") -> int:
     def autocast():
         return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
+    task = task_for(cfg.task)
     sharded = cfg.optimizer.zero_redundancy
     local_optimizer = optimizer.optim if sharded else optimizer  # ZeRO: this rank's shard
     card = ModelCard(architecture=cfg.model.architecture, num_classes=cfg.num_classes,
                      in_channels=cfg.data.channels, image_size=cfg.data.image_size, mean=cfg.data.mean,
                      std=cfg.data.std, channel_order="RGB" if cfg.data.channels == 3 else "L",
-                     class_names=cfg.data.classes, extra={"run": cfg.run.name, "made_by": "appliance train"})
+                     class_names=cfg.data.classes,
+                     extra={"run": cfg.run.name, "made_by": "appliance train", **task.card_extra()})
     onnx_graph = Path(cfg.model.init) if cfg.model.architecture == ONNX_ARCHITECTURE else None
     if onnx_graph is not None:
         card.extra["onnx_graph"] = ONNX_GRAPH_NAME
@@ -288,7 +294,7 @@ def train(cfg: Config, resume: str = "auto") -> int:
         bar = Progress(total=total_steps, initial=step, desc="train", unit="step", every=30)
         _progress.append(bar)  # closed before an error line, which then starts a line of its own
     stop = StopFlag()
-    criterion = nn.CrossEntropyLoss()
+    criterion = task.criterion().to(device)
     model.train()
     profiler = start_profiler(cfg, device, rank, step, total_steps, log)
     phase = profiler.phase
@@ -381,17 +387,20 @@ def train(cfg: Config, resume: str = "auto") -> int:
             if val_loader is not None:
                 loader_generator.manual_seed(cfg.run.seed)
                 with phase("validation"):
-                    metrics = evaluate(raw_model, val_loader, device, autocast, cfg.num_classes)
+                    metrics = evaluate(raw_model, val_loader, device, autocast, cfg.num_classes, task)
                 confusion = metrics.pop("val_confusion")  # in metrics.jsonl only, not in checkpoints
+                figures = task.val_figures(confusion, cfg.data.classes)
+                metrics.update({k: v for k, v in figures.items() if not isinstance(v, dict)})  # val_miou, ...
                 if rank == 0:
-                    classes = per_class(confusion, cfg.data.classes)
+                    per_class_figures = {k: v for k, v in figures.items() if isinstance(v, dict)}
                     _log_line(run_dir, {"step": step, "epoch": epoch - 1, **metrics, "val_confusion": confusion,
-                                        "val_precision": classes["precision"], "val_recall": classes["recall"]})
+                                        **per_class_figures})
                     for key, value in metrics.items():
                         writer.add_scalar(f"val/{key[4:]}", value, step)
-                    for figure in ("precision", "recall"):
-                        for name, value in classes[figure].items():
-                            writer.add_scalar(f"val/{figure}/{name}", value, step)
+                    for key, values in per_class_figures.items():
+                        for name, value in values.items():
+                            if value is not None:  # a class seen nowhere has no IoU
+                                writer.add_scalar(f"val/{key[4:]}/{name}", value, step)
                     log(f"epoch {epoch - 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
             with phase("checkpoint"):
                 save(metrics)

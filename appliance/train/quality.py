@@ -22,24 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.core.errors import ConfigError, GateFailed
+from appliance.tasks.classification_figures import pct as _pct, quality_figures  # noqa: F401 (re-exported)
+from appliance.tasks.thresholds import GATE_KEYS, Thresholds  # noqa: F401 (re-exported)
 
 QUALITY_JSON = "quality.json"
-# [train] keys that judge the model and do not decide its weights (kept out of the training hash).
-GATE_KEYS = ("min_val_acc", "min_class_recall", "baseline_margin", "max_predicted_share")
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    min_val_acc: float = 0.0
-    min_class_recall: float = 0.0
-    baseline_margin: float = 0.1
-    max_predicted_share: float = 0.95
-
-    @classmethod
-    def of(cls, train_section) -> "Thresholds":
-        """The thresholds of a [train] section (a TrainSection, or a dict as read from TOML)."""
-        get = train_section.get if isinstance(train_section, dict) else lambda k, d: getattr(train_section, k, d)
-        return cls(**{k: float(get(k, getattr(cls, k))) for k in GATE_KEYS})
 
 
 def check_thresholds(train_section, source: str) -> None:
@@ -52,48 +38,11 @@ def check_thresholds(train_section, source: str) -> None:
         raise ConfigError(f"{source}: [train] max_predicted_share is a fraction in (0, 1], got {t.max_predicted_share}")
 
 
-def quality_figures(confusion, class_names=(), thresholds: Thresholds = Thresholds()) -> dict:
-    """The gate's figures from confusion[true][predicted] counts; `passed` and `failures` say the verdict."""
-    rows = [[int(c) for c in row] for row in confusion]
-    n_classes = len(rows)
-    names = [str(c) for c in class_names] if len(class_names) == n_classes else [str(i) for i in range(n_classes)]
-    true_counts = [sum(row) for row in rows]
-    predicted_counts = [sum(row[j] for row in rows) for j in range(n_classes)]
-    samples = sum(true_counts)
-    if samples == 0:
-        return {"samples": 0, "passed": False, "failures": ["the validation pass saw no sample"],
-                "thresholds": asdict(thresholds)}
-    correct = sum(rows[i][i] for i in range(n_classes))
-    val_acc = correct / samples
-    majority = max(range(n_classes), key=lambda i: true_counts[i])
-    baseline = true_counts[majority] / samples
-    top = max(range(n_classes), key=lambda j: predicted_counts[j])
-    top_share = predicted_counts[top] / samples
-    required = max(thresholds.min_val_acc, baseline + thresholds.baseline_margin * (1 - baseline))
-    recall = {names[i]: rows[i][i] / true_counts[i] for i in range(n_classes) if true_counts[i]}
-    failures = []
-    if val_acc < required:
-        failures.append(f"val top-1 {_pct(val_acc)} is below the {_pct(required)} required "
-                        f"(majority-class baseline {_pct(baseline)}, class {names[majority]!r})")
-    if top_share >= thresholds.max_predicted_share and true_counts[top] / samples < thresholds.max_predicted_share:
-        failures.append(f"it predicts class {names[top]!r} for {_pct(top_share)} of the samples "
-                        f"({_pct(true_counts[top] / samples)} are that class)")
-    low = {name: r for name, r in recall.items() if r < thresholds.min_class_recall}
-    if low:
-        failures.append(f"class recall below min_class_recall {_pct(thresholds.min_class_recall)}: "
-                        + ", ".join(f"{name!r} {_pct(r)}" for name, r in low.items()))
-    return {"samples": samples, "val_acc": val_acc, "majority_baseline": baseline, "majority_class": names[majority],
-            "required_val_acc": required, "top_predicted_class": names[top], "top_predicted_share": top_share,
-            "class_recall": recall, "class_counts": dict(zip(names, true_counts)), "confusion": rows,
-            "passed": not failures, "failures": failures, "thresholds": asdict(thresholds)}
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f} %"
-
-
 def summary_line(run: str, figures: dict) -> str:
-    """One line: the run, val top-1, the baseline, and the verdict (with the first reason)."""
+    """One line: the run, val top-1, the baseline, and the verdict (with the first reason).
+    A task whose figures carry their own "verdict" line (segmentation's mIoU) is given that."""
+    if "verdict" in figures:
+        return f"run {run}: {figures['verdict']}"
     if "val_acc" not in figures:
         return f"run {run}: quality gate failed: {figures['failures'][0]}"
     head = (f"run {run}: val top-1 {_pct(figures['val_acc'])} vs majority-class baseline "

@@ -51,6 +51,9 @@ def training_report(metrics_path: Path, names=()) -> dict:
         report["confusion"] = {"step": last["step"], "epoch": last.get("epoch"),
                                "classes": class_names(len(confusion), names), "counts": confusion,
                                **per_class(confusion, names)}
+    if last is not None and "val_miou" in last:  # segmentation: mIoU by epoch, IoU per class at the end
+        report["segmentation"] = {"val_miou": [r.get("val_miou") for r in val],
+                                  "val_pixel_acc": [r.get("val_pixel_acc") for r in val], "iou": last.get("val_iou")}
     return report
 
 
@@ -136,6 +139,20 @@ def confusion_table(confusion: dict) -> str:
             f"<tr><th>precision</th>{precision}<td></td></tr></table>")
 
 
+def _segmentation_html(report: dict) -> list[str]:
+    """Segmentation runs: validation mIoU and pixel accuracy by step, and the last IoU per class."""
+    seg = report.get("segmentation")
+    if not seg:
+        return []
+    steps = report["val"]["step"]
+    rows = "".join(f"<tr><th>{html.escape(name)}</th><td>{'n/a' if iou is None else f'{iou:.1%}'}</td></tr>"
+                   for name, iou in (seg["iou"] or {}).items())
+    return ["<h2>Segmentation (validation)</h2>",
+            line_chart_svg("mIoU and pixel accuracy", [("mIoU", steps, seg["val_miou"]),
+                                                       ("pixel accuracy", steps, seg["val_pixel_acc"])], "chart-miou"),
+            f'<table id="iou"><tr><th>class</th><th>IoU</th></tr>{rows}</table>']
+
+
 def render_html(report: dict, run_name: str) -> str:
     t, v = report["train"], report["val"]
     acc_series = [("train", t["step"], t["train_acc"])] + ([("validation", v["step"], v["val_acc"])] if v["step"] else [])
@@ -149,6 +166,7 @@ def render_html(report: dict, run_name: str) -> str:
                              "chart-clipped")]
     body = [f"<p>{report['steps']} steps; curves per logging window from {html.escape(report['metrics'])}.</p>",
             "<h2>Training curves</h2>", *charts]
+    body += _segmentation_html(report)
     confusion = report["confusion"]
     if confusion is not None:
         body += [f"<h2>Confusion matrix (validation after epoch {confusion['epoch']}, step {confusion['step']})</h2>",

@@ -30,6 +30,10 @@ def register_data_verb(data_subparsers) -> None:
     p.add_argument("--label-key", default="image/class/label", help="feature holding the class (default image/class/label)")
     p.add_argument("--max-pixels", type=values.positive_int, default=None, help="larger images are quarantined (default 64M)")
     p.add_argument("--near-distance", type=values.non_negative_int, default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
+    p.add_argument("--num-classes", type=values.positive_int, default=None,
+                   help="segmentation masks: class ids are 0..N-1 (default: inferred from all masks; strays quarantined)")
+    p.add_argument("--ignore-label", type=values.non_negative_int, default=255,
+                   help="segmentation masks: the class id of pixels that count for nothing (default 255)")
     p.add_argument("--jobs", type=values.positive_int, default=None, help="worker processes (default: one per file, up to the cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress output")
     p.add_argument("--quiet", action="store_true", help="no progress output (results and errors still print)")
@@ -54,7 +58,8 @@ def check_command(args) -> int:
         inputs, args.out, schema_path=args.schema, fail_on=args.fail_on, image_key=args.image_key,
         label_key=args.label_key, max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
         near_distance=args.near_distance, jobs=args.jobs, progress=not (args.no_progress or args.quiet),
-        command=["appliance", *sys.argv[1:]], summary_stream=sys.stderr if args.json else None)
+        command=["appliance", *sys.argv[1:]], summary_stream=sys.stderr if args.json else None,
+        num_classes=args.num_classes, ignore_label=args.ignore_label)
     if args.json:
         print(json.dumps(report))
     return status

@@ -44,7 +44,8 @@ def remake_command(report: dict, out_dir: Path | None = None) -> str:
     if report.get("schema_source", "").startswith("given: "):
         args += ["--schema", report["schema_source"][len("given: "):]]
     for key, option in (("fail_on", "--fail-on"), ("image_key", "--image-key"), ("label_key", "--label-key"),
-                        ("max_pixels", "--max-pixels"), ("near_distance", "--near-distance")):
+                        ("max_pixels", "--max-pixels"), ("near_distance", "--near-distance"),
+                        ("num_classes", "--num-classes"), ("ignore_label", "--ignore-label")):
         if params.get(key) is not None:
             args += [option, str(params[key])]
     return shlex.join(args)
@@ -104,6 +105,7 @@ def render(report: dict, thumbs: dict, out_dir: Path | None = None) -> str:
     else:
         out.append("<p>No labels found.</p>")
 
+    out += _segmentation(report, thumbs)
     out.append("<h2>Statistics</h2><p>Red dashed: 3-sigma bounds; orange dotted: median/MAD bounds "
                "(modified z-score 3.5). A value outside either is an outlier.</p><div class='plots'>")
     for name, stat in report["statistics"].items():
@@ -144,6 +146,33 @@ def render(report: dict, thumbs: dict, out_dir: Path | None = None) -> str:
                f"quarantine/ (reasons in {escape(report['quarantine']['reasons'])}).</p>")
     out.append("</body></html>")
     return "\n".join(out)
+
+
+def _segmentation(report: dict, thumbs: dict) -> list[str]:
+    """Masks: pixel share and images per class, empty masks, overlays of valid and quarantined masks."""
+    seg = report.get("segmentation")
+    if not seg:
+        return []
+    classes = list(seg["pixel_share"])
+    out = [f"<h2>Masks</h2><p>{seg['masks']} valid masks, {seg['num_classes']} classes "
+           f"({escape(seg['num_classes_source'])}), ignore label {seg['ignore_label']} "
+           f"({100 * seg['ignored_pixel_share']:.2f} % of pixels); {seg['empty_masks']} masks with no "
+           f"foreground class; classes in no image: {seg['classes_in_no_image'] or 'none'}.</p><div class='plots'>",
+           bar_chart(classes, [round(1000 * seg["pixel_share"][c]) for c in classes],
+                     "labelled pixels per class (per mille)", "plot-pixel-share"),
+           bar_chart(classes, [seg["images_per_class"][c] for c in classes], "images per class",
+                     "plot-images-per-class"), "</div>"]
+    overlays = thumbs.get("overlays") or {}
+    legend = " ".join(f"<span style='background:{colour};padding:0 6px'>&nbsp;</span> class {escape(c)}"
+                      for c, colour in overlays.get("colours", {}).items())
+    out.append(f"<h3>Mask overlays</h3><p>{legend}; ignored pixels white.</p><div class='thumbs' id='overlays'>")
+    out += [_thumb(item) for item in overlays.get("valid", [])]
+    out.append("</div>")
+    if overlays.get("bad"):
+        out.append("<h3>Quarantined masks</h3><div class='thumbs' id='bad-masks'>")
+        out += [_thumb(item) for item in overlays["bad"]]
+        out.append("</div>")
+    return out
 
 
 def _thumb(item: dict) -> str:

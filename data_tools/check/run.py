@@ -29,6 +29,8 @@ from data_tools.check import gate as gate_rules
 from data_tools.check.balance import label_balance
 from data_tools.check.duplicates import copies_to_quarantine, exact_groups, near_groups
 from data_tools.check.image_probe import DEFAULT_MAX_PIXELS
+from data_tools.check.masks import add_mask_keys, mask_range_from_all, segmentation_report
+from data_tools.check.mask_overlays import collect_overlays
 from data_tools.check.outliers import flag_outliers, outlier_bounds
 from data_tools.check.quarantine import move_to_quarantine, write_reasons
 from data_tools.check.report_html import write_html
@@ -43,9 +45,11 @@ SCHEMA_SAMPLE = 256  # records read to infer a schema
 def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None, fail_on: str | None = None,
               image_key="image/encoded", label_key="image/class/label", max_pixels=DEFAULT_MAX_PIXELS,
               near_distance: int = 4, jobs: int | None = None, progress: bool = True,
-              command: list[str] | None = None, summary_stream=None) -> tuple[dict, int]:
+              command: list[str] | None = None, summary_stream=None, num_classes: int | None = None,
+              ignore_label: int = 255) -> tuple[dict, int]:
     """Check (path, split) inputs, write the output directory; returns (report, exit status).
-    The one-line summary goes to summary_stream (default stdout)."""
+    The one-line summary goes to summary_stream (default stdout). num_classes and ignore_label
+    apply to segmentation masks (records with image/segmentation/class/encoded)."""
     conditions = gate_rules.parse_fail_on(fail_on)
     if not 0 <= near_distance <= 7:
         raise ConfigError(f"--near-distance must be 0..7 bits (got {near_distance})")
@@ -56,11 +60,11 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
         return _run_locked(inputs, Path(out_dir), schema_path=schema_path, fail_on=fail_on, conditions=conditions,
                            image_key=image_key, label_key=label_key, max_pixels=max_pixels,
                            near_distance=near_distance, jobs=jobs, progress=progress, command=command,
-                           summary_stream=summary_stream)
+                           summary_stream=summary_stream, masks=(num_classes, ignore_label))
 
 
 def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_key, label_key, max_pixels,
-                near_distance, jobs, progress, command, summary_stream) -> tuple[dict, int]:
+                near_distance, jobs, progress, command, summary_stream, masks=(None, 255)) -> tuple[dict, int]:
     stage = out / ".check-partial"
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "clean").mkdir(parents=True)
@@ -71,6 +75,7 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
         schema, schema_source = load_schema(schema_path), f"given: {schema_path}"
     else:
         schema, schema_source = infer_schema(_schema_sample(paths), image_key, label_key), "inferred"
+    schema = add_mask_keys(schema, *masks)
     names = shard_names(paths)
     tasks = [ScanTask(i, p, split, names[i], str(stage), schema, max_pixels)
              for i, (p, split) in enumerate(inputs)]
@@ -85,7 +90,7 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
             print(f"appliance data check: {result.path}: every record rejected "
                   f"({count} x {check}, e.g. {detail})", file=sys.stderr)
 
-    late = _label_range_from_all(results, schema)
+    late = _label_range_from_all(results, schema) + mask_range_from_all(results, schema)
     stray = {rid for rid, _, _ in late}
     groups = exact_groups(((r.file_index, n), h) for r in results for n, h, _ in r.hashes()
                           if (r.file_index, n) not in stray)
@@ -108,9 +113,15 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
     if gate_metrics["imbalance"] is None:  # an empty class cannot be learnt; no labels: nothing to balance
         gate_metrics["imbalance"] = float("inf") if labels["empty_classes"] else 1.0
     report["gate"] = gate_rules.evaluate(conditions, gate_metrics)
+    segmentation = segmentation_report(results, schema)
+    if segmentation:
+        report["segmentation"] = segmentation
+        report["params"].update(num_classes=masks[0], ignore_label=masks[1])
 
     _publish(stage, out)
     thumbs = collect_thumbnails(out, report, results, names)
+    if segmentation:
+        thumbs["overlays"] = collect_overlays(out, report, results, names)
     write_json(out / "report.json", report)
     atomic_write_text(out / "schema.json", json.dumps(schema, indent=2) + "\n")
     write_html(out / "report.html", report, thumbs)

@@ -18,6 +18,7 @@ from pathlib import Path
 from appliance.core.errors import DataError
 from appliance.core.inputs import describe
 from data_tools.check.image_probe import ImageProblem, content_hash, probe_image
+from data_tools.check.masks import empty_mask_note, mask_summary
 from data_tools.check.schema import schema_num_classes, validate
 from data_tools.example import decode_example
 from data_tools.labels import label_problem
@@ -86,6 +87,7 @@ class FileResult:
     stats: dict = dataclasses.field(default_factory=dict)  # statistic -> Column
     notes: list = dataclasses.field(default_factory=list)  # reported, not quarantined: (record, check, detail)
     class_names: dict = dataclasses.field(default_factory=dict)  # label -> first image/class/text seen
+    masks: dict = dataclasses.field(default_factory=dict)  # segmentation: record -> {"classes", "pixels"}
 
     def offset(self, number: int) -> int | None:
         return self.offsets[number] if 0 <= number < len(self.offsets) and self.offsets[number] >= 0 else None
@@ -197,6 +199,11 @@ def check_record(data: bytes, schema: dict, max_pixels: int) -> tuple[list, dict
             probe = probe_image(encoded, max_pixels)
         except ImageProblem as err:
             return [(err.check, err.detail)], {}
+        if schema.get("mask_key"):
+            problem, summary["mask"] = mask_summary(example, probe.width, probe.height, schema)
+            if problem:
+                return [problem], {}
+            summary["mask_note"] = empty_mask_note(summary["mask"], schema["ignore_label"])
         summary.update(content=content_hash(encoded), phash=probe.phash, image=probe, encoded_size=len(encoded))
         declared = example.get("image/format")
         if isinstance(declared, list) and declared and declared[0].decode("ascii", "replace").lower() not in (
@@ -225,8 +232,12 @@ def _keep_summary(result: FileResult, number: int, summary: dict) -> None:
             result.stats.setdefault(name, Column()).append(number, float(value))
     for key, value in summary["numeric"].items():
         result.stats.setdefault(key, Column()).append(number, value)
-    if "note" in summary:
-        check, detail = summary["note"]
+    if summary.get("mask") is not None:
+        result.masks[number] = summary["mask"]
+    for note in (summary.get("note"), summary.get("mask_note")):
+        if not note:
+            continue
+        check, detail = note
         result.notes.append((number, check, detail))
         result.checks[check] += 1
 

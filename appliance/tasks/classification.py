@@ -1,0 +1,45 @@
+"""Image classification: one label per image, top-1 and per-class precision/recall, the majority-class gate.
+
+Its samples are made where they always were (appliance/train/data.py: decode, resize or the
+seeded augmentation); this object only answers the questions the training loop and the gate ask,
+with exactly the arithmetic they used before tasks existed, so its outputs are unchanged.
+"""
+
+from __future__ import annotations
+
+from appliance.models import ARCHITECTURES, build_model
+from appliance.tasks.classification_figures import per_class, quality_figures
+
+
+class Classification:
+    kind = "classification"
+    architectures = ARCHITECTURES
+
+    def build_model(self, architecture: str, num_classes: int, in_channels: int = 3, onnx_graph=None):
+        return build_model(architecture, num_classes, in_channels, onnx_graph=onnx_graph)
+
+    def dataset(self, cfg, files, augment: bool = False):
+        return None  # the training data module's own (image, label) dataset
+
+    def criterion(self):
+        from torch import nn
+
+        return nn.CrossEntropyLoss()
+
+    def eval_counts(self, logits, labels, num_classes: int):
+        """(loss sum, correct, counted, flat true*K + predicted pairs) of one validation batch."""
+        from torch import nn
+
+        predicted = logits.argmax(1)
+        return (nn.functional.cross_entropy(logits.float(), labels, reduction="sum"),
+                (predicted == labels).sum(), labels.numel(), labels * num_classes + predicted)
+
+    def val_figures(self, confusion, names=()) -> dict:
+        classes = per_class(confusion, names)
+        return {"val_precision": classes["precision"], "val_recall": classes["recall"]}
+
+    def quality(self, confusion, names, thresholds) -> dict:
+        return quality_figures(confusion, names, thresholds)
+
+    def card_extra(self) -> dict:
+        return {}

@@ -1,0 +1,78 @@
+"""Semantic segmentation: a class per pixel, DeepLab-convention records, per-pixel cross-entropy
+with the ignore label, mIoU / per-class IoU / pixel accuracy, and the most-common-class gate.
+
+A record becomes a sample in data_tools.augment_masks.SegmentationSamples: the image and its
+mask, augmented together (same geometry, nearest for the mask) when training, and on the
+preprocessing grid of the edge device when evaluating.
+"""
+
+from __future__ import annotations
+
+from appliance.tasks.segmentation_figures import iou_figures, segmentation_quality
+from data_tools.segmentation import IGNORE_LABEL, IMAGE_KEY, MASK_KEY
+
+# The names segmentation_models builds; listed here so reading a config does not import torch.
+SEGMENTATION_ARCHITECTURES = ("unet_small", "lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large",
+                              "deeplabv3_resnet50", "fcn_resnet50")
+
+
+class Segmentation:
+    kind = "segmentation"
+    architectures = SEGMENTATION_ARCHITECTURES
+
+    def __init__(self, ignore_label: int = IGNORE_LABEL, class_weights: tuple[float, ...] = ()):
+        self.ignore_label, self.class_weights = int(ignore_label), tuple(class_weights)
+
+    def build_model(self, architecture: str, num_classes: int, in_channels: int = 3, onnx_graph=None):
+        # Late: the module defines torch modules, and configs are read where torch is not wanted.
+        from appliance.tasks.segmentation_models import build_segmentation_model
+
+        return build_segmentation_model(architecture, num_classes, in_channels)
+
+    def dataset(self, cfg, files, augment: bool = False):
+        """(image, mask) samples of files; augmented by [augment] when augment is set."""
+        from data_tools.augment_masks import JointTrainTransform, SegmentationSamples
+        from data_tools.dataset import TFRecordDataset
+        from data_tools.preprocessing import preprocessing_of
+
+        d = cfg.data
+        image_key = d.image_key if d.image_key else IMAGE_KEY
+        records = TFRecordDataset(files, features={image_key: "bytes", MASK_KEY: "bytes"})
+        preprocessing = preprocessing_of({"image_size": d.image_size, "mean": d.mean, "std": d.std,
+                                          "channel_order": "RGB" if d.channels == 3 else "L"})
+        transform = None
+        if augment:
+            a = cfg.augment
+            transform = JointTrainTransform(d.image_size, seed=cfg.run.seed, degrees=a.degrees, hue=a.hue,
+                                            saturation=a.saturation, value=a.value, scale=tuple(a.crop_scale),
+                                            flip_probability=a.flip_probability, mean=d.mean, std=d.std,
+                                            debug=a.debug, ignore_label=self.ignore_label)
+        return SegmentationSamples(records, num_classes=cfg.num_classes, preprocessing=preprocessing,
+                                   transform=transform, ignore_label=self.ignore_label, image_key=image_key)
+
+    def criterion(self):
+        import torch
+        from torch import nn
+
+        weight = torch.tensor(self.class_weights, dtype=torch.float32) if self.class_weights else None
+        return nn.CrossEntropyLoss(weight=weight, ignore_index=self.ignore_label)
+
+    def eval_counts(self, logits, labels, num_classes: int):
+        """(loss sum, correct pixels, labelled pixels, true*K + predicted per labelled pixel) of a batch."""
+        from torch import nn
+
+        valid = labels != self.ignore_label
+        predicted = logits.argmax(1)
+        loss = nn.functional.cross_entropy(logits.float(), labels, ignore_index=self.ignore_label, reduction="sum")
+        return loss, ((predicted == labels) & valid).sum(), valid.sum(), (labels * num_classes + predicted)[valid]
+
+    def val_figures(self, confusion, names=()) -> dict:
+        f = iou_figures(confusion, names)
+        return {"val_miou": f["miou"], "val_pixel_acc": f["pixel_acc"], "val_iou": f["iou"],
+                "val_recall": f["recall"]}
+
+    def quality(self, confusion, names, thresholds) -> dict:
+        return segmentation_quality(confusion, names, thresholds)
+
+    def card_extra(self) -> dict:
+        return {"task": {"kind": self.kind, "ignore_label": self.ignore_label}}
