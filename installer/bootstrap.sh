@@ -35,7 +35,7 @@ for arg in "$@"; do
     --edge-wheels) want_edge=1 ;;
     --edge-sysroot) want_sysroot=1 ;;
     --site-wheels) want_site=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "bootstrap: unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
