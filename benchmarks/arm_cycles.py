@@ -46,7 +46,7 @@ CLOCKS_HZ = {"cortex-a76": 2.4e9, "cortex-a55": 1.8e9}
 MCA_ITERATIONS = 100
 SENTINEL = "brk\t#0xbeef"  # between blocks in one llvm-mc run, to split its output again
 GUEST_WHEELS = ("numpy-", "ml_dtypes-", "apache_tvm-", "apache_tvm_ffi-", "onnxruntime-", "protobuf-",
-                "flatbuffers-", "packaging-")
+                "typing_extensions-", "flatbuffers-", "packaging-")
 CORTEX_A76_CPUINFO = ("processor\t: 0\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 "
                       "atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\nCPU implementer\t: 0x41\n"
                       "CPU architecture: 8\nCPU variant\t: 0x4\nCPU part\t: 0xd0b\nCPU revision\t: 1\n\n")
