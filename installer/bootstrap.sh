@@ -14,7 +14,8 @@
 #   installer/bootstrap.sh --edge-sysroot  also fetch the arm64 Debian .debs of python3.11 into
 #                                      wheelhouse/edge-sysroot-arm64 (`edge verify --python`)
 #   installer/bootstrap.sh --system    also apt-get install the Debian tools the tests need
-#                                      (aarch64 cross compiler, qemu-user, chromium, minisign), when missing
+#                                      (aarch64 cross compiler, qemu-user, chromium, minisign, llvm-16,
+#                                      libglib2.0-dev), when missing, and qemu-plugin.h (wheelhouse/qemu-plugin)
 #
 # Idempotent: a venv whose lock and pyproject.toml are unchanged since its last
 # successful bootstrap is left alone (a stamp file records their sha256).
@@ -34,14 +35,16 @@ for arg in "$@"; do
     --edge-wheels) want_edge=1 ;;
     --edge-sysroot) want_sysroot=1 ;;
     --site-wheels) want_site=1 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "bootstrap: unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
 
 # minisign: the bundle tests check that stock minisign verifies our bundle signatures.
-DEBIAN_PACKAGES=(g++-aarch64-linux-gnu qemu-user chromium minisign)
-DEBIAN_BINARIES=(aarch64-linux-gnu-g++ qemu-aarch64 chromium minisign)
+# llvm-16 (llvm-mca, llvm-mc), libglib2.0-dev and pkg-config: benchmarks/arm_cycles.py's qemu plugin
+# and its block costing (tests/deploy/test_arm_cycles.py).
+DEBIAN_PACKAGES=(g++-aarch64-linux-gnu qemu-user chromium minisign llvm-16 libglib2.0-dev pkg-config)
+DEBIAN_BINARIES=(aarch64-linux-gnu-g++ qemu-aarch64 chromium minisign llvm-mca-16 gdbus-codegen pkg-config)
 
 install_system() {
   local missing=() i
@@ -123,7 +126,11 @@ fetch_wheels() {
   echo "$stamp" > "$dest/.lock-sha256"
 }
 
-[ "$want_system" -eq 1 ] && install_system
+if [ "$want_system" -eq 1 ]; then
+  install_system
+  # qemu-plugin.h of the installed qemu-user (Debian's source package): arm_cycles.py's plugin builds on it
+  benchmarks/qemu_plugin/fetch_header.sh wheelhouse/qemu-plugin
+fi
 [ "$want_edge" -eq 1 ] && fetch_wheels edge-aarch64 aarch64
 [ "$want_site" -eq 1 ] && fetch_wheels trainer-cpu x86_64
 make_venv .venv manifests/dev.lock
