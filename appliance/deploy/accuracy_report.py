@@ -10,11 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
+from appliance.deploy.onnx_model import run_ort
+from appliance.core.html_report import bars_svg, page
+from appliance.core.manifest import atomic_write_text
+
 
 def evaluate(session, x: np.ndarray, y: np.ndarray) -> dict:
     """Predictions, top-1 and median single-sample latency of an onnxruntime session."""
-    from appliance.deploy.onnx_model import run_ort
-
     logits = run_ort(session, x, batch=64)
     name = session.get_inputs()[0].name
     dtype = np.float16 if "float16" in session.get_inputs()[0].type else np.float32
@@ -47,9 +49,6 @@ def compare(fp32_path, quant_path, fp32: dict, quant: dict, mode: str, samples: 
 
 
 def write_reports(out_dir: Path, report: dict) -> None:
-    from appliance.core.html_report import bars_svg, page
-    from appliance.core.manifest import atomic_write_text
-
     atomic_write_text(out_dir / "accuracy.json", json.dumps(report, indent=2) + "\n")
     q, f, mode = report["quantized"], report["fp32"], report["mode"].upper()
     charts = "".join([

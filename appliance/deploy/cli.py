@@ -8,16 +8,11 @@ import json
 from pathlib import Path
 
 from appliance.core import values
-from appliance.deploy import quantize
-from appliance.deploy.compiler import driver as tvm_compile
-from appliance.deploy.edge import sysroot as edge_sysroot
-from appliance.deploy import verify as edge_verify
-from appliance.deploy.edge import glibc_floor
-from appliance.deploy.gpu import routes as gpu_routes
-from appliance.deploy.edge import qemu
-from appliance.deploy.export import DEFAULT_MAX_REL_ERROR
 from appliance.core.errors import GateFailed
-
+from appliance.deploy import options
+from appliance.deploy.compiler import driver as tvm_compile
+from appliance.deploy.edge import glibc_floor, qemu
+from appliance.deploy.edge import sysroot as edge_sysroot
 
 def register(subparsers) -> None:
     register_export(subparsers)
@@ -42,13 +37,13 @@ def register_export(subparsers) -> None:
                    help="validation TFRecord files (or a .npz of tensors) for the parity check; "
                    "default: 16 seeded random images")
     p.add_argument("--num-samples", type=values.positive_int, default=64)
-    p.add_argument("--max-rel-error", type=values.non_negative_float, default=DEFAULT_MAX_REL_ERROR,
+    p.add_argument("--max-rel-error", type=values.non_negative_float, default=options.DEFAULT_MAX_REL_ERROR,
                    help="fail when max|torch-onnx| / max|torch| exceeds this (default 1e-5)")
     p.set_defaults(func=export_command)
 
 
 def export_command(args) -> int:
-    from appliance.deploy.export import export_model, parse_batch
+    from appliance.deploy.export import export_model, parse_batch  # lazy: numpy and onnx, at the CLI boundary
 
     batch = parse_batch(args.batch)
     report = export_model(args.model, args.out, opset=args.opset, batch=batch, sample_files=args.samples,
@@ -71,9 +66,9 @@ def register_quantize(subparsers) -> None:
     p.add_argument("--val", nargs="+", metavar="DATA", help="labelled validation data (default: --calib)")
     p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
     p.add_argument("--mode", choices=["int8", "fp16"], default="int8")
-    p.add_argument("--method", choices=quantize.METHODS, default="minmax", help="INT8 calibration method")
+    p.add_argument("--method", choices=options.METHODS, default="minmax", help="INT8 calibration method")
     p.add_argument("--per-channel", action="store_true", help="INT8: per-channel weight scales")
-    p.add_argument("--scheme", choices=quantize.SCHEMES, default="s8s8",
+    p.add_argument("--scheme", choices=options.SCHEMES, default="s8s8",
                    help="INT8 types: s8s8 (default, accurate on any CPU) or u8s8 with 7-bit weights "
                    "(reduce_range: onnxruntime's faster x86 kernels without their AVX2 saturation)")
     p.add_argument("--calib-samples", type=values.positive_int, default=128)
@@ -84,7 +79,7 @@ def register_quantize(subparsers) -> None:
 
 
 def quantize_command(args) -> int:
-    from appliance.deploy.quantize import quantize_model
+    from appliance.deploy.quantize import quantize_model  # lazy: numpy and onnx, at the CLI boundary
 
     report = quantize_model(args.model, args.calib, args.out, val_files=args.val, mode=args.mode,
                             method=args.method, per_channel=args.per_channel, scheme=args.scheme,
@@ -107,7 +102,7 @@ def register_compile(subparsers) -> None:
         description="Compile MODEL.onnx with TVM Relax into DIR/model.so for the target. ARM targets "
         f"need {tvm_compile.CROSS_COMPILER}; the x86_64 build is compared with onnxruntime.")
     p.add_argument("model", metavar="MODEL.onnx")
-    p.add_argument("--target", required=True, choices=[*sorted(tvm_compile.TARGETS), *gpu_routes.GPU_TARGETS])
+    p.add_argument("--target", required=True, choices=[*sorted(tvm_compile.TARGETS), *options.GPU_TARGETS])
     p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
@@ -139,18 +134,23 @@ def register_compile(subparsers) -> None:
                    help="do not apply the installed tuning databases ($APPLIANCE_TUNING_DIR, then tuning/ next to "
                    "the venv) that match the target and CPU; they apply by default when neither --tune nor "
                    "--tuning-db is given")
-    gpu_routes.add_arguments(p)
+    p.add_argument("--int8-calib", nargs="+", metavar="DATA",
+                   help="tensorrt: also build an INT8 engine, calibrated on these TFRecord files or .npz "
+                   "(the calibration data of `appliance quantize`)")
+    p.add_argument("--max-drop", type=float, default=1.0,
+                   help="cuda-ort/tensorrt: allowed top-1 drop in points against FP32 on labelled --samples "
+                   "(default 1.0)")
     p.set_defaults(func=compile_command)
 
 
 def compile_command(args) -> int:
-    from appliance.deploy.compiler.driver import compile_model, refuse_failed_gate
+    if args.target in options.GPU_TARGETS:
+        from appliance.deploy.gpu import routes as gpu_routes  # lazy: numpy and onnx, at the CLI boundary
 
-    if args.target in gpu_routes.GPU_TARGETS:
         return gpu_routes.run(args)
     if not args.allow_failed_gate:
-        refuse_failed_gate(args.model)
-    info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
+        tvm_compile.refuse_failed_gate(args.model)
+    info = tvm_compile.compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
                          tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
                          int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning, rpc=args.rpc, rpc_key=args.rpc_key)
     if "tuning" in info:
@@ -202,7 +202,7 @@ def register_package(subparsers) -> None:
 
 
 def package_command(args) -> int:
-    from appliance.deploy.package import build_package
+    from appliance.deploy.package import build_package  # lazy: numpy and onnx, at the CLI boundary
 
     info = build_package(args.compiled, args.out, wheelhouse=args.wheelhouse, with_python=args.with_python,
                          glibc_floor=args.glibc_floor, sample_files=args.samples)
@@ -234,8 +234,8 @@ def register_edge(subparsers) -> None:
                    help="also run python/run.py inside an arm64 Python sysroot under qemu (about 15 s more)")
     p.add_argument("--sysroot-debs", metavar="DIR",
                    help="arm64 .debs from `appliance edge sysroot` (default: wheelhouse/edge-sysroot-arm64)")
-    p.add_argument("--bench-runs", type=values.non_negative_int, default=edge_verify.BENCH_RUNS, metavar="N",
-                   help=f"timed runs of `bin/run --bench` under qemu (default {edge_verify.BENCH_RUNS}; 0 skips it); "
+    p.add_argument("--bench-runs", type=values.non_negative_int, default=options.BENCH_RUNS, metavar="N",
+                   help=f"timed runs of `bin/run --bench` under qemu (default {options.BENCH_RUNS}; 0 skips it); "
                    "emulated latency, reported and not gated")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
     p.add_argument("--out", metavar="DIR", type=values.output_dir, help="also write verify.json and manifest.json here")
@@ -244,7 +244,7 @@ def register_edge(subparsers) -> None:
 
 
 def verify_command(args) -> int:
-    from appliance.deploy.verify import selftest_line, verify_package
+    from appliance.deploy.verify import selftest_line, verify_package  # lazy: numpy and onnx, at the CLI boundary
 
     report = verify_package(args.package, sample_files=args.samples, num_samples=args.num_samples,
                             min_agreement=args.min_agreement, max_logit_diff=args.max_logit_diff,
@@ -284,8 +284,6 @@ def register_sysroot(verbs) -> None:
 
 
 def sysroot_command(args) -> int:
-    from appliance.deploy.edge.sysroot import fetch_sysroot_debs
-
-    debs = fetch_sysroot_debs(args.out, mirror=args.mirror, suite=args.suite)
+    debs = edge_sysroot.fetch_sysroot_debs(args.out, mirror=args.mirror, suite=args.suite)
     print(f"wrote {len(debs)} arm64 .debs to {args.out}; `appliance edge verify --python` uses them offline")
     return 0

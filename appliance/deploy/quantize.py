@@ -12,9 +12,12 @@ import warnings
 from pathlib import Path
 
 from appliance.core.errors import DataError
+from appliance.deploy.options import METHODS, SCHEMES
+from appliance.deploy.accuracy_report import compare, evaluate, write_reports
+from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
+from appliance.deploy.samples import check_input_shape, load_samples
+from appliance.core.manifest import write_manifest
 
-METHODS = ("minmax", "entropy", "percentile")
-SCHEMES = ("s8s8", "u8s8")
 
 
 class CalibrationSet:
@@ -69,11 +72,6 @@ def quantize_fp16(model, out_path: Path):
 def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="int8", method="minmax",
                    per_channel=False, scheme="s8s8", calib_samples=128, val_samples=1000, max_drop=1.0) -> dict:
     import onnx
-
-    from appliance.deploy.accuracy_report import compare, evaluate, write_reports
-    from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
-    from appliance.deploy.samples import check_input_shape, load_samples
-    from appliance.core.manifest import write_manifest
 
     model_path, out_dir = Path(model_path), Path(out_dir)
     model = load_onnx(model_path)

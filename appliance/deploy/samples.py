@@ -15,6 +15,8 @@ import numpy as np
 
 from data_tools.preprocessing import preprocess_image
 from appliance.core.errors import DataError
+from data_tools.example import decode_example
+from data_tools.tfrecord import read_records
 
 IMAGE_KEY, LABEL_KEY = "image/encoded", "image/class/label"
 
@@ -60,9 +62,6 @@ def _load_tensors(path: Path, limit: int | None) -> Samples:
 
 
 def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -> Samples:
-    from data_tools.example import decode_example
-    from data_tools.tfrecord import read_records
-
     xs, ys = [], []
     for f in files:
         for number, record in enumerate(read_records(f, strict=True)):

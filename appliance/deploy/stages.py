@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.core.errors import DataError, GateFailed
+from appliance.deploy.export import export_model
+from appliance.deploy.quantize import quantize_model
+from appliance.deploy.compiler.driver import compile_model
+from appliance.deploy.package import build_package
+from appliance.core.manifest import atomic_write_text, write_manifest
+from appliance.deploy.verify import verify_package
 
 EXPORTED_MODEL = "model.onnx"
 PARITY_JSON = "parity.json"
@@ -51,8 +57,6 @@ class ExportResult:
 
 
 def export_stage(model_dir: Path, out_dir: Path, *, opset: int, sample_files, max_rel_error: float) -> ExportResult:
-    from appliance.deploy.export import export_model
-
     export_model(model_dir, out_dir, opset=opset, sample_files=list(sample_files), max_rel_error=max_rel_error)
     return ExportResult.load(out_dir)
 
@@ -81,8 +85,6 @@ class QuantizeResult:
 def quantize_stage(model: Path, calib_files, val_files, out_dir: Path, *, mode: str, method: str,
                    per_channel: bool, calib_samples: int, max_drop: float) -> QuantizeResult:
     """Quantize, then measure on val_files; GateFailed when top-1 drops more than max_drop points."""
-    from appliance.deploy.quantize import quantize_model
-
     quantize_model(model, list(calib_files), out_dir, val_files=list(val_files), mode=mode, method=method,
                    per_channel=per_channel, calib_samples=calib_samples, val_samples=1_000_000, max_drop=max_drop)
     result = QuantizeResult.load(out_dir)
@@ -110,8 +112,6 @@ class CompileResult:
 
 
 def compile_stage(model: Path, target: str, out_dir: Path, *, sample_files) -> CompileResult:
-    from appliance.deploy.compiler.driver import compile_model
-
     compile_model(model, target, out_dir, sample_files=list(sample_files))
     return CompileResult.load(out_dir)
 
@@ -141,9 +141,6 @@ def package_file_name(target: str) -> str:
 def package_stage(compiled: CompileResult, out_dir: Path, *, sample_files=None) -> PackageResult:
     """The edge package of a compiled model (its self-test samples from sample_files), with a stage
     manifest (its lineage assembled by write_manifest)."""
-    from appliance.deploy.package import build_package
-    from appliance.core.manifest import atomic_write_text, write_manifest
-
     out_dir = Path(out_dir)
     tar = out_dir / package_file_name(compiled.target)
     info = build_package(compiled.out_dir, tar, sample_files=list(sample_files) if sample_files else None)
@@ -175,8 +172,6 @@ class VerifyResult:
 def verify_stage(package: PackageResult, out_dir: Path, *, sample_files, num_samples: int,
                  min_agreement: float) -> VerifyResult:
     """Run the package under qemu on validation samples; GateFailed when it disagrees with the host."""
-    from appliance.deploy.verify import verify_package
-
     verify_package(package.package, sample_files=list(sample_files), num_samples=num_samples or 1_000_000,
                    min_agreement=min_agreement, out_dir=out_dir)
     result = VerifyResult.load(out_dir)

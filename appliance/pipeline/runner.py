@@ -24,10 +24,15 @@ from typing import Callable
 
 from appliance.core.errors import ConfigError, DataError
 from appliance.core.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs
-from appliance.pipeline.config import PipelineConfig, load_pipeline_config
+from appliance.pipeline.config import STAGES, PipelineConfig, load_pipeline_config
+from appliance.deploy import stages as deploy
+from appliance.train.launcher import TrainResult
+from data_tools.check.stage import CheckResult, REPORT_JSON, result_of, check_stage
+from appliance.train.quality import GATE_KEYS, GateResult, Thresholds, gate_stage
+from appliance.train.stage import train_stage
+from appliance.core.inputs import require_file
 
 RECORDS_DIR = ".pipeline"  # OUT/.pipeline/<stage>.json, outside the stage directories and their manifests
-STAGES = ("check", "train", "gate", "export", "quantize", "compile", "package", "verify")
 
 
 def say(message: str) -> None:
@@ -119,10 +124,6 @@ def _files_in(directory: Path) -> list[Path]:
 
 def plan(cfg: PipelineConfig) -> list[Stage]:
     """The stages in order, each with its parameters, inputs, action and result loader."""
-    from appliance.deploy import stages as deploy
-    from appliance.train.launcher import TrainResult
-    from data_tools.check.stage import CheckResult
-
     out = cfg.out_dir
     stages: list[Stage] = []
 
@@ -135,21 +136,15 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
 
     if cfg.check.enabled:
         def load_check(d: Path) -> CheckResult:
-            from data_tools.check.stage import REPORT_JSON, result_of
-
             return result_of(d, json.loads((d / REPORT_JSON).read_text()))
 
         def check(d: Path, results: Results) -> CheckResult:
-            from data_tools.check.stage import check_stage
-
             files = [(p, "train") for p in cfg.train_files] + [(p, "val") for p in cfg.val_files]
             return check_stage(files, d, fail_on=cfg.check.fail_on)
         stages.append(Stage("check", out / "check", asdict(cfg.check),
                             lambda r: [*cfg.train_files, *cfg.val_files], check, load_check))
 
     def train(d: Path, results: Results) -> TrainResult:
-        from appliance.train.stage import train_stage
-
         check = results.get("check")
         return train_stage(cfg.training, cfg.source, d, train_files=clean(results, "train"),
                            val_files=clean(results, "val"), check_report=check.report_json if check else None,
@@ -158,7 +153,6 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
     # Training reads the data files; their content is in its fingerprint whether or not a check ran.
     # Neither where the processes talk ([distributed]) nor the gate's thresholds decide the weights:
     # changing a threshold reruns the gate only.
-    from appliance.train.quality import GATE_KEYS, GateResult, Thresholds, gate_stage
 
     weights_deciding = {**{k: v for k, v in cfg.training.items() if k != "distributed"},
                         "train": {k: v for k, v in cfg.training.get("train", {}).items() if k not in GATE_KEYS}}
@@ -229,8 +223,6 @@ def run_stages(stages: list[Stage], first_forced: int | None = None) -> tuple[Re
 
 
 def run_pipeline(config_path: str | Path, from_stage: str | None = None, *, quiet_summary: bool = False) -> dict:
-    from appliance.core.inputs import require_file
-
     require_file(config_path, "pipeline config")
     cfg = load_pipeline_config(config_path)
     stages = plan(cfg)

@@ -56,6 +56,7 @@ from appliance.core.errors import ConfigError, EnvironmentProblem
 from appliance.core.values import human_bytes
 from appliance.core.manifest import sha256_file
 from appliance.train import faults
+from appliance.models import save_trained_model
 
 COMMIT_MARKER = "COMMITTED"
 CHECKSUMS = "SHA256SUMS"
@@ -340,8 +341,6 @@ class CheckpointManager:
 
     def _write_own_files(self, tmp: Path, step: int, model, card, optimizer_state: dict,
                          optimizer_sharded: bool, trainer: dict) -> list[Path]:
-        from appliance.models import save_trained_model
-
         owned: list[Path] = []
         if self.rank == 0:
             save_trained_model(tmp, model, card)

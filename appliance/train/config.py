@@ -20,6 +20,7 @@ from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.models import ARCHITECTURES
 from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, Range
 from appliance.train.quality import GATE_KEYS, check_thresholds
+from data_tools.check.gate import require_passing_report
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -278,7 +279,7 @@ def config_from_dict(raw: dict, path: str | Path) -> Config:
         raise ConfigError(f"{source}: [run] name {run.name!r} must be a plain directory name")
     init_sha256 = ""
     if sections["model"].init:
-        from appliance.train.init_weights import resolve_init
+        from appliance.train.init_weights import resolve_init  # lazy: torch; configs are read without it
 
         init = resolve_init(sections["model"].init, base, source)
         if init.kind != "torchvision":  # absolute, as the data paths: the workers read the same file
@@ -299,6 +300,5 @@ def check_data_report(cfg: Config) -> dict | None:
     if not path.exists():
         raise ConfigError(f"{cfg.source}: [data] check_report: {path} does not exist "
                           "(run `appliance data check --fail-on ...` first)")
-    from data_tools.check.gate import require_passing_report
 
     return require_passing_report(path)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.core.errors import ConfigError, GateFailed
+from appliance.core.manifest import atomic_write_text, write_manifest
 
 QUALITY_JSON = "quality.json"
 # [train] keys that judge the model and do not decide its weights (kept out of the training hash).
@@ -104,8 +105,6 @@ def summary_line(run: str, figures: dict) -> str:
 
 
 def write_quality(path: Path, run: str, figures: dict) -> None:
-    from appliance.core.manifest import atomic_write_text
-
     atomic_write_text(path, json.dumps({"run": run, "line": summary_line(run, figures), **figures}, indent=2) + "\n")
 
 
@@ -134,8 +133,6 @@ class GateResult:
 
 def gate_stage(train, thresholds: Thresholds, out_dir: Path) -> GateResult:
     """Judge a TrainResult into out_dir (quality.json + manifest); GateFailed when the model fails."""
-    from appliance.core.manifest import write_manifest
-
     out_dir = Path(out_dir)
     judged = train.judged(thresholds)
     figures = judged.quality

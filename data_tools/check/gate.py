@@ -11,6 +11,7 @@ import operator
 import re
 
 from appliance.core.errors import ConfigError
+from appliance.core.errors import DataError
 
 METRICS = {
     "corrupt": "damaged byte ranges plus records that do not parse",
@@ -70,8 +71,6 @@ def require_passing_report(report_path) -> dict:
     """Load a data check report.json and raise DataError unless its gate passed (for training configs)."""
     import json
     from pathlib import Path
-
-    from appliance.core.errors import DataError
 
     path = Path(report_path)
     try:

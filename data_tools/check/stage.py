@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.core.errors import GateFailed
+from data_tools.check.run import run_check
 
 REPORT_JSON = "report.json"
 REPORT_HTML = "report.html"
@@ -29,8 +30,6 @@ class CheckResult:
 def check_stage(files: list[tuple[Path, str]], out_dir: Path, *, fail_on: str | None) -> CheckResult:
     """Check (file, split) pairs into out_dir; GateFailed (exit 3) when the gate fails or a file
     cannot be read at all."""
-    from data_tools.check.run import run_check
-
     report, status = run_check([(str(p), split) for p, split in files], out_dir, fail_on=fail_on)
     out_dir = Path(out_dir)
     if status != 0:
