@@ -43,13 +43,13 @@ def register_export(subparsers) -> None:
 
 
 def export_command(args) -> int:
-    from appliance.deploy.export import export_model, parse_batch  # lazy: numpy and onnx, at the CLI boundary
+    from appliance.deploy import export, stages  # lazy: torch and onnx, at the CLI boundary
 
-    batch = parse_batch(args.batch)
-    report = export_model(args.model, args.out, opset=args.opset, batch=batch, sample_files=args.samples,
-                          num_samples=args.num_samples, max_rel_error=args.max_rel_error)
-    parity = report["parity"]
-    print(f"wrote {Path(args.out) / 'model.onnx'}: parity on {parity['samples']} {parity['source']} samples: "
+    result = stages.export_stage(args.model, args.out, opset=args.opset, batch=export.parse_batch(args.batch),
+                                 sample_files=args.samples, num_samples=args.num_samples,
+                                 max_rel_error=args.max_rel_error)
+    parity = result.parity["parity"]
+    print(f"wrote {result.model}: parity on {parity['samples']} {parity['source']} samples: "
           f"max abs {parity['max_abs_error']:.3g}, max rel {parity['max_rel_error']:.3g} "
           f"(limit {args.max_rel_error:g}), top-1 agreement {parity['top1_agreement']:.4f}")
     return 0
@@ -79,20 +79,20 @@ def register_quantize(subparsers) -> None:
 
 
 def quantize_command(args) -> int:
-    from appliance.deploy.quantize import quantize_model  # lazy: numpy and onnx, at the CLI boundary
+    from appliance.deploy import stages  # lazy: numpy and onnx, at the CLI boundary
 
-    report = quantize_model(args.model, args.calib, args.out, val_files=args.val, mode=args.mode,
-                            method=args.method, per_channel=args.per_channel, scheme=args.scheme,
-                            calib_samples=args.calib_samples, val_samples=args.val_samples, max_drop=args.max_drop)
-    q, f = report["quantized"], report["fp32"]
-    line = (f"wrote {q['model']}: top-1 {f['top1'] * 100:.2f}% -> {q['top1'] * 100:.2f}% "
-            f"(drop {report['top1_drop_points']:.2f} points, allowed {args.max_drop:g}), agreement "
-            f"{report['prediction_agreement'] * 100:.2f}%, size x{report['size_ratio']:.2f}, latency "
-            f"x{report['latency_ratio']:.2f}; report {Path(args.out) / 'accuracy.html'}")
-    print(json.dumps(report) if args.json else line)
-    if not report["gate_passed"]:
-        raise GateFailed(f"{q['model']}: top-1 dropped {report['top1_drop_points']:.2f} points, more than "
-                         f"--max-drop {args.max_drop:g} (see {Path(args.out) / 'accuracy.html'})")
+    def show(result) -> None:  # before the gate: a failed model's figures are printed too
+        report = result.report
+        q, f = report["quantized"], report["fp32"]
+        line = (f"wrote {q['model']}: top-1 {f['top1'] * 100:.2f}% -> {q['top1'] * 100:.2f}% "
+                f"(drop {report['top1_drop_points']:.2f} points, allowed {args.max_drop:g}), agreement "
+                f"{report['prediction_agreement'] * 100:.2f}%, size x{report['size_ratio']:.2f}, latency "
+                f"x{report['latency_ratio']:.2f}; report {result.html}")
+        print(json.dumps(report) if args.json else line)
+
+    stages.quantize_stage(args.model, args.calib, args.val, args.out, mode=args.mode, method=args.method,
+                          per_channel=args.per_channel, scheme=args.scheme, calib_samples=args.calib_samples,
+                          val_samples=args.val_samples, max_drop=args.max_drop, on_result=show)
     return 0
 
 
@@ -148,11 +148,13 @@ def compile_command(args) -> int:
         from appliance.deploy.gpu import routes as gpu_routes  # lazy: numpy and onnx, at the CLI boundary
 
         return gpu_routes.run(args)
-    if not args.allow_failed_gate:
-        tvm_compile.refuse_failed_gate(args.model)
-    info = tvm_compile.compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
-                         tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
-                         int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning, rpc=args.rpc, rpc_key=args.rpc_key)
+    from appliance.deploy import stages  # lazy: numpy and onnx, at the CLI boundary
+
+    info = stages.compile_stage(
+        args.model, args.target, args.out, sample_files=args.samples, allow_failed_gate=args.allow_failed_gate,
+        tolerance=args.tolerance, tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
+        int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning,
+        rpc=args.rpc, rpc_key=args.rpc_key).info
     if "tuning" in info:
         t = info["tuning"]
         if t["reused"]:

@@ -162,6 +162,19 @@ class TrainResult:
             return self
         return replace(self, quality=quality_figures(self.val_confusion, self.class_names, thresholds))
 
+    @property
+    def out_dir(self) -> Path:
+        return self.run_dir
+
+    def figures(self) -> dict:
+        return {"run_dir": str(self.run_dir), "model_dir": str(self.model_dir), "steps": self.steps,
+                "val_acc": self.val_acc}
+
+    @classmethod
+    def load(cls, out_dir: Path) -> "TrainResult":
+        """The result of a finished run in out_dir (its run directory): the StageResult contract."""
+        return cls.from_run_dir(out_dir)
+
     @classmethod
     def from_run_dir(cls, run_dir: Path) -> "TrainResult":
         run_dir = Path(run_dir)

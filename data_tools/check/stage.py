@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.core.errors import GateFailed
+from appliance.core.errors import DataError, GateFailed
 from data_tools.check.run import run_check
 
 REPORT_JSON = "report.json"
@@ -21,6 +22,18 @@ class CheckResult:
     records_total: int
     records_valid: int
     records_quarantined: int
+
+    @classmethod
+    def load(cls, out_dir: Path) -> "CheckResult":
+        """The result of a finished check in out_dir, from its report.json."""
+        path = Path(out_dir) / REPORT_JSON
+        try:
+            report = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise DataError(f"{path}: missing (is {out_dir} the output of `appliance data check`?)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise DataError(f"{path}: damaged ({err}); run the check again") from None
+        return result_of(Path(out_dir), report)
 
     def figures(self) -> dict:
         return {"records_total": self.records_total, "records_valid": self.records_valid,
