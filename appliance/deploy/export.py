@@ -10,8 +10,8 @@ from appliance.core.errors import DataError
 from appliance.deploy.options import DEFAULT_MAX_REL_ERROR
 from appliance.models import CARD_NAME, WEIGHTS_NAME, load_trained_model
 from appliance.deploy.onnx_model import load_onnx, ort_session, run_ort
-from data_tools.preprocessing import preprocessing_of, preprocess_image
-from appliance.deploy.samples import load_samples, Samples
+from data_tools.preprocessing import preprocessing_of
+from appliance.deploy.samples import load_samples, synthetic_samples
 from appliance.core.manifest import atomic_write_text, write_manifest
 from appliance.core.html_report import columns_svg, page
 from appliance import __version__
@@ -119,18 +119,6 @@ def parity_html(report: dict, per_sample) -> str:
             f"{p['top1_agreement'] * 100:.2f}%.</p>"
             + columns_svg("max |pytorch - onnxruntime| logit per sample", [float(v) for v in per_sample]))
     return page("ONNX export parity", "appliance export", "parity.json", p["passed"], body)
-
-
-def synthetic_samples(preprocessing: dict, channels: int, count: int):
-    """Seeded random images through the shared preprocessing, for when no data was given."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    size = preprocessing["image_size"]
-    shape = (size, size, 3) if preprocessing["channel_order"] == "RGB" else (size, size)
-    x = np.stack([preprocess_image(rng.integers(0, 256, shape, dtype=np.uint8), preprocessing)
-                  for _ in range(count)])
-    return Samples(x, None, [], "synthetic")
 
 
 def _version() -> str:

@@ -33,9 +33,8 @@ from appliance.assets.edge_runner import (RUNTIME_LIBS, build_runner, extract_ru
 from appliance.core.errors import DataError, EnvironmentProblem
 from appliance.core.manifest import sha256_file, read_manifest, atomic_write_text, verify_outputs, write_manifest
 from appliance.core.progress import quiet
-from appliance.deploy.export import synthetic_samples
-from appliance.deploy.samples import load_samples, check_input_shape
-from appliance.deploy.verify import qdq_allowance
+from appliance.deploy.samples import check_input_shape, load_samples, synthetic_samples
+from appliance.deploy.tolerance import qdq_allowance
 from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
 from data_tools import preprocessing
 

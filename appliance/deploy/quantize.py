@@ -8,13 +8,12 @@ through the same preprocessing as export and the edge runner.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 from appliance.core.errors import DataError
 from appliance.deploy.options import METHODS, SCHEMES
 from appliance.deploy.accuracy_report import compare, evaluate, write_reports
-from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
+from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, quantize_fp16
 from appliance.deploy.samples import check_input_shape, load_samples
 from appliance.core.manifest import write_manifest
 
@@ -55,18 +54,6 @@ def quantize_int8(model_path: Path, out_path: Path, calib_x, input_name: str, me
         prepared.unlink(missing_ok=True)
         for leftover in out_path.parent.glob("*augmented_model.onnx"):
             leftover.unlink()
-
-
-def quantize_fp16(model, out_path: Path):
-    import onnx
-    from onnxconverter_common import float16
-
-    # keep_io_types: callers still feed float32 tensors and read float32 logits. The converter warns
-    # once per weight it clamps to float16's range; the accuracy report measures what that costs.
-    with warnings.catch_warnings(record=True) as clamped:
-        warnings.simplefilter("always", UserWarning)
-        onnx.save(float16.convert_float_to_float16(model, keep_io_types=True), str(out_path))
-    return len(clamped)
 
 
 def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="int8", method="minmax",

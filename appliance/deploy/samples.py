@@ -91,3 +91,13 @@ def check_input_shape(samples: Samples, expected: list, input_name: str, model_p
     if len(got) != len(want) or any(isinstance(w, int) and w > 0 and w != g for g, w in zip(got, want)):
         raise DataError(f"{samples.files[0]}: samples have shape (N, {', '.join(map(str, got))}) but "
                         f"{model_path} input {input_name!r} expects (batch, {', '.join(map(str, want))})")
+
+
+def synthetic_samples(preprocessing: dict, channels: int, count: int):
+    """Seeded random images through the shared preprocessing, for when no data was given."""
+    rng = np.random.default_rng(0)
+    size = preprocessing["image_size"]
+    shape = (size, size, 3) if preprocessing["channel_order"] == "RGB" else (size, size)
+    x = np.stack([preprocess_image(rng.integers(0, 256, shape, dtype=np.uint8), preprocessing)
+                  for _ in range(count)])
+    return Samples(x, None, [], "synthetic")

@@ -17,12 +17,10 @@ from typing import TYPE_CHECKING
 from appliance.deploy.edge.qemu import DEFAULT_SYSROOT, check_sysroot, find_qemu, run_counting_samples, run_json
 from appliance.core.errors import DataError
 from appliance.deploy.options import BENCH_RUNS
-from appliance.deploy.compiler.driver import QDQ_UNITS
-from appliance.deploy.compiler.passes.int8_arith import output_scale
 from appliance.deploy.edge.sysroot import build_python_sysroot, default_debs_dir, run_python_runner
-from appliance.deploy.export import synthetic_samples
 from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
-from appliance.deploy.samples import check_input_shape, load_samples
+from appliance.deploy.samples import check_input_shape, load_samples, synthetic_samples
+from appliance.deploy.tolerance import qdq_allowance
 from appliance.core.manifest import atomic_write_text, write_manifest
 from appliance.core.html_report import PALETTE, columns_svg, page
 
@@ -141,15 +139,6 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
             # With labelled samples, the accuracy on ARM beside the host's on the same samples.
             **({"top1": float((edge.argmax(1) == labels).mean()), "host_top1": float((host.argmax(1) == labels).mean())}
                if labels is not None else {})}
-
-
-def qdq_allowance(reference) -> float:
-    """For a QDQ model, the output steps `appliance compile` allows between its int8 build and
-    onnxruntime's float reference (float rounding carried through the layers); 0 otherwise."""
-    import onnx
-
-    step = output_scale(onnx.load(str(reference)))
-    return QDQ_UNITS * step * (1 + 1e-5) if step else 0.0
 
 
 def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=1.0,

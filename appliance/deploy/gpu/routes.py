@@ -23,10 +23,9 @@ from appliance.core.errors import DataError, EnvironmentProblem
 from appliance.deploy.options import GPU_TARGETS
 from appliance.deploy.compiler.driver import refuse_failed_gate
 from appliance.deploy.accuracy_report import compare, write_reports
-from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, precision, run_ort
+from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, precision, quantize_fp16, run_ort
 from appliance.deploy.samples import check_input_shape, load_samples
 from appliance.core.manifest import atomic_write_text, write_manifest
-from appliance.deploy.quantize import quantize_fp16
 
 OPT_BATCH = 32  # TensorRT optimisation profile: batch 1..OPT_BATCH, tuned for OPT_BATCH
 WORKSPACE_BYTES = 2 << 30
