@@ -5,7 +5,6 @@ gate raises GateFailed (exit status 3) after its report is written."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from appliance.core import values
 from appliance.core.errors import GateFailed

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from appliance.core.errors import DataError
-from appliance.deploy.options import METHODS, SCHEMES
 from appliance.deploy.accuracy_report import compare, evaluate, write_reports
 from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, quantize_fp16
 from appliance.deploy.samples import check_input_shape, load_samples

@@ -60,7 +60,7 @@ class Stage:
     name: str
     out_dir: Path
     params: dict
-    result_type: type = object  # its StageResult class: `load` rebuilds a skipped stage's result
+    result_type: type  # its StageResult class: `load` rebuilds a skipped stage's result
     resumable: bool = False
 
     def load(self, out_dir: Path) -> StageResult:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from appliance.core.errors import DataError, EnvironmentProblem
-from appliance.deploy.options import GPU_TARGETS
+from appliance.deploy.options import GPU_TARGETS  # noqa: F401 (the routes this module serves; tests list them here)
 from appliance.deploy.compiler.driver import refuse_failed_gate
 from appliance.deploy.accuracy_report import compare, write_reports
 from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, precision, quantize_fp16, run_ort
