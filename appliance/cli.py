@@ -13,6 +13,9 @@ import traceback
 from appliance import __version__
 from appliance.core.errors import ApplianceError
 from appliance.core.values import OneLineParser
+from appliance.core.manifest import remember_command
+from appliance.train.cli import slurm_parser
+from appliance.core.progress import set_quiet
 
 # Modules that contribute verbs. Each exposes `register(subparsers)` and sets
 # `func` on its parsers; heavy imports (torch, tvm) happen inside the functions
@@ -57,18 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     if argv[:2] == ["train", "slurm"]:  # a sub-verb of `train`, whose own first argument is a file
-        from appliance.train.cli import slurm_parser
 
         args = slurm_parser().parse_args(argv[2:])
     else:
         args = parser.parse_args(argv)
     args.debug = debug
-    from appliance.core.manifest import remember_command
 
     remember_command(list(sys.argv[1:]) if argv_given is None else argv_given)  # as typed, --debug too
     if getattr(args, "quiet", False):
-        from appliance.core.progress import set_quiet
-
         set_quiet(True)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -17,6 +17,9 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from appliance.core.errors import ApplianceError
+from appliance.assets.weights import weights_dirs, read_index
+
 PROBE_TIMEOUT_S = 120
 
 # Each probe prints one JSON object on stdout.
@@ -300,9 +303,6 @@ def pretrained_weights() -> dict:
 
     Sizes are checked here; the sha256 is checked whenever training loads one (find_weights).
     """
-    from appliance.core.errors import ApplianceError
-    from appliance.assets.weights import weights_dirs, read_index
-
     found, problems = {}, []
     for directory in weights_dirs():
         try:

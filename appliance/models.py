@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from appliance.core.errors import ConfigError, DataError
+from appliance.core.manifest import atomic_write_text
 
 CARD_NAME = "model.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -199,8 +200,6 @@ def build_model(architecture: str, num_classes: int, in_channels: int = 3, onnx_
 def save_trained_model(out_dir: str | Path, model, card: ModelCard, onnx_graph: str | Path | None = None) -> Path:
     """Write weights + card (+ the imported ONNX graph of an "onnx" model) into out_dir (created). Atomic per file."""
     from safetensors.torch import save_file
-
-    from appliance.core.manifest import atomic_write_text
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

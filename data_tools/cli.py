@@ -15,6 +15,8 @@ from pathlib import Path
 from appliance.core import values
 from appliance.core.errors import DataError
 from appliance.core.inputs import require_file
+from appliance.core.progress import Progress
+from appliance.core.manifest import read_manifest
 
 # Modules contributing `appliance data VERB` sub-verbs via register_data_verb(subparsers).
 DATA_VERB_MODULES: list[str] = [
@@ -69,15 +71,14 @@ def _warn(damage) -> None:
 
 
 def index_files(args) -> int:
-    from data_tools.convert import require_records
-    from data_tools.index import build_index, read_index_file
+    from data_tools import convert as conversion, index  # lazy: PIL and numpy, at the CLI boundary
 
     for path in args.files:
         require_file(path)
         damage = []
-        index_path = build_index(path, args.cache_dir, force=args.force, on_damage=damage.append)
-        count = len(read_index_file(index_path))
-        require_records(path, count, damage)
+        index_path = index.build_index(path, args.cache_dir, force=args.force, on_damage=damage.append)
+        count = len(index.read_index_file(index_path))
+        conversion.require_records(path, count, damage)
         for d in damage:
             _warn(d)
         print(f"{path}: {count} records -> {index_path}")
@@ -102,9 +103,7 @@ def _jsonable(value):
 
 
 def cat_file(args) -> int:
-    from data_tools.convert import require_records
-    from data_tools.example import decode_example
-    from data_tools.tfrecord import iter_records_with_offsets
+    from data_tools import convert as conversion, example, tfrecord  # lazy: PIL and numpy, at the CLI boundary
 
     require_file(args.file)
     damage = []
@@ -119,27 +118,26 @@ def cat_file(args) -> int:
     if args.limit is not None and args.limit <= 0:
         return 0
     out = sys.stdout
-    for number, offset, data in iter_records_with_offsets(args.file, strict=args.strict, on_damage=note):
+    for number, offset, data in tfrecord.iter_records_with_offsets(args.file, strict=args.strict, on_damage=note):
         if not shown:
             for d in damage:
                 _warn(d)
         line = {"record": number, "offset": offset, "bytes": len(data)}
         try:
-            line["features"] = {k: _jsonable(v) for k, v in decode_example(data).items()}
+            line["features"] = {k: _jsonable(v) for k, v in example.decode_example(data).items()}
         except DataError:
             line["not_an_example"] = base64.b64encode(data[:48]).decode()
         out.write(json.dumps(line, ensure_ascii=False) + "\n")
         shown += 1
         if args.limit is not None and shown >= args.limit:
             break
-    require_records(args.file, shown, damage)
+    conversion.require_records(args.file, shown, damage)
     return 0
 
 
 def convert(args) -> int:
-    from appliance.core.progress import Progress
-    from data_tools.convert import check_val_fraction, convert_image_folder, decompress_files, find_images
-    from data_tools.convert_masks import is_mask_folder_pair
+    from data_tools import convert as conversion  # lazy: PIL and numpy, at the CLI boundary
+    from data_tools.convert_masks import is_mask_folder_pair  # lazy: PIL and numpy, at the CLI boundary
 
     if args.decompress:
         bars = []
@@ -148,7 +146,7 @@ def convert(args) -> int:
             bars.append(Progress(desc=source.name, unit="B", unit_scale=True))
             return bars[-1].update
         try:
-            done = decompress_files(args.sources, args.out, on_damage=lambda _, d: _warn(d), progress_for=progress_for)
+            done = conversion.decompress_files(args.sources, args.out, on_damage=lambda _, d: _warn(d), progress_for=progress_for)
         finally:
             for bar in bars:
                 bar.close()
@@ -157,17 +155,15 @@ def convert(args) -> int:
         return 0
     if len(args.sources) != 1:
         raise DataError("convert takes one IMAGE_DIR (or several files with --decompress)")
-    check_val_fraction(args.val_fraction)
+    conversion.check_val_fraction(args.val_fraction)
     if args.masks or is_mask_folder_pair(args.sources[0]):
         return convert_masks(args)
-    _, images = find_images(args.sources[0])
+    _, images = conversion.find_images(args.sources[0])
     with Progress(total=len(images), desc="convert", unit="img") as bar:
-        paths = convert_image_folder(args.sources[0], args.out, shards=args.shards, prefix=args.prefix,
+        paths = conversion.convert_image_folder(args.sources[0], args.out, shards=args.shards, prefix=args.prefix,
                                      seed=args.seed, progress=bar.update, val_fraction=args.val_fraction)
     print(f"{len(images)} images -> {len(paths)} shards in {args.out}")
     if args.val_fraction:
-        from appliance.core.manifest import read_manifest
-
         split = read_manifest(args.out)["params"]["split"]
         counts = split["counts"]
         width = max(len(name) for name in counts["train"])

@@ -16,6 +16,8 @@ from appliance.core.manifest import atomic_write_text, write_manifest
 from data_tools.example import encode_example
 from data_tools.index import build_index, find_index, read_index_file
 from data_tools.tfrecord import DamagedRange, TFRecordWriter, detect_compression, read_records
+from data_tools.check.duplicates import exact_groups, near_groups
+from data_tools.check.image_probe import ImageProblem, content_hash, probe_image
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 COMPRESSED_SUFFIXES = (".gz", ".gzip", ".zlib", ".zz")
@@ -146,9 +148,6 @@ def split_images(images: list[tuple[Path, int]], num_classes: int, val_fraction:
     it fits round(n_class * val_fraction), so each class is within one image of exact unless
     groups of duplicates are too large to fit.
     """
-    from data_tools.check.duplicates import exact_groups, near_groups
-    from data_tools.check.image_probe import ImageProblem, content_hash, probe_image
-
     images = sorted(images)
     hashes = []
     for i, (path, _) in enumerate(images):

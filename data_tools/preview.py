@@ -47,13 +47,12 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
     import numpy as np
     from PIL import Image, ImageOps, PngImagePlugin
 
-    from data_tools.example import decode_example
-    from data_tools.tfrecord import read_records
+    from data_tools import example, tfrecord  # lazy: numpy; this module registers a verb
 
     originals = []
-    for number, data in enumerate(read_records(file)):
+    for number, data in enumerate(tfrecord.read_records(file)):
         try:
-            encoded = decode_example(bytes(data), keys=[image_key]).get(image_key)
+            encoded = example.decode_example(bytes(data), keys=[image_key]).get(image_key)
             if encoded:
                 originals.append((number, Image.open(io.BytesIO(encoded[0])).convert("RGB")))
         except (DataError, OSError, ValueError):
@@ -66,7 +65,7 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
 
     torch.set_num_threads(1)  # a few small images: intra-op threads only add contention
 
-    from data_tools.augment import TrainTransform
+    from data_tools.augment import TrainTransform  # lazy: torch; this module registers a verb
 
     try:
         transform = TrainTransform(size, seed=seed, mean=None, std=None, **augment)

@@ -16,11 +16,6 @@ from __future__ import annotations
 import io
 import warnings
 
-import numpy as np
-from PIL import Image, UnidentifiedImageError
-
-from data_tools.example import decode_example, encode_example
-
 IMAGE_KEY = "image/encoded"
 MASK_KEY = "image/segmentation/class/encoded"
 MASK_FORMAT_KEY = "image/segmentation/class/format"
@@ -50,11 +45,15 @@ def encode_segmentation_example(image: bytes, image_format: str, height: int, wi
     }
     if filename is not None:
         features["image/filename"] = filename
+    from data_tools.example import encode_example  # lazy: numpy; tasks read this module's keys in `appliance --help`
+
     return encode_example(features)
 
 
 def mask_png(classes: np.ndarray) -> bytes:
     """A (H, W) array of class ids (0..255) as a one-channel PNG."""
+    import numpy as np  # lazy: numpy/PIL stay out of `appliance --help`
+    from PIL import Image, UnidentifiedImageError  # lazy: numpy/PIL stay out of `appliance --help`
     classes = np.asarray(classes)
     if classes.ndim != 2 or classes.min(initial=0) < 0 or classes.max(initial=0) > 255:
         raise ValueError(f"a mask is (H, W) of class ids 0..255, got shape {classes.shape}")
@@ -65,6 +64,8 @@ def mask_png(classes: np.ndarray) -> bytes:
 
 def decode_mask(encoded: bytes) -> np.ndarray:
     """(H, W) uint8 class ids of a mask PNG; MaskProblem('mask_decode') when it is not one."""
+    import numpy as np  # lazy: numpy/PIL stay out of `appliance --help`
+    from PIL import Image, UnidentifiedImageError  # lazy: numpy/PIL stay out of `appliance --help`
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -94,6 +95,7 @@ def check_mask(encoded: bytes, width: int, height: int, num_classes: int | None,
     Valid: decodes to one channel, is width x height, and every value is a class id below
     num_classes (when known) or the ignore label.
     """
+    import numpy as np  # lazy: numpy/PIL stay out of `appliance --help`
     classes = decode_mask(encoded)
     if classes.shape != (height, width):
         raise MaskProblem("mask_size", f"mask is {classes.shape[1]}x{classes.shape[0]}, the image is {width}x{height}")
@@ -109,5 +111,7 @@ def check_mask(encoded: bytes, width: int, height: int, num_classes: int | None,
 
 def read_segmentation_example(data: bytes) -> tuple[bytes, np.ndarray]:
     """(encoded image, (H, W) uint8 class ids) of one record."""
+    from data_tools.example import decode_example  # lazy: numpy; tasks read this module's keys in `appliance --help`
+
     example = decode_example(data, (IMAGE_KEY, MASK_KEY))
     return example[IMAGE_KEY][0], decode_mask(example[MASK_KEY][0])

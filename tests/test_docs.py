@@ -125,7 +125,7 @@ def test_data_check_options_table_matches_the_parser():
 
 def test_readme_is_short_and_keeps_the_ci_markers():
     text = README.read_text()
-    assert len(text.splitlines()) <= 250, "README.md is the five-minute page: reference goes to docs/"
+    assert len(text.splitlines()) <= 120, "README.md is the five-minute page: reference goes to docs/"
     for marker in ("<!-- main-command -->", "<!-- test-command -->"):
         assert text.count(marker) == 1, marker
         after = text.split(marker, 1)[1].lstrip("\n").splitlines()

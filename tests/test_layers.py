@@ -1,16 +1,22 @@
-"""One layer order, no cycles: every import of our own modules points down (DESIGN.md, "Layers").
+"""What DESIGN.md says about the house, checked: one layer order and no cycles (every import of our
+own modules points down), the compiler's inner order (kernels <- passes <- pipeline; tuning uses
+neither), stage modules that never import one another, a pipeline that never names another stage's
+files, and every import made through importlib or a string in one allow-list with its reason.
 
 Parsed with `ast`, so it sees imports inside functions too (where heavy libraries keep
-`appliance --help` light). The rules are in LAYERS; a planted violation makes the test fail.
+`appliance --help` light). appliance/, data_tools/, benchmarks/ and installer/ are scanned; a planted
+violation of each rule makes its test fail.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("appliance", "data_tools")
+PACKAGES = ("appliance", "data_tools")  # our modules: what an import is checked against
+SCANNED = (*PACKAGES, "benchmarks", "installer")  # where imports are looked for
 
 # Lowest first. A module may import modules of its own layer's group and of lower layers only.
 # Groups in one layer are side by side: none may import another.
@@ -22,6 +28,7 @@ LAYERS = [
     ("stages", ["appliance.train", "appliance.deploy", "appliance.bundle"]),
     ("pipeline", ["appliance.pipeline"]),
     ("cli", ["appliance.cli", "appliance.doctor", "*.cli"]),
+    ("tools", ["benchmarks", "installer"]),  # scripts over the whole product; nothing of ours imports them
 ]
 EXCEPTIONS = {
     # appliance/__main__.py runs the CLI: it is the entry point, above everything.
@@ -54,12 +61,28 @@ def place(module: str) -> tuple[int, str]:
     return best
 
 
+_SCANS: dict[str, tuple[list, list]] = {}
+
+
+def scan(path: Path) -> tuple[list, list]:
+    """(import nodes, (string, line) constants) of a file, parsed once per distinct text."""
+    text = path.read_text()
+    if text not in _SCANS:
+        imports, strings = [], []
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                imports.append(node)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.append((node.value, node.lineno))
+        _SCANS[text] = imports, strings
+    return _SCANS[text]
+
+
 def our_imports(path: Path, module: str, root: Path) -> list[tuple[str, int]]:
     """(imported module, line) for every import of appliance/data_tools in the file."""
-    tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found = []
-    for node in ast.walk(tree):
+    for node in scan(path)[0]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -79,27 +102,136 @@ def _is_module(name: str, root: Path) -> bool:
     return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
 
 
-def violations(root: Path = ROOT) -> list[str]:
-    problems = []
-    graph: dict[str, set[str]] = {}
-    for package in PACKAGES:
+def sources(root: Path):
+    """(path, module name) of every Python file scanned."""
+    for package in SCANNED:
         for path in sorted((root / package).rglob("*.py")):
             if path.parts[-2] == "edge" and path.name == "run.py":
                 continue  # the edge package's own runner, run on the device, not imported here
-            module = module_name(path, root)
-            here = place(module)
-            for target, line in our_imports(path, module, root):
-                graph.setdefault(module, set()).add(target)
-                if (module, target) in EXCEPTIONS or target == module:
-                    continue
-                there = place(target)
-                if there[0] > here[0]:
-                    problems.append(f"{path.relative_to(root)}:{line}: {module} ({LAYERS[here[0]][0]}) imports "
-                                    f"{target} ({LAYERS[there[0]][0]}), a higher layer")
-                elif there[0] == here[0] and there[1] != here[1] and LAYERS[here[0]][0] != "cli":
-                    problems.append(f"{path.relative_to(root)}:{line}: {module} imports {target}: "
-                                    f"{here[1]} and {there[1]} are side by side and must not import each other")
+            yield path, module_name(path, root)
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    problems = []
+    graph: dict[str, set[str]] = {}
+    for path, module in sources(root):
+        here = place(module)
+        for target, line in our_imports(path, module, root) + string_imports(path, module, root):
+            graph.setdefault(module, set()).add(target)
+            if (module, target) in EXCEPTIONS or target == module:
+                continue
+            there = place(target)
+            where = f"{path.relative_to(root)}:{line}: {module}"
+            if there[0] > here[0]:
+                problems.append(f"{where} ({LAYERS[here[0]][0]}) imports {target} ({LAYERS[there[0]][0]}), a higher layer")
+            elif there[0] == here[0] and there[1] != here[1] and LAYERS[here[0]][0] != "cli":
+                problems.append(f"{where} imports {target}: {here[1]} and {there[1]} are side by side and must not "
+                                "import each other")
+            problems += inner_order(where, module, target)
     problems += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    return problems
+
+
+# Inside the compiler (DESIGN.md, "The compiler"): passes use kernels, the pipeline uses passes,
+# tuning uses neither. A module under the first prefix may not import one under any of the others.
+COMPILER = "appliance.deploy.compiler"
+COMPILER_ORDER = [
+    (f"{COMPILER}.kernels", [f"{COMPILER}.passes", f"{COMPILER}.pipeline", f"{COMPILER}.driver"]),
+    (f"{COMPILER}.passes", [f"{COMPILER}.pipeline", f"{COMPILER}.driver"]),
+    (f"{COMPILER}.tuning", [f"{COMPILER}.kernels", f"{COMPILER}.passes"]),
+]
+
+# The stage modules: each stage's own modules, in its package. One stage never imports another's;
+# what two stages share lives in a shared module (deploy/samples.py, deploy/onnx_model.py,
+# deploy/tolerance.py, data_tools.check.gate). appliance.deploy.stages is the deploy stages'
+# contract (their typed results), not a stage.
+STAGE_MODULES = {
+    "check": ["data_tools.check.stage", "data_tools.check.run"],
+    "train": ["appliance.train.stage", "appliance.train.launcher", "appliance.train.quality"],  # + its gate
+    "export": ["appliance.deploy.export"],
+    "quantize": ["appliance.deploy.quantize"],
+    "compile": [COMPILER, "appliance.deploy.gpu"],
+    "package": ["appliance.deploy.package"],
+    "verify": ["appliance.deploy.verify"],
+}
+
+# Every string in our code that names one of our modules (imported with importlib, run with
+# `python -m`, read as a package resource), with the reason it is a string. Such a name is also an
+# edge of the import graph, so the layer rules apply to it.
+STRING_IMPORTS = {
+    **{("appliance.cli", verbs): "VERB_MODULES: the CLI registers each package's verbs with importlib"
+       for verbs in ("appliance.doctor", "data_tools.cli", "appliance.train.cli", "appliance.deploy.cli",
+                     "appliance.pipeline.cli", "appliance.bundle.cli")},
+    ("data_tools.cli", "data_tools.check.cli"): "DATA_VERB_MODULES: `appliance data` sub-verbs, with importlib",
+    ("data_tools.cli", "data_tools.preview"): "DATA_VERB_MODULES: `appliance data` sub-verbs, with importlib",
+    ("appliance.train.launcher", "appliance.train.agent"): "run as `python -m` under torchrun: a process",
+    ("appliance.train.launcher", "appliance.train.loop"): "each worker runs `python -m` under torchrun: a process",
+    ("appliance.pipeline.demo", "appliance.pipeline"): "importlib.resources: the demo's pipeline config",
+}
+
+
+def string_imports(path: Path, module: str, root: Path) -> list[tuple[str, int]]:
+    """(module named, line) for every string constant naming one of our modules other than this one."""
+    return [(value, line) for value, line in scan(path)[1]
+            if value != module and re.fullmatch(r"(appliance|data_tools)(\.\w+)+", value) and _is_module(value, root)]
+
+
+def inner_order(where: str, module: str, target: str) -> list[str]:
+    """The compiler's inner order and the stage modules' independence, for one import."""
+    def under(name: str, prefix: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
+    problems = [f"{where} imports {target}: {low} may not import {high} (kernels <- passes <- pipeline; "
+                "tuning uses neither)"
+                for low, highs in COMPILER_ORDER for high in highs if under(module, low) and under(target, high)]
+    mine = {stage for stage, prefixes in STAGE_MODULES.items() if any(under(module, p) for p in prefixes)}
+    theirs = {stage for stage, prefixes in STAGE_MODULES.items() if any(under(target, p) for p in prefixes)}
+    if mine and theirs and not mine & theirs:
+        problems.append(f"{where} imports {target}: the {min(mine)} stage imports the {min(theirs)} stage "
+                        "(move what both need to a shared module)")
+    return problems
+
+
+def unlisted_string_imports(root: Path = ROOT) -> list[str]:
+    """Strings naming our modules that STRING_IMPORTS does not list (and entries it lists for nothing)."""
+    seen, problems = set(), []
+    for path, module in sources(root):
+        for target, line in string_imports(path, module, root):
+            seen.add((module, target))
+            if (module, target) not in STRING_IMPORTS:
+                problems.append(f"{path.relative_to(root)}:{line}: {module} names the module {target!r} in a "
+                                "string: list it in STRING_IMPORTS with the reason")
+    problems += [f"STRING_IMPORTS lists {pair}, which no longer occurs" for pair in STRING_IMPORTS if pair not in seen]
+    return problems
+
+
+# The pipeline composes typed results: it may name its own files only, never a stage's.
+PIPELINE = "appliance.pipeline"
+PIPELINE_OWN_FILES = {"summary.json", "index.html", "pipeline.toml", "demo.toml"}
+FILE_NAME = re.compile(r"(?:^|/)([\w-][\w.-]*\.(?:json|jsonl|html|onnx|so|tar|npz|npy|toml|index|tfrecord|safetensors|"
+                       r"png|csv|txt))$")
+FILE_CONSTANT = re.compile(r"[A-Z][A-Z0-9_]*_(?:JSON|HTML|NAME|LIBRARY|MODEL|FILE|DIR)")
+
+
+def pipeline_file_names(root: Path = ROOT) -> list[str]:
+    """Places where a pipeline module spells a file name that is not its own, or reads a stage's
+    file-name constant (COMPILE_JSON, REPORT_JSON, ...); core's MANIFEST_NAME is every stage's contract."""
+    problems = []
+    for path, module in sources(root):
+        if not (module == PIPELINE or module.startswith(PIPELINE + ".")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = None
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                m = FILE_NAME.search(node.value.strip())
+                name = m.group(1) if m and m.group(1) not in PIPELINE_OWN_FILES else None
+            elif isinstance(node, ast.ImportFrom) and not (node.module or "").startswith((PIPELINE, "appliance.core")):
+                name = next((a.name for a in node.names if FILE_CONSTANT.fullmatch(a.name)), None)
+            elif isinstance(node, ast.Attribute) and FILE_CONSTANT.fullmatch(node.attr) and node.attr != "MANIFEST_NAME":
+                name = node.attr
+            if name:
+                problems.append(f"{path.relative_to(root)}:{node.lineno}: {module} names {name}, a stage's file; "
+                                "read the path off that stage's result instead")
     return problems
 
 
@@ -143,6 +275,102 @@ def test_a_planted_violation_fails(tmp_path):
     problems = violations(tmp_path)
     assert any("appliance.train.planted" in p and "side by side" in p for p in problems), problems
     assert any(p.startswith("import cycle:") and "data_tools.planted_a" in p for p in problems), problems
+
+
+def test_strings_naming_our_modules_are_all_in_the_one_allow_list():
+    problems = unlisted_string_imports()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_pipeline_names_no_stage_file():
+    problems = pipeline_file_names()
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def tree_copy(tmp_path_factory):
+    """A copy of the scanned tree to plant violations in (one planted file per test, removed after)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("tree")
+    for package in SCANNED:
+        shutil.copytree(ROOT / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+@pytest.fixture
+def plant(tree_copy):
+    planted = []
+
+    def write(relative: str, text: str) -> Path:
+        path = tree_copy / relative
+        path.write_text(text)
+        planted.append(path)
+        return tree_copy
+
+    yield write
+    for path in planted:
+        path.unlink()
+
+
+def test_a_planted_kernel_importing_a_pass_fails(plant):
+    root = plant("appliance/deploy/compiler/kernels/planted.py",
+                 "from appliance.deploy.compiler.passes import int8_arith\n")
+    assert any("compiler.kernels.planted" in p and "kernels <- passes" in p for p in violations(root))
+
+
+def test_a_planted_tuning_module_importing_a_kernel_fails(plant):
+    root = plant("appliance/deploy/compiler/tuning/planted.py",
+                 "def f():\n    from appliance.deploy.compiler.kernels import common\n")
+    assert any("compiler.tuning.planted" in p and "tuning uses neither" in p for p in violations(root))
+
+
+@pytest.mark.parametrize("relative, text", [
+    ("appliance/deploy/planted_package_step.py", ""),  # not a stage module: nothing to report
+    ("appliance/deploy/verify_planted.py", "from appliance.deploy.export import find_model_dir\n"),
+])
+def test_only_stage_modules_are_held_to_the_stage_rule(plant, relative, text):
+    root = plant(relative, text)
+    assert not [p for p in violations(root) if "planted" in p]
+
+
+def test_a_planted_stage_importing_another_stage_fails(plant, tree_copy):
+    package = tree_copy / "appliance" / "deploy" / "package.py"
+    original = package.read_text()
+    try:
+        package.write_text(original + "\nfrom appliance.deploy.verify import verify_package\n")
+        assert any("appliance.deploy.package imports appliance.deploy.verify" in p and "the package stage imports "
+                   "the verify stage" in p for p in violations(tree_copy))
+    finally:
+        package.write_text(original)
+    root = plant("data_tools/check/planted.py", "")  # a module of the check package, not a stage module
+    stage = tree_copy / "appliance" / "train" / "stage.py"
+    original = stage.read_text()
+    try:
+        stage.write_text(original + "\nfrom data_tools.check.run import run_check\n")
+        assert any("the train stage imports the check stage" in p for p in violations(root))
+    finally:
+        stage.write_text(original)
+
+
+@pytest.mark.parametrize("source", [
+    'import json\n\ndef load(out):\n    return json.loads((out / "compile-aarch64" / "compile.json").read_text())\n',
+    'def report(check_dir):\n    return open(f"{check_dir}/report.json").read()\n',
+    "from appliance.deploy.stages import COMPILE_JSON\n",
+    "from appliance.deploy import stages\n\ndef library(d):\n    return d / stages.COMPILED_LIBRARY\n",
+])
+def test_a_planted_pipeline_naming_a_stage_file_fails(plant, source):
+    root = plant("appliance/pipeline/planted.py", source)
+    assert any("appliance/pipeline/planted.py" in p for p in pipeline_file_names(root)), source
+
+
+def test_a_planted_string_import_must_be_listed(plant):
+    root = plant("appliance/train/planted.py",
+                 'import importlib\n\ndef f():\n    return importlib.import_module("appliance.deploy.stages")\n')
+    assert any("appliance.train.planted names the module 'appliance.deploy.stages'" in p
+               for p in unlisted_string_imports(root))
+    # ...and it is an edge of the graph like any import: train may not reach into deploy through a string.
+    assert any("appliance.train.planted" in p and "side by side" in p for p in violations(root))
 
 
 @pytest.mark.parametrize("module, layer", [("appliance.core.errors", "core"), ("data_tools.tfrecord", "data"),

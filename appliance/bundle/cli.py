@@ -6,11 +6,15 @@ import os
 import sys
 from pathlib import Path
 
+from appliance.bundle.weights import MIRROR_ENV, parse_names
+from appliance.bundle.audit import audit as audit_bundle
+from appliance import __version__
+from appliance.bundle import minisign
+from appliance.core.errors import ConfigError
+
 
 def _build(args) -> int:
-    from appliance.bundle.build import build_bundle, default_source
-
-    from appliance.bundle.weights import MIRROR_ENV, parse_names
+    from appliance.bundle.build import build_bundle, default_source  # lazy: importlib.metadata, a tenth of --help
 
     source = Path(args.source) if args.source else default_source()
     tar = build_bundle(args.profile, Path(args.out), source, Path(args.sign_key) if args.sign_key else None,
@@ -21,9 +25,7 @@ def _build(args) -> int:
 
 
 def _audit(args) -> int:
-    from appliance.bundle.audit import audit
-
-    result = audit(Path(args.bundle))
+    result = audit_bundle(Path(args.bundle))
     print(f"{args.bundle}:")
     for line in result.lines:
         print(f"  {line}")
@@ -31,10 +33,6 @@ def _audit(args) -> int:
 
 
 def _keygen(args) -> int:
-    from appliance import __version__
-    from appliance.bundle import minisign
-    from appliance.core.errors import ConfigError
-
     passphrase = None
     if args.passphrase_file:
         passphrase = minisign.read_passphrase_file(args.passphrase_file)
@@ -53,8 +51,6 @@ def _keygen(args) -> int:
 
 def _ask_passphrase() -> str | None:
     import getpass
-
-    from appliance.core.errors import ConfigError
 
     if not sys.stdin.isatty():
         return None

@@ -25,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 
 from appliance.core.errors import DataError
+from appliance import __version__
 
 MANIFEST_NAME = "manifest.json"
 _VERSIONED = ("appliance", "torch", "torchvision", "onnx", "onnxruntime", "apache-tvm", "numpy")
@@ -107,8 +108,6 @@ def code_checkout() -> dict | None:
 
 def provenance() -> dict:
     """What every manifest says about how it was made (see the module docstring)."""
-    from appliance import __version__
-
     command, cwd = command_line()
     found = {"command": command, "cwd": cwd, "appliance_version": __version__}
     checkout = code_checkout()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from appliance.deploy.onnx_model import run_ort
 from appliance.core.html_report import PALETTE, bars_svg, page
 from appliance.core.manifest import atomic_write_text
 
@@ -18,8 +19,6 @@ SENSITIVITY_CHART_ROWS = 20
 
 def evaluate(session, x: np.ndarray, y: np.ndarray) -> dict:
     """Predictions, top-1 and median single-sample latency of an onnxruntime session."""
-    from appliance.deploy.onnx_model import run_ort
-
     logits = run_ort(session, x, batch=64)
     name = session.get_inputs()[0].name
     dtype = np.float16 if "float16" in session.get_inputs()[0].type else np.float32

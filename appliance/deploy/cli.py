@@ -5,18 +5,13 @@ gate raises GateFailed (exit status 3) after its report is written."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from appliance.core import values
-from appliance.deploy import quantize
-from appliance.deploy import compile as tvm_compile
-from appliance.deploy.edge import sysroot as edge_sysroot
-from appliance.deploy import verify as edge_verify
-from appliance.deploy.edge import glibc_floor
-from appliance.deploy.gpu import routes as gpu_routes
-from appliance.deploy.edge import qemu
-from appliance.deploy.export import DEFAULT_MAX_REL_ERROR, OPSETS
 from appliance.core.errors import GateFailed
+from appliance.deploy import options
+from appliance.deploy import compiler as tvm_compile
+from appliance.deploy.edge import glibc_floor, qemu
+from appliance.deploy.edge import sysroot as edge_sysroot
 
 
 def register(subparsers) -> None:
@@ -35,27 +30,27 @@ def register_export(subparsers) -> None:
         "against PyTorch on samples (parity.json).")
     p.add_argument("model", metavar="RUN_DIR|CHECKPOINT")
     p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
-    p.add_argument("--opset", type=values.int_in(OPSETS, "an ONNX opset"), default=17,
-                   help=f"ONNX opset, {OPSETS.ge:.0f}..{OPSETS.le:.0f} (default 17)")
+    p.add_argument("--opset", type=values.int_in(options.OPSETS, "an ONNX opset"), default=17,
+                   help=f"ONNX opset, {options.OPSETS.ge:.0f}..{options.OPSETS.le:.0f} (default 17)")
     p.add_argument("--batch", default="dynamic", metavar="dynamic|N",
                    help="batch axis: dynamic (default) or a fixed size")
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="validation TFRecord files (or a .npz of tensors) for the parity check; "
                    "default: 16 seeded random images")
     p.add_argument("--num-samples", type=values.positive_int, default=64)
-    p.add_argument("--max-rel-error", type=values.non_negative_float, default=DEFAULT_MAX_REL_ERROR,
+    p.add_argument("--max-rel-error", type=values.non_negative_float, default=options.DEFAULT_MAX_REL_ERROR,
                    help="fail when max|torch-onnx| / max|torch| exceeds this (default 1e-5)")
     p.set_defaults(func=export_command)
 
 
 def export_command(args) -> int:
-    from appliance.deploy.export import export_model, parse_batch
+    from appliance.deploy import export, stages  # lazy: torch and onnx, at the CLI boundary
 
-    batch = parse_batch(args.batch)
-    report = export_model(args.model, args.out, opset=args.opset, batch=batch, sample_files=args.samples,
-                          num_samples=args.num_samples, max_rel_error=args.max_rel_error)
-    parity = report["parity"]
-    print(f"wrote {Path(args.out) / 'model.onnx'}: parity on {parity['samples']} {parity['source']} samples: "
+    result = stages.export_stage(args.model, args.out, opset=args.opset, batch=export.parse_batch(args.batch),
+                                 sample_files=args.samples, num_samples=args.num_samples,
+                                 max_rel_error=args.max_rel_error)
+    parity = result.parity["parity"]
+    print(f"wrote {result.model}: parity on {parity['samples']} {parity['source']} samples: "
           f"max abs {parity['max_abs_error']:.3g}, max rel {parity['max_rel_error']:.3g} "
           f"(limit {args.max_rel_error:g}), top-1 agreement {parity['top1_agreement']:.4f}")
     return 0
@@ -72,48 +67,49 @@ def register_quantize(subparsers) -> None:
     p.add_argument("--val", nargs="+", metavar="DATA", help="labelled validation data (default: --calib)")
     p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
     p.add_argument("--mode", choices=["int8", "fp16"], default="int8")
-    p.add_argument("--method", choices=quantize.METHODS, default="minmax", help="INT8 calibration method")
+    p.add_argument("--method", choices=options.METHODS, default="minmax", help="INT8 calibration method")
     p.add_argument("--per-channel", action="store_true", help="INT8: per-channel weight scales")
-    p.add_argument("--scheme", choices=quantize.SCHEMES, default="s8s8",
+    p.add_argument("--scheme", choices=options.SCHEMES, default="s8s8",
                    help="INT8 types: s8s8 (default, accurate on any CPU) or u8s8 with 7-bit weights "
                    "(reduce_range: onnxruntime's faster x86 kernels without their AVX2 saturation)")
     p.add_argument("--calib-samples", type=values.positive_int, default=128)
     p.add_argument("--val-samples", type=values.positive_int, default=1000)
     p.add_argument("--max-drop", type=values.non_negative_float, default=1.0, help="allowed top-1 drop in points (default 1.0)")
-    p.add_argument("--fallback", choices=quantize.FALLBACKS, default="auto",
+    p.add_argument("--fallback", choices=options.FALLBACKS, default="auto",
                    help="INT8 over --max-drop: auto (default) tries per-channel weights and the other calibrations, "
                    "then keeps the most sensitive layers in float; none: exit 3 at once")
-    p.add_argument("--max-float-layers", type=values.non_negative_int, default=quantize.MAX_FLOAT_LAYERS, metavar="N",
-                   help=f"--fallback auto keeps at most N layers in float (default {quantize.MAX_FLOAT_LAYERS})")
+    p.add_argument("--max-float-layers", type=values.non_negative_int, default=options.MAX_FLOAT_LAYERS, metavar="N",
+                   help=f"--fallback auto keeps at most N layers in float (default {options.MAX_FLOAT_LAYERS})")
     p.add_argument("--no-sensitivity", action="store_true",
                    help="INT8: skip the per-layer sensitivity of a model that passes (fallback still measures it)")
-    p.add_argument("--sensitivity-samples", type=values.positive_int, default=quantize.ERROR_SAMPLES, metavar="N",
-                   help=f"validation samples the per-layer output error is measured on (default {quantize.ERROR_SAMPLES})")
+    p.add_argument("--sensitivity-samples", type=values.positive_int, default=options.ERROR_SAMPLES, metavar="N",
+                   help=f"validation samples the per-layer output error is measured on (default {options.ERROR_SAMPLES})")
     p.add_argument("--json", action="store_true", help="print the accuracy report as one JSON object on stdout")
     p.set_defaults(func=quantize_command)
 
 
 def quantize_command(args) -> int:
-    from appliance.deploy.quantize import quantize_model
+    from appliance.deploy import stages  # lazy: numpy and onnx, at the CLI boundary
 
-    report = quantize_model(args.model, args.calib, args.out, val_files=args.val, mode=args.mode,
-                            method=args.method, per_channel=args.per_channel, scheme=args.scheme,
-                            calib_samples=args.calib_samples, val_samples=args.val_samples, max_drop=args.max_drop,
-                            fallback=args.fallback, max_float_layers=args.max_float_layers,
-                            sensitivity=not args.no_sensitivity, sensitivity_samples=args.sensitivity_samples)
-    q, f = report["quantized"], report["fp32"]
-    line = (f"wrote {q['model']}: top-1 {f['top1'] * 100:.2f}% -> {q['top1'] * 100:.2f}% "
-            f"(drop {report['top1_drop_points']:.2f} points, allowed {args.max_drop:g}), agreement "
-            f"{report['prediction_agreement'] * 100:.2f}%, size x{report['size_ratio']:.2f}, latency "
-            f"x{report['latency_ratio']:.2f}; report {Path(args.out) / 'accuracy.html'}")
-    if args.mode == "int8":
-        line += f"\nINT8 made by: {report['produced_by']} ({report['method']}{', per-channel' * report['per_channel']})"
-        if report["float_layers"]:
-            line += f"; kept in float: {', '.join(report['float_layers'])}"
-    print(json.dumps(report) if args.json else line)
-    if not report["gate_passed"]:
-        raise GateFailed(f"{q['model']}: top-1 dropped {report['top1_drop_points']:.2f} points, more than "
-                         f"--max-drop {args.max_drop:g} (see {Path(args.out) / 'accuracy.html'})")
+    def show(result) -> None:  # before the gate: a failed model's figures are printed too
+        report = result.report
+        q, f = report["quantized"], report["fp32"]
+        line = (f"wrote {q['model']}: top-1 {f['top1'] * 100:.2f}% -> {q['top1'] * 100:.2f}% "
+                f"(drop {report['top1_drop_points']:.2f} points, allowed {args.max_drop:g}), agreement "
+                f"{report['prediction_agreement'] * 100:.2f}%, size x{report['size_ratio']:.2f}, latency "
+                f"x{report['latency_ratio']:.2f}; report {result.html}")
+        if args.mode == "int8" and "produced_by" in report:
+            line += (f"\nINT8 made by: {report['produced_by']} "
+                     f"({report['method']}{', per-channel' * bool(report['per_channel'])})")
+            if report.get("float_layers"):
+                line += f"; kept in float: {', '.join(report['float_layers'])}"
+        print(json.dumps(report) if args.json else line)
+
+    stages.quantize_stage(args.model, args.calib, args.val, args.out, mode=args.mode, method=args.method,
+                          per_channel=args.per_channel, scheme=args.scheme, calib_samples=args.calib_samples,
+                          val_samples=args.val_samples, max_drop=args.max_drop, on_result=show,
+                          fallback=args.fallback, max_float_layers=args.max_float_layers,
+                          sensitivity=not args.no_sensitivity, sensitivity_samples=args.sensitivity_samples)
     return 0
 
 
@@ -123,7 +119,7 @@ def register_compile(subparsers) -> None:
         description="Compile MODEL.onnx with TVM Relax into DIR/model.so for the target. ARM targets "
         f"need {tvm_compile.CROSS_COMPILER}; the x86_64 build is compared with onnxruntime.")
     p.add_argument("model", metavar="MODEL.onnx")
-    p.add_argument("--target", required=True, choices=[*sorted(tvm_compile.TARGETS), *gpu_routes.GPU_TARGETS])
+    p.add_argument("--target", required=True, choices=[*sorted(tvm_compile.TARGETS), *options.GPU_TARGETS])
     p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
@@ -156,21 +152,27 @@ def register_compile(subparsers) -> None:
                    "the venv) that match the target and CPU; they apply by default when neither --tune nor "
                    "--tuning-db is given")
     p.add_argument("--dump-ir", metavar="DIR", help="write the Relax module after each compiler pass into DIR (TVMScript)")
-    gpu_routes.add_arguments(p)
+    p.add_argument("--int8-calib", nargs="+", metavar="DATA",
+                   help="tensorrt: also build an INT8 engine, calibrated on these TFRecord files or .npz "
+                   "(the calibration data of `appliance quantize`)")
+    p.add_argument("--max-drop", type=float, default=1.0,
+                   help="cuda-ort/tensorrt: allowed top-1 drop in points against FP32 on labelled --samples "
+                   "(default 1.0)")
     p.set_defaults(func=compile_command)
 
 
 def compile_command(args) -> int:
-    from appliance.deploy.compile import compile_model, refuse_failed_gate
+    if args.target in options.GPU_TARGETS:
+        from appliance.deploy.gpu import routes as gpu_routes  # lazy: numpy and onnx, at the CLI boundary
 
-    if args.target in gpu_routes.GPU_TARGETS:
         return gpu_routes.run(args)
-    if not args.allow_failed_gate:
-        refuse_failed_gate(args.model)
-    info = compile_model(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
-                         tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
-                         int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning, rpc=args.rpc, rpc_key=args.rpc_key,
-                         dump_ir=args.dump_ir)
+    from appliance.deploy import stages  # lazy: numpy and onnx, at the CLI boundary
+
+    info = stages.compile_stage(
+        args.model, args.target, args.out, sample_files=args.samples, allow_failed_gate=args.allow_failed_gate,
+        tolerance=args.tolerance, tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
+        int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning,
+        rpc=args.rpc, rpc_key=args.rpc_key, dump_ir=args.dump_ir).info
     if "tuning" in info:
         t = info["tuning"]
         if t["reused"]:
@@ -220,7 +222,7 @@ def register_package(subparsers) -> None:
 
 
 def package_command(args) -> int:
-    from appliance.deploy.package import build_package
+    from appliance.deploy.package import build_package  # lazy: numpy and onnx, at the CLI boundary
 
     info = build_package(args.compiled, args.out, wheelhouse=args.wheelhouse, with_python=args.with_python,
                          glibc_floor=args.glibc_floor, sample_files=args.samples)
@@ -252,8 +254,8 @@ def register_edge(subparsers) -> None:
                    help="also run python/run.py inside an arm64 Python sysroot under qemu (about 15 s more)")
     p.add_argument("--sysroot-debs", metavar="DIR",
                    help="arm64 .debs from `appliance edge sysroot` (default: wheelhouse/edge-sysroot-arm64)")
-    p.add_argument("--bench-runs", type=values.non_negative_int, default=edge_verify.BENCH_RUNS, metavar="N",
-                   help=f"timed runs of `bin/run --bench` under qemu (default {edge_verify.BENCH_RUNS}; 0 skips it); "
+    p.add_argument("--bench-runs", type=values.non_negative_int, default=options.BENCH_RUNS, metavar="N",
+                   help=f"timed runs of `bin/run --bench` under qemu (default {options.BENCH_RUNS}; 0 skips it); "
                    "emulated latency, reported and not gated")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
     p.add_argument("--out", metavar="DIR", type=values.output_dir, help="also write verify.json and manifest.json here")
@@ -262,7 +264,7 @@ def register_edge(subparsers) -> None:
 
 
 def verify_command(args) -> int:
-    from appliance.deploy.verify import selftest_line, verify_package
+    from appliance.deploy.verify import selftest_line, verify_package  # lazy: numpy and onnx, at the CLI boundary
 
     report = verify_package(args.package, sample_files=args.samples, num_samples=args.num_samples,
                             min_agreement=args.min_agreement, max_logit_diff=args.max_logit_diff,
@@ -302,8 +304,6 @@ def register_sysroot(verbs) -> None:
 
 
 def sysroot_command(args) -> int:
-    from appliance.deploy.edge.sysroot import fetch_sysroot_debs
-
-    debs = fetch_sysroot_debs(args.out, mirror=args.mirror, suite=args.suite)
+    debs = edge_sysroot.fetch_sysroot_debs(args.out, mirror=args.mirror, suite=args.suite)
     print(f"wrote {len(debs)} arm64 .debs to {args.out}; `appliance edge verify --python` uses them offline")
     return 0

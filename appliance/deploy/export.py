@@ -7,18 +7,19 @@ import warnings
 from pathlib import Path
 
 from appliance.core.errors import DataError
-from appliance.core.values import Range
+from appliance.deploy.options import DEFAULT_MAX_REL_ERROR, OPSETS
+from appliance.models import CARD_NAME, WEIGHTS_NAME, load_trained_model
+from appliance.deploy.onnx_model import load_onnx, ort_session, run_ort
+from data_tools.preprocessing import preprocessing_of
+from appliance.deploy.samples import load_samples, synthetic_samples
+from appliance.core.manifest import atomic_write_text, write_manifest
+from appliance.core.html_report import columns_svg, page
+from appliance import __version__
 
-DEFAULT_MAX_REL_ERROR = 1e-5
-# The opsets torch's TorchScript exporter writes (torch.onnx._constants: ONNX_MIN_OPSET and
-# ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET, the same on torch 2.11 and 2.14); 999 fails deep in torch.
-OPSETS = Range(ge=7, le=20)
 
 
 def find_model_dir(path) -> Path:
     """RUN_DIR -> RUN_DIR/model; a trained-model or checkpoint directory -> itself."""
-    from appliance.models import CARD_NAME
-
     path = Path(path)
     for candidate in (path, path / "model"):
         if (candidate / CARD_NAME).is_file():
@@ -41,12 +42,6 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
 
     import onnx
     import torch
-
-    from appliance.deploy.onnx_model import load_onnx, ort_session, run_ort
-    from data_tools.preprocessing import preprocessing_of
-    from appliance.deploy.samples import load_samples
-    from appliance.core.manifest import atomic_write_text, write_manifest
-    from appliance.models import CARD_NAME, WEIGHTS_NAME, load_trained_model
 
     problem = OPSETS.problem(opset)
     if problem:
@@ -120,8 +115,6 @@ def parity_report(expected, got, source: str, max_rel_error: float) -> dict:
 
 
 def parity_html(report: dict, per_sample) -> str:
-    from appliance.core.html_report import columns_svg, page
-
     p = report["parity"]
     body = (f"<p>{p['samples']} {p['source']} samples through PyTorch and onnxruntime: max abs error "
             f"{p['max_abs_error']:.3g}, max relative error {p['max_rel_error']:.3g} (allowed "
@@ -131,21 +124,5 @@ def parity_html(report: dict, per_sample) -> str:
     return page("ONNX export parity", "appliance export", "parity.json", p["passed"], body)
 
 
-def synthetic_samples(preprocessing: dict, channels: int, count: int):
-    """Seeded random images through the shared preprocessing, for when no data was given."""
-    import numpy as np
-
-    from data_tools.preprocessing import preprocess_image
-    from appliance.deploy.samples import Samples
-
-    rng = np.random.default_rng(0)
-    size = preprocessing["image_size"]
-    shape = (size, size, 3) if preprocessing["channel_order"] == "RGB" else (size, size)
-    x = np.stack([preprocess_image(rng.integers(0, 256, shape, dtype=np.uint8), preprocessing)
-                  for _ in range(count)])
-    return Samples(x, None, [], "synthetic")
-
-
 def _version() -> str:
-    from appliance import __version__
     return __version__

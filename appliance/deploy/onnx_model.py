@@ -7,6 +7,7 @@ usual protobuf/onnxruntime tracebacks into one line that names the file.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,3 +111,17 @@ def run_ort(session, x, batch: int | None = None):
             chunk = np.concatenate([chunk, np.zeros((step - len(chunk), *chunk.shape[1:]), dtype)])
         outs.append(session.run(None, {name: chunk})[0][:len(x) - i])
     return np.concatenate(outs).astype(np.float32)
+
+
+def quantize_fp16(model, out_path: Path) -> int:
+    """model (an onnx ModelProto) as FP16 with float32 inputs and outputs, saved to out_path; returns the
+    number of weights clamped to float16's range."""
+    import onnx
+    from onnxconverter_common import float16
+
+    # keep_io_types: callers still feed float32 tensors and read float32 logits. The converter warns
+    # once per weight it clamps to float16's range; the accuracy report measures what that costs.
+    with warnings.catch_warnings(record=True) as clamped:
+        warnings.simplefilter("always", UserWarning)
+        onnx.save(float16.convert_float_to_float16(model, keep_io_types=True), str(out_path))
+    return len(clamped)

@@ -31,6 +31,12 @@ from appliance.deploy.edge.glibc_floor import DEFAULT_GLIBC_FLOOR, check_floor, 
 from appliance.assets.edge_runner import (RUNTIME_LIBS, build_runner, extract_runtime, find_carried, runner_inputs,
                                    runner_key, wheel_of)
 from appliance.core.errors import DataError, EnvironmentProblem
+from appliance.core.manifest import sha256_file, read_manifest, atomic_write_text, verify_outputs, write_manifest
+from appliance.core.progress import quiet
+from appliance.deploy.samples import check_input_shape, load_samples, synthetic_samples
+from appliance.deploy.tolerance import qdq_allowance
+from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
+from data_tools import preprocessing
 
 HERE = Path(__file__).resolve().parent
 PROJECT = HERE.parents[1]
@@ -49,8 +55,6 @@ def default_wheelhouse() -> Path:
 
 def locked_wheels(wheelhouse: Path) -> list[Path]:
     """The wheelhouse's wheels, each checked against the sha256 pins of manifests/edge-aarch64.lock."""
-    from appliance.core.manifest import sha256_file
-
     wheels = sorted(wheelhouse.glob("*.whl")) if wheelhouse.is_dir() else []
     if not any(w.name.startswith("apache_tvm-") for w in wheels) or not any(
             w.name.startswith("apache_tvm_ffi-") for w in wheels):
@@ -69,8 +73,6 @@ def locked_wheels(wheelhouse: Path) -> list[Path]:
 def ship_runner(sdk: Path, lib_dir: Path, out: Path, glibc_floor: str) -> dict:
     """bin/run: the installed bundle's prebuilt runner when its key is this package's, else built with zig
     (the first build in a new venv: minutes). Says which in one line; returns the manifest's `runner`."""
-    from appliance.core.progress import quiet
-
     inputs = runner_inputs(sdk, lib_dir, glibc_floor)
     carried, line = find_carried(inputs)
     if not quiet():
@@ -86,10 +88,6 @@ def ship_runner(sdk: Path, lib_dir: Path, out: Path, glibc_floor: str) -> dict:
 def golden_samples(compiled: Path, sample_files, preprocessing: dict, shape: list, count: int):
     """Real validation samples for the self-test: those given, else the ones export checked parity on
     (from the lineage, when the files are still there unchanged), else seeded synthetic images."""
-    from appliance.deploy.export import synthetic_samples
-    from appliance.deploy.samples import load_samples
-    from appliance.core.manifest import read_manifest, sha256_file
-
     if sample_files:
         return load_samples(sample_files, preprocessing, limit=count)
     manifest = read_manifest(compiled)
@@ -116,9 +114,6 @@ def write_selftest(root: Path, samples, reference: Path, precision: str, count: 
     the device's agreement gate cannot trip on a near tie."""
     import numpy as np
 
-    from appliance.deploy.verify import qdq_allowance
-    from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
-
     host = run_ort(ort_session(reference, optimize=False), samples.x).astype(np.float32)
     tolerance = default_tolerance(precision)
     # A QDQ model's int8 build may differ from the float reference by the output steps compile allows.
@@ -140,8 +135,6 @@ def write_selftest(root: Path, samples, reference: Path, precision: str, count: 
 def python_runner_wheels(wheels: list[Path], into: Path) -> list[Path]:
     """The wheels python/run.py needs, copied, with a requirements file of their sha256 for
     `pip install --no-index --require-hashes` on the device."""
-    from appliance.core.manifest import sha256_file
-
     chosen = []
     for prefix in RUNNER_WHEELS:
         wheel = next((w for w in wheels if w.name.startswith(prefix)), None)
@@ -160,9 +153,6 @@ def python_runner_wheels(wheels: list[Path], into: Path) -> list[Path]:
 
 def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_floor=DEFAULT_GLIBC_FLOOR,
                   sample_files=None, golden_count=GOLDEN_SAMPLES) -> dict:
-    from appliance.deploy.samples import check_input_shape
-    from appliance.core.manifest import atomic_write_text, read_manifest, sha256_file, verify_outputs, write_manifest
-
     compiled, out = Path(compiled), Path(out)
     glibc_floor = parse_floor(glibc_floor)
     info_path = compiled / "compile.json"
@@ -204,7 +194,6 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
             (root / "python").mkdir()
             (root / "wheels").mkdir()
             # Copied, not rewritten: the device must preprocess exactly as the host measured.
-            from data_tools import preprocessing
 
             shutil.copyfile(preprocessing.__file__, root / "python" / "preprocessing.py")
             shutil.copyfile(HERE / "edge" / "run.py", root / "python" / "run.py")

@@ -13,7 +13,6 @@ into the report either way unless switched off.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 from appliance.core.errors import DataError
@@ -21,15 +20,12 @@ from appliance.core.manifest import write_manifest
 from appliance.deploy.accuracy_report import compare, evaluate, write_reports
 from appliance.deploy.fallback import Attempt, find_passing
 from appliance.deploy.int8_builder import METHODS, CalibrationSet, Int8Builder, Recipe, quantized_layers
-from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
+from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, quantize_fp16
+from appliance.deploy.options import FALLBACKS, MAX_FLOAT_LAYERS, SCHEMES
 from appliance.deploy.samples import check_input_shape, load_samples
 from appliance.deploy.sensitivity import ERROR_SAMPLES, measure_sensitivity
 
 __all__ = ["METHODS", "SCHEMES", "FALLBACKS", "MAX_FLOAT_LAYERS", "ERROR_SAMPLES", "CalibrationSet", "quantize_model", "quantize_int8", "quantize_fp16"]
-
-SCHEMES = ("s8s8", "u8s8")
-FALLBACKS = ("auto", "none")
-MAX_FLOAT_LAYERS = 10
 
 
 def quantize_int8(model_path: Path, out_path: Path, calib_x, input_name: str, method: str, per_channel: bool,
@@ -37,18 +33,6 @@ def quantize_int8(model_path: Path, out_path: Path, calib_x, input_name: str, me
     """One INT8 QDQ model; float_layers: node names kept in float."""
     with Int8Builder(Path(model_path), calib_x, input_name, scheme) as builder:
         builder.build(Path(out_path), Recipe(method, per_channel, tuple(float_layers)))
-
-
-def quantize_fp16(model, out_path: Path):
-    import onnx
-    from onnxconverter_common import float16
-
-    # keep_io_types: callers still feed float32 tensors and read float32 logits. The converter warns
-    # once per weight it clamps to float16's range; the accuracy report measures what that costs.
-    with warnings.catch_warnings(record=True) as clamped:
-        warnings.simplefilter("always", UserWarning)
-        onnx.save(float16.convert_float_to_float16(model, keep_io_types=True), str(out_path))
-    return len(clamped)
 
 
 def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="int8", method="minmax",

@@ -15,6 +15,8 @@ import numpy as np
 
 from data_tools.preprocessing import preprocess_image
 from appliance.core.errors import DataError
+from data_tools.example import decode_example
+from data_tools.tfrecord import read_records
 
 IMAGE_KEY, LABEL_KEY = "image/encoded", "image/class/label"
 
@@ -60,9 +62,6 @@ def _load_tensors(path: Path, limit: int | None) -> Samples:
 
 
 def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -> Samples:
-    from data_tools.example import decode_example
-    from data_tools.tfrecord import read_records
-
     xs, ys = [], []
     for f in files:
         for number, record in enumerate(read_records(f, strict=True)):
@@ -92,3 +91,13 @@ def check_input_shape(samples: Samples, expected: list, input_name: str, model_p
     if len(got) != len(want) or any(isinstance(w, int) and w > 0 and w != g for g, w in zip(got, want)):
         raise DataError(f"{samples.files[0]}: samples have shape (N, {', '.join(map(str, got))}) but "
                         f"{model_path} input {input_name!r} expects (batch, {', '.join(map(str, want))})")
+
+
+def synthetic_samples(preprocessing: dict, channels: int, count: int):
+    """Seeded random images through the shared preprocessing, for when no data was given."""
+    rng = np.random.default_rng(0)
+    size = preprocessing["image_size"]
+    shape = (size, size, 3) if preprocessing["channel_order"] == "RGB" else (size, size)
+    x = np.stack([preprocess_image(rng.integers(0, 256, shape, dtype=np.uint8), preprocessing)
+                  for _ in range(count)])
+    return Samples(x, None, [], "synthetic")

@@ -19,8 +19,9 @@ import numpy as np
 from appliance.core.progress import Progress
 from appliance.deploy.int8_builder import Int8Builder, Layer, Recipe
 from appliance.deploy.onnx_model import ort_session, run_ort
+from appliance.deploy.options import ERROR_SAMPLES
 
-ERROR_SAMPLES, ACCURACY_SAMPLES, TOP_K = 32, 256, 8
+ACCURACY_SAMPLES, TOP_K = 256, 8
 SQNR_CAP_DB = 150.0  # identical outputs: a finite number JSON can hold
 
 

@@ -14,10 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.core.errors import DataError, GateFailed
+from appliance.deploy.export import export_model
+from appliance.deploy.quantize import quantize_model
+from appliance.deploy.compiler.driver import compile_model
+from appliance.deploy.tolerance import refuse_failed_gate
+from appliance.deploy.package import build_package
+from appliance.core.manifest import atomic_write_text, write_manifest
+from appliance.deploy.verify import verify_package
 
 EXPORTED_MODEL = "model.onnx"
 PARITY_JSON = "parity.json"
 ACCURACY_JSON = "accuracy.json"
+ACCURACY_HTML = "accuracy.html"
 COMPILED_LIBRARY = "model.so"
 COMPILE_JSON = "compile.json"
 VERIFY_JSON = "verify.json"
@@ -50,10 +58,12 @@ class ExportResult:
         return {"model": str(self.model), "bytes": self.bytes, "parity": self.parity}
 
 
-def export_stage(model_dir: Path, out_dir: Path, *, opset: int, sample_files, max_rel_error: float) -> ExportResult:
-    from appliance.deploy.export import export_model
-
-    export_model(model_dir, out_dir, opset=opset, sample_files=list(sample_files), max_rel_error=max_rel_error)
+def export_stage(model_dir: Path, out_dir: Path, *, opset: int, sample_files, max_rel_error: float,
+                 batch: int | None = None, num_samples: int = 64) -> ExportResult:
+    """Export model_dir (a run or trained-model directory) to ONNX; DataError when parity fails.
+    batch: None for a dynamic batch axis."""
+    export_model(model_dir, out_dir, opset=opset, batch=batch, sample_files=list(sample_files or []) or None,
+                 num_samples=num_samples, max_rel_error=max_rel_error)
     return ExportResult.load(out_dir)
 
 
@@ -74,24 +84,31 @@ class QuantizeResult:
         report = _read_json(out_dir / ACCURACY_JSON)
         return cls(out_dir, Path(report["quantized"]["model"]), report["mode"], report)
 
+    @property
+    def html(self) -> Path:
+        return self.out_dir / ACCURACY_HTML
+
     def figures(self) -> dict:
         return {"model": str(self.model), "report": self.report}
 
 
 def quantize_stage(model: Path, calib_files, val_files, out_dir: Path, *, mode: str, method: str,
-                   per_channel: bool, calib_samples: int, max_drop: float, fallback: str = "auto",
-                   max_float_layers: int = 10) -> QuantizeResult:
-    """Quantize, then measure on val_files; GateFailed when top-1 drops more than max_drop points
-    (after --fallback auto found no INT8 model within it)."""
-    from appliance.deploy.quantize import quantize_model
-
-    quantize_model(model, list(calib_files), out_dir, val_files=list(val_files), mode=mode, method=method,
-                   per_channel=per_channel, calib_samples=calib_samples, val_samples=1_000_000, max_drop=max_drop,
-                   fallback=fallback, max_float_layers=max_float_layers)
+                   per_channel: bool, calib_samples: int, max_drop: float, scheme: str = "s8s8",
+                   val_samples: int = 1_000_000, on_result=None, fallback: str = "auto",
+                   max_float_layers: int = 10, **options) -> QuantizeResult:
+    """Quantize, then measure on val_files (default: calib_files); GateFailed when top-1 drops more than
+    max_drop points (after --fallback auto found no INT8 model within it). on_result(result) is called
+    before the gate is applied (the CLI prints it)."""
+    quantize_model(model, list(calib_files), out_dir, val_files=list(val_files) if val_files else None, mode=mode,
+                   method=method, per_channel=per_channel, scheme=scheme, calib_samples=calib_samples,
+                   val_samples=val_samples, max_drop=max_drop, fallback=fallback, max_float_layers=max_float_layers,
+                   **options)
     result = QuantizeResult.load(out_dir)
+    if on_result is not None:
+        on_result(result)
     if not result.gate_passed:
-        raise GateFailed(f"{Path(out_dir) / ACCURACY_JSON}: {mode} top-1 dropped "
-                         f"{result.report['top1_drop_points']:.2f} points, more than {max_drop:g}")
+        raise GateFailed(f"{result.model}: {mode} top-1 dropped {result.report['top1_drop_points']:.2f} points, "
+                         f"more than --max-drop {max_drop:g} (see {result.html})")
     return result
 
 
@@ -108,14 +125,22 @@ class CompileResult:
         info = _read_json(out_dir / COMPILE_JSON)
         return cls(out_dir, info["target"], out_dir / COMPILED_LIBRARY, info)
 
+    @property
+    def report(self) -> Path:
+        """compile.json: what a package of this build records as its input beside the library."""
+        return self.out_dir / COMPILE_JSON
+
     def figures(self) -> dict:
         return {"target": self.target, "library": str(self.library), "report": self.info}
 
 
-def compile_stage(model: Path, target: str, out_dir: Path, *, sample_files) -> CompileResult:
-    from appliance.deploy.compiler import compile_model
-
-    compile_model(model, target, out_dir, sample_files=list(sample_files))
+def compile_stage(model: Path, target: str, out_dir: Path, *, sample_files, allow_failed_gate: bool = False,
+                  **options) -> CompileResult:
+    """Compile model with TVM for target (options: those of compiler.driver.compile_model); refuses a
+    quantized model that failed its accuracy gate unless allow_failed_gate."""
+    if not allow_failed_gate:
+        refuse_failed_gate(model)
+    compile_model(model, target, out_dir, sample_files=list(sample_files) if sample_files else None, **options)
     return CompileResult.load(out_dir)
 
 
@@ -144,16 +169,13 @@ def package_file_name(target: str) -> str:
 def package_stage(compiled: CompileResult, out_dir: Path, *, sample_files=None) -> PackageResult:
     """The edge package of a compiled model (its self-test samples from sample_files), with a stage
     manifest (its lineage assembled by write_manifest)."""
-    from appliance.deploy.package import build_package
-    from appliance.core.manifest import atomic_write_text, write_manifest
-
     out_dir = Path(out_dir)
     tar = out_dir / package_file_name(compiled.target)
     info = build_package(compiled.out_dir, tar, sample_files=list(sample_files) if sample_files else None)
     record = {"package": tar.name, "target": compiled.target, "bytes": tar.stat().st_size, "info": info}
     atomic_write_text(out_dir / PACKAGE_RESULT_JSON, json.dumps(record, indent=2) + "\n")
     # The package carries its own manifest inside; this one describes the stage directory.
-    write_manifest(out_dir, "package", [compiled.library, compiled.out_dir / COMPILE_JSON],
+    write_manifest(out_dir, "package", [compiled.library, compiled.report],
                    {"target": compiled.target})
     return PackageResult.load(out_dir)
 
@@ -178,8 +200,6 @@ class VerifyResult:
 def verify_stage(package: PackageResult, out_dir: Path, *, sample_files, num_samples: int,
                  min_agreement: float) -> VerifyResult:
     """Run the package under qemu on validation samples; GateFailed when it disagrees with the host."""
-    from appliance.deploy.verify import verify_package
-
     verify_package(package.package, sample_files=list(sample_files), num_samples=num_samples or 1_000_000,
                    min_agreement=min_agreement, out_dir=out_dir)
     result = VerifyResult.load(out_dir)

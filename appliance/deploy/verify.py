@@ -16,11 +16,18 @@ from typing import TYPE_CHECKING
 
 from appliance.deploy.edge.qemu import DEFAULT_SYSROOT, check_sysroot, find_qemu, run_counting_samples, run_json
 from appliance.core.errors import DataError
+from appliance.deploy.options import BENCH_RUNS
+from appliance.deploy.edge.sysroot import build_python_sysroot, default_debs_dir, run_python_runner
+from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
+from appliance.deploy.samples import check_input_shape, load_samples, synthetic_samples
+from appliance.deploy.tolerance import qdq_allowance
+from appliance.core.manifest import atomic_write_text, write_manifest
+from appliance.core.html_report import PALETTE, columns_svg, page
 
 if TYPE_CHECKING:
     import numpy as np
 
-BENCH_RUNS, BENCH_WARMUP = 20, 3
+BENCH_WARMUP = 3
 
 
 def selftest_line(t: dict) -> str:
@@ -134,18 +141,6 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
                if labels is not None else {})}
 
 
-def qdq_allowance(reference) -> float:
-    """For a QDQ model, the output steps `appliance compile` allows between its int8 build and
-    onnxruntime's float reference (float rounding carried through the layers); 0 otherwise."""
-    import onnx
-
-    from appliance.deploy.compiler.check import QDQ_UNITS
-    from appliance.deploy.compiler.passes.int8_arith import output_scale
-
-    step = output_scale(onnx.load(str(reference)))
-    return QDQ_UNITS * step * (1 + 1e-5) if step else 0.0
-
-
 def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=1.0,
                    max_logit_diff=None, sysroot=DEFAULT_SYSROOT, out_dir=None,
                    python=False, sysroot_debs=None, bench_runs=BENCH_RUNS) -> dict:
@@ -153,11 +148,6 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
     `selftest` (bin/run --selftest --json), `bench` (bin/run --bench --json, emulated, or None)
     and `passed` (every route and the self-test)."""
     import numpy as np
-
-    from appliance.deploy.edge.sysroot import build_python_sysroot, default_debs_dir, run_python_runner
-    from appliance.deploy.export import synthetic_samples
-    from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
-    from appliance.deploy.samples import check_input_shape, load_samples
 
     package = Path(package)
     with tempfile.TemporaryDirectory(prefix="edge-verify-") as tmp:
@@ -196,8 +186,6 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
               "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": bench,
               "passed": all(r["passed"] for r in routes) and bool(selftest["passed"])}
     if out_dir:
-        from appliance.core.manifest import atomic_write_text, write_manifest
-
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / "verify.json", json.dumps(report, indent=2) + "\n")
@@ -225,8 +213,6 @@ def device_proof_html(report: dict) -> str:
 
 def verify_html(report: dict) -> str:
     import html
-
-    from appliance.core.html_report import PALETTE, columns_svg, page
 
     rows, charts = [], []
     for i, r in enumerate(report["routes"]):

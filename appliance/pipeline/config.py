@@ -15,8 +15,11 @@ from typing import Annotated
 from appliance.core.errors import ConfigError
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, Range
-from appliance.deploy.export import OPSETS
+from appliance.deploy.options import OPSETS
+from data_tools.check.gate import parse_fail_on
+from appliance.train.config import config_from_dict
 
+STAGES = ("check", "train", "gate", "export", "quantize", "compile", "package", "verify")  # in the order they run
 TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment", "distributed", "profile")
 
 
@@ -121,7 +124,6 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
         raise ConfigError(f"{path}: [data] train = [...] is required (the TFRecord files to train on)")
     if not training["data"].get("val"):
         raise ConfigError(f"{path}: [data] val = [...] is required: every later stage is measured on it")
-    from data_tools.check.gate import parse_fail_on
 
     parse_fail_on(sections["check"].fail_on, where=f"{source}: [check] fail_on")
     train_cfg = validate_training(training, source)
@@ -133,8 +135,6 @@ def validate_training(training: dict, source: Path):
     """The training sections checked as `appliance train` will check them (every key and number,
     the data files resolved), now, so that a typo fails before the data check spends an hour.
     The run's name and directory are the pipeline's."""
-    from appliance.train.config import config_from_dict
-
     sections = {name: dict(table) if isinstance(table, dict) else table for name, table in training.items()}
     run = sections.setdefault("run", {})
     if isinstance(run, dict):

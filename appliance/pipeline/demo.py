@@ -9,6 +9,7 @@ from pathlib import Path
 from appliance.core.errors import ConfigError
 from appliance.core.manifest import atomic_write_text
 from appliance.pipeline.runner import run_pipeline, say
+from appliance.pipeline.digits import write_digits_shards
 
 
 def run_demo(out: Path, epochs: int | None = None) -> dict:
@@ -18,8 +19,6 @@ def run_demo(out: Path, epochs: int | None = None) -> dict:
     out = Path(out).resolve()
     data = out / "data"
     if not any(data.glob("*.tfrecord")):
-        from appliance.pipeline.digits import write_digits_shards
-
         say(f"demo: writing scikit-learn's handwritten digits as TFRecord shards into {data}")
         shards = write_digits_shards(data)
         say(f"demo: {sum(len(v) for v in shards.values())} shards (train/val, stratified 80/20)")

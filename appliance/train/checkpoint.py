@@ -57,6 +57,7 @@ from appliance.core.values import human_bytes
 from appliance.core.manifest import sha256_file
 from appliance.models import nonfinite_weights
 from appliance.train import faults
+from appliance.models import save_trained_model
 
 COMMIT_MARKER = "COMMITTED"
 CHECKSUMS = "SHA256SUMS"
@@ -341,8 +342,6 @@ class CheckpointManager:
 
     def _write_own_files(self, tmp: Path, step: int, model, card, optimizer_state: dict,
                          optimizer_sharded: bool, trainer: dict) -> list[Path]:
-        from appliance.models import save_trained_model
-
         owned: list[Path] = []
         if self.rank == 0:
             save_trained_model(tmp, model, card)

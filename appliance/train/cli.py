@@ -7,12 +7,15 @@ import argparse
 from pathlib import Path
 
 from appliance.core import values
+from appliance.train.quality import require_quality, summary_line
+from appliance.train.config import load_config
+from appliance.train.preflight import run_preflight
 
 PROFILE_STEPS = 10  # `--profile` without a number
 
 
 def run(args) -> int:
-    from appliance.train.launcher import LaunchSpec, launch_training
+    from appliance.train.launcher import LaunchSpec, launch_training  # lazy: torch, at the CLI boundary
 
     if args.preflight:
         return preflight(args)
@@ -24,7 +27,6 @@ def run(args) -> int:
     if isinstance(result, str):
         print(result)
         return 0
-    from appliance.train.quality import require_quality, summary_line
 
     if result.quality is None:
         print(f"run {result.run_dir}: no validation pass recorded ([data] val): quality gate not applied")
@@ -36,9 +38,6 @@ def run(args) -> int:
 
 def preflight(args) -> int:
     import sys
-
-    from appliance.train.config import load_config
-    from appliance.train.preflight import run_preflight
 
     cfg = load_config(args.config)
     problems = run_preflight(cfg, nnodes=args.nnodes[1], node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
@@ -64,7 +63,7 @@ def nnodes_range(text: str) -> tuple[int, int]:
 
 
 def write_slurm(args) -> int:
-    from appliance.train.launcher import slurm_script
+    from appliance.train.launcher import slurm_script  # lazy: torch, at the CLI boundary
 
     print(slurm_script(Path(args.config), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                        nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,

@@ -25,6 +25,7 @@ from appliance.tasks import TASK_KINDS, task_for
 from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range
 from appliance.train.quality import GATE_KEYS, check_thresholds
 from data_tools.labels import MAX_CLASSES
+from data_tools.check.gate import require_passing_report
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -333,7 +334,7 @@ def config_from_dict(raw: dict, path: str | Path) -> Config:
         sections["model"] = dataclasses.replace(sections["model"], architecture="onnx")
     init_sha256 = ""
     if sections["model"].init:
-        from appliance.train.init_weights import resolve_init
+        from appliance.train.init_weights import resolve_init  # lazy: torch; configs are read without it
 
         init = resolve_init(sections["model"].init, base, source)
         if init.kind != "torchvision":  # absolute, as the data paths: the workers read the same file
@@ -354,6 +355,5 @@ def check_data_report(cfg: Config) -> dict | None:
     if not path.exists():
         raise ConfigError(f"{cfg.source}: [data] check_report: {path} does not exist "
                           "(run `appliance data check --fail-on ...` first)")
-    from data_tools.check.gate import require_passing_report
 
     return require_passing_report(path)

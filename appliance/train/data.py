@@ -16,6 +16,9 @@ from appliance.core.errors import DataError
 from appliance.tasks import task_for
 from appliance.train import faults
 from data_tools.labels import label_problem
+from data_tools.preprocessing import preprocess_image
+from data_tools.dataset import TFRecordDataset, ShardedSampler
+from data_tools.augment import SeededAugmentation, TrainTransform
 
 
 def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> torch.Tensor:
@@ -24,8 +27,6 @@ def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> t
     The arithmetic is data_tools.preprocessing.preprocess_image, the function export
     parity, calibration and the edge runner use too, so training and deployment agree.
     """
-    from data_tools.preprocessing import preprocess_image
-
     preprocessing = {"image_size": image_size, "mean": mean, "std": std,
                      "channel_order": "RGB" if channels == 3 else "L"}
     # Every failure of the bytes is the record's (Pillow raises ValueError for a PNG text-chunk
@@ -51,8 +52,6 @@ def _dataset(cfg, files, augment: bool = False):
     samples = task_for(cfg.task).dataset(cfg, files, augment)
     if samples is not None:  # the task makes its own samples (segmentation: image and mask)
         return samples
-    from data_tools.dataset import TFRecordDataset
-
     if augment:
         transform = functools.partial(decode_for_augmentation, channels=cfg.data.channels)
     else:
@@ -67,8 +66,6 @@ def _dataset(cfg, files, augment: bool = False):
                               image_key=cfg.data.image_key, label_key=cfg.data.label_key)
     dataset = CheckedSamples(dataset, cfg.data.label_key, cfg.num_classes, transform)
     if augment:
-        from data_tools.augment import SeededAugmentation, TrainTransform
-
         a = cfg.augment
         # Seeded by (seed, epoch, sample index): a resumed run augments each sample as before.
         dataset = SeededAugmentation(dataset, TrainTransform(
@@ -117,8 +114,6 @@ def train_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bo
     number of steps (DDP needs that); which up-to-(processes - 1) samples are left out changes
     with the epoch's shuffle.
     """
-    from data_tools.dataset import ShardedSampler
-
     dataset = _dataset(cfg, cfg.data.train, augment=cfg.augment.enabled)
     sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=True,
                              drop_last=True)
@@ -127,8 +122,6 @@ def train_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bo
 
 def val_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):
     """Every validation record exactly once across ranks (shares may differ by one; eval sums)."""
-    from data_tools.dataset import ShardedSampler
-
     dataset = _dataset(cfg, cfg.data.val)
     sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=False)
     return _loader(cfg, dataset, sampler, generator, pin)

@@ -18,6 +18,7 @@ from appliance.models import (CARD_NAME, ONNX_ARCHITECTURE, WEIGHTS_NAME, classi
                               nonfinite_weights)
 from appliance.core.manifest import sha256_file
 from appliance.assets.weights import PREFIX as TORCHVISION_PREFIX, find_weights
+from appliance.train.checkpoint import CheckpointDamaged, read_sums
 
 KINDS = ("safetensors", "model_dir", "checkpoint", "torchvision", "pth", "onnx")
 
@@ -64,8 +65,6 @@ def resolve_init(spec: str, base: Path, source: str) -> InitSource:
 
 def _check_listed(checkpoint: Path, digest: str, where: str) -> None:
     """The weights of another run's checkpoint are those its SHA256SUMS lists (read as resume reads it)."""
-    from appliance.train.checkpoint import CheckpointDamaged, read_sums
-
     try:
         listed = read_sums(checkpoint)
     except CheckpointDamaged as err:

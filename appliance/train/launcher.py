@@ -26,6 +26,12 @@ from appliance.core.progress import quiet
 from appliance.tasks import task_for
 from appliance.train import worker_error
 from appliance.train.preflight import interface_address, network_env, split_endpoint
+from appliance.train.config import check_data_report, load_config
+from data_tools.index import build_index, read_index_file
+from appliance.train.ddp import prepare_model
+from appliance.core.dirlock import directory_lock
+from appliance.train.quality import QUALITY_JSON, Thresholds, write_quality, quality_figures
+from appliance.core.manifest import MANIFEST_NAME, read_manifest
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -158,10 +164,21 @@ class TrainResult:
             return self
         return replace(self, quality=task_for(self.task).quality(self.val_confusion, self.class_names, thresholds))
 
+    @property
+    def out_dir(self) -> Path:
+        return self.run_dir
+
+    def figures(self) -> dict:
+        return {"run_dir": str(self.run_dir), "model_dir": str(self.model_dir), "steps": self.steps,
+                "val_acc": self.val_acc}
+
+    @classmethod
+    def load(cls, out_dir: Path) -> "TrainResult":
+        """The result of a finished run in out_dir (its run directory): the StageResult contract."""
+        return cls.from_run_dir(out_dir)
+
     @classmethod
     def from_run_dir(cls, run_dir: Path) -> "TrainResult":
-        from appliance.core.manifest import MANIFEST_NAME, read_manifest
-
         run_dir = Path(run_dir)
         metrics_path = run_dir / METRICS_NAME
         evals = []
@@ -196,9 +213,6 @@ def check_before_start(cfg) -> None:
     """Everything that can be checked before a process starts: the data-check gate, every data
     file opened and frame-checked (its index built, which the workers reuse), and [model] init's
     weights matched against the model."""
-    from appliance.train.config import check_data_report
-    from data_tools.index import build_index, read_index_file
-
     check_data_report(cfg)
     for key, files in (("train", cfg.data.train), ("val", cfg.data.val)):
         for path in files:
@@ -208,7 +222,6 @@ def check_before_start(cfg) -> None:
                 why = f"{damage[0].reason} at byte {damage[0].start}" if damage else "no record"
                 raise DataError(f"{path}: not a TFRecord file ({why}); listed in {cfg.source} [data] {key}")
     if cfg.model.init:  # weights of another architecture, an unconvertible ONNX operator: one line, no process
-        from appliance.train.ddp import prepare_model
 
         prepare_model(cfg, log=lambda line: None)
 
@@ -226,8 +239,6 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     """Validate, preflight, then run torchrun to its end on this node. Returns the run's result
     (or, with dry_run, the command line that would run). Raises ApplianceError with one line on
     any failure, a worker's own error line included."""
-    from appliance.train.config import load_config
-
     config = Path(spec.config)
     cfg = load_config(config)  # fail here, with one line, rather than in every worker
     nproc = resolve_nproc(spec.nproc_per_node)
@@ -244,7 +255,6 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     check_before_start(cfg)  # --dry-run too: it promises what a real start would accept
     if dry_run:
         return printable
-    from appliance.core.dirlock import directory_lock
 
     # One run per run directory, for the run's life: two would kill each other mid-save and mix
     # their checkpoints. The kernel drops the lock when the last holder dies; torchrun holds it
@@ -280,8 +290,6 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
 def judge(result: TrainResult, train_section) -> TrainResult:
     """The result with its quality-gate figures, also written to RUN_DIR/quality.json (the training
     report of the gate); raising GateFailed is the caller's choice (`appliance train`, the pipeline)."""
-    from appliance.train.quality import QUALITY_JSON, Thresholds, write_quality
-
     result = result.judged(Thresholds.of(train_section))
     if result.quality is not None:
         write_quality(result.run_dir / QUALITY_JSON, str(result.run_dir), result.quality)
@@ -300,8 +308,6 @@ def slurm_script(config: Path, *, nodes: int, gpus_per_node: int = 0, nproc_per_
                  max_restarts: int = 0, profile: int | None = None, out: Path | None = None) -> Path:
     """Write an sbatch script that runs this launcher's torchrun command on `nodes` nodes under srun
     (profile: --profile STEPS for the workers, as `appliance train --profile`)."""
-    from appliance.train.config import load_config
-
     config = Path(config).resolve()
     cfg = load_config(config)
     if nodes < 1 or gpus_per_node < 0 or max_restarts < 0:

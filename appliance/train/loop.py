@@ -39,6 +39,10 @@ from appliance.train.optimizer import build_optimizer, build_scheduler
 from appliance.train import profiling
 from appliance.train.profile_report import PROFILE_HTML, PROFILE_JSON
 from appliance.train.report import REPORT_HTML, REPORT_JSON, write_training_report
+from appliance.core.manifest import write_manifest
+from appliance.core.progress import Progress
+from appliance.train.checkpoint import _broadcast_int, _all_gather_json
+from appliance.train.profile_report import write_profile_report
 
 
 INIT_REPORT = "init.json"  # how [model] init's weights matched the model
@@ -163,8 +167,6 @@ STORAGE_WORDS = {"shared": "one directory shared by every node (a shared filesys
 def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage: str = "shared",
                        init_report: dict | None = None) -> None:
     """runs/<name>/manifest.json: the data files (sha256) and the init weights in, the model and metrics out."""
-    from appliance.core.manifest import write_manifest
-
     outputs = sorted((run_dir / "model").iterdir())
     # metrics.jsonl and the training report are on rank 0's node only, with per-node storage.
     outputs += [path for path in (run_dir / "metrics.jsonl", run_dir / REPORT_JSON, run_dir / REPORT_HTML,
@@ -287,8 +289,6 @@ def train(cfg: Config, resume: str = "auto") -> int:
     writer = None
     if rank == 0:
         from tensorboardX import SummaryWriter
-
-        from appliance.core.progress import Progress
 
         writer = SummaryWriter(str(run_dir / "tb"))
         bar = Progress(total=total_steps, initial=step, desc="train", unit="step", every=30)
@@ -435,8 +435,6 @@ def train(cfg: Config, resume: str = "auto") -> int:
 def start_profiler(cfg: Config, device, rank: int, step: int, total_steps: int, log):
     """profiling.OFF, or a StepProfiler whose window fits the steps this attempt has left. Every
     rank takes rank 0's [profile] figures, so all of them reach the report's collective."""
-    from appliance.train.checkpoint import _broadcast_int
-
     p = cfg.profile
     steps, wait, warmup = (_broadcast_int(v) for v in (p.steps, p.wait, p.warmup))
     if steps == 0:
@@ -458,8 +456,6 @@ def profile_done(summary: dict | None, cfg: Config, rank: int, world: int, log) 
     writes profile.json and profile.html."""
     if summary is None:
         return
-    from appliance.train.checkpoint import _all_gather_json
-    from appliance.train.profile_report import write_profile_report
 
     summaries = _all_gather_json(summary)
     if rank == 0:
@@ -468,8 +464,6 @@ def profile_done(summary: dict | None, cfg: Config, rank: int, world: int, log) 
 
 
 def _diverged(cfg: Config, checkpoints: CheckpointManager, step: int, on_rank: int) -> TrainingDiverged:
-    from appliance.train.checkpoint import _broadcast_int
-
     found = checkpoints.committed() if checkpoints.rank == 0 else []
     newest = _broadcast_int(found[-1][0] if found else -1)
     kept = (f"the newest checkpoint step-{newest:08d} is the resume point" if newest >= 0

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from appliance import __version__
 from appliance.core.errors import ConfigError
 from appliance.core.values import human_bytes
+from appliance.models import build_model
 
 SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
 
@@ -75,8 +76,6 @@ class NodeFacts:
 def checkpoint_bytes_needed(cfg) -> int:
     """Disk the config's checkpoints take at most: weights + optimizer state per kept checkpoint,
     the trained model, and the configured headroom."""
-    from appliance.models import build_model
-
     model = build_model(cfg.model.architecture, cfg.num_classes, cfg.data.channels)
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     optimizer_copies = 2 if cfg.optimizer.name == "adamw" else 1  # Adam moments; SGD momentum

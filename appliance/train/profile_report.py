@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from appliance.train.profiling import PHASE_WORDS, PHASES, TRACE_DIR
+from appliance.core.html_report import page
 
 PROFILE_HTML, PROFILE_JSON = "profile.html", "profile.json"
 MADE_BY = "appliance train --profile (appliance/train/profile_report.py); remake with another profiled run"
@@ -236,6 +237,4 @@ phases. Validation and the epoch-end checkpoint count in the step that follows t
 build) or <code>chrome://tracing</code>, or with TensorBoard's profiler plugin:
 <code>tensorboard --logdir {html.escape(report['run_dir'])}/tb</code> (run <code>{TRACE_DIR}</code>).</p>
 <ul id="traces">{traces}</ul>"""
-    from appliance.core.html_report import page
-
     return page(title, MADE_BY, PROFILE_JSON, None, body, style="td,th{text-align:right}td.op{text-align:left}")

@@ -24,6 +24,7 @@ from pathlib import Path
 from appliance.core.errors import ConfigError, GateFailed
 from appliance.tasks.classification_figures import pct as _pct, quality_figures  # noqa: F401 (re-exported)
 from appliance.tasks.thresholds import GATE_KEYS, Thresholds  # noqa: F401 (re-exported)
+from appliance.core.manifest import atomic_write_text, write_manifest
 
 QUALITY_JSON = "quality.json"
 
@@ -53,8 +54,6 @@ def summary_line(run: str, figures: dict) -> str:
 
 
 def write_quality(path: Path, run: str, figures: dict) -> None:
-    from appliance.core.manifest import atomic_write_text
-
     atomic_write_text(path, json.dumps({"run": run, "line": summary_line(run, figures), **figures}, indent=2) + "\n")
 
 
@@ -83,8 +82,6 @@ class GateResult:
 
 def gate_stage(train, thresholds: Thresholds, out_dir: Path) -> GateResult:
     """Judge a TrainResult into out_dir (quality.json + manifest); GateFailed when the model fails."""
-    from appliance.core.manifest import write_manifest
-
     out_dir = Path(out_dir)
     judged = train.judged(thresholds)
     figures = judged.quality

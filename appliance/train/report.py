@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from appliance.train.metrics import class_names, per_class
+from appliance.core.html_report import page
 
 REPORT_HTML, REPORT_JSON = "report.html", "report.json"
 MADE_BY = "appliance train (appliance/train/report.py); remake with a finished run's metrics.jsonl"
@@ -174,6 +175,5 @@ def render_html(report: dict, run_name: str) -> str:
     else:
         body.append("<p>No validation ran ([data] val is empty), so there is no confusion matrix.</p>")
     title = f"Training report: {run_name}"
-    from appliance.core.html_report import page
 
     return page(title, MADE_BY, REPORT_JSON, None, "\n".join(body), style="td,th{text-align:right}")

@@ -38,6 +38,11 @@ from data_tools.check.report_json import build_report, write_json
 from data_tools.check.scan import ScanTask, scan_file, shard_names
 from data_tools.check.schema import infer_num_classes, infer_schema, load_schema
 from data_tools.check.thumbnails import collect_thumbnails
+from appliance.core.dirlock import directory_lock
+from data_tools.example import decode_example
+from data_tools.tfrecord import read_records
+from appliance.core.progress import Progress
+from data_tools.index import build_index
 
 SCHEMA_SAMPLE = 256  # records read to infer a schema
 
@@ -53,7 +58,6 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
     conditions = gate_rules.parse_fail_on(fail_on)
     if not 0 <= near_distance <= 7:
         raise ConfigError(f"--near-distance must be 0..7 bits (got {near_distance})")
-    from appliance.core.dirlock import directory_lock
 
     # One check per --out directory: two would remove each other's .check-partial mid-run.
     with directory_lock(out_dir, "--out directory"):
@@ -140,9 +144,6 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
 
 
 def _schema_sample(paths: list[str]) -> list[dict]:
-    from data_tools.example import decode_example
-    from data_tools.tfrecord import read_records
-
     sample = []
     for path in paths:
         try:
@@ -173,8 +174,6 @@ def _scan_in_worker(task: ScanTask):
 
 def _scan_all(tasks: list[ScanTask], jobs: int | None, show_progress: bool) -> list:
     """Scan files, in a process pool when there are several files and cores; a live progress bar."""
-    from appliance.core.progress import Progress
-
     total = sum(os.path.getsize(t.path) for t in tasks if os.path.isfile(t.path))
     bar = Progress(total=total, unit="B", unit_scale=True, desc="data check", enabled=show_progress)
     records = 0
@@ -296,8 +295,6 @@ def _labels(results, schema) -> dict:
 
 
 def _build_indexes(stage: Path, results, names) -> None:
-    from data_tools.index import build_index
-
     for result, name in zip(results, names):
         if result.clean_records:
             build_index(stage / "clean" / name)

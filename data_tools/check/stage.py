@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.core.errors import GateFailed
+from appliance.core.errors import DataError, GateFailed
+from data_tools.check.run import run_check
 
 REPORT_JSON = "report.json"
 REPORT_HTML = "report.html"
@@ -21,6 +23,18 @@ class CheckResult:
     records_valid: int
     records_quarantined: int
 
+    @classmethod
+    def load(cls, out_dir: Path) -> "CheckResult":
+        """The result of a finished check in out_dir, from its report.json."""
+        path = Path(out_dir) / REPORT_JSON
+        try:
+            report = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise DataError(f"{path}: missing (is {out_dir} the output of `appliance data check`?)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise DataError(f"{path}: damaged ({err}); run the check again") from None
+        return result_of(Path(out_dir), report)
+
     def figures(self) -> dict:
         return {"records_total": self.records_total, "records_valid": self.records_valid,
                 "records_quarantined": self.records_quarantined, "report": str(self.report_html)}
@@ -29,8 +43,6 @@ class CheckResult:
 def check_stage(files: list[tuple[Path, str]], out_dir: Path, *, fail_on: str | None) -> CheckResult:
     """Check (file, split) pairs into out_dir; GateFailed (exit 3) when the gate fails or a file
     cannot be read at all."""
-    from data_tools.check.run import run_check
-
     report, status = run_check([(str(p), split) for p, split in files], out_dir, fail_on=fail_on)
     out_dir = Path(out_dir)
     if status != 0:

@@ -59,8 +59,7 @@ def _inputs_digest(paths) -> str:
 
 def fake_train(cfg):
     def action(d: Path, results) -> TrainResult:
-        files = [*(results["check"].clean["train"] if "check" in results else cfg.train_files),
-                 *(results["check"].clean["val"] if "check" in results else cfg.val_files)]
+        files = [*results.data("train"), *results.data("val")]
         (d / "model").mkdir(parents=True, exist_ok=True)
         (d / "model" / "weights.bin").write_text(_digest(json.dumps(cfg.training, sort_keys=True),
                                                           _inputs_digest(files)))
@@ -73,34 +72,34 @@ def fake_train(cfg):
 
 
 def fake_export(d: Path, results) -> deploy.ExportResult:
-    (d / deploy.EXPORTED_MODEL).write_text(_inputs_digest(sorted((results["train"].model_dir).iterdir())))
+    (d / deploy.EXPORTED_MODEL).write_text(_inputs_digest(sorted((results.train.model_dir).iterdir())))
     atomic_write_text(d / deploy.PARITY_JSON, json.dumps({"passed": True, "max_rel_error": 0.0}))
-    write_manifest(d, "export", [results["train"].model_dir / "weights.bin"], {})
+    write_manifest(d, "export", [results.train.model_dir / "weights.bin"], {})
     return deploy.ExportResult.load(d)
 
 
 def fake_quantize(d: Path, results) -> deploy.QuantizeResult:
     model = d / "model.int8.onnx"
-    model.write_text(_inputs_digest([results["export"].model]))
+    model.write_text(_inputs_digest([results.export.model]))
     side = {"top1": 0.875, "bytes": 10, "latency_ms_median": 0.1}
     atomic_write_text(d / deploy.ACCURACY_JSON, json.dumps({
-        "mode": "int8", "fp32": {"model": str(results["export"].model), **side},
+        "mode": "int8", "fp32": {"model": str(results.export.model), **side},
         "quantized": {"model": str(model), **side}, "top1_drop_points": 0.0, "gate_passed": True}))
-    write_manifest(d, "quantize", [results["export"].model], {})
+    write_manifest(d, "quantize", [results.export.model], {})
     return deploy.QuantizeResult.load(d)
 
 
 def fake_compile(target):
     def action(d: Path, results) -> deploy.CompileResult:
-        (d / deploy.COMPILED_LIBRARY).write_text(_inputs_digest([results["quantize"].model]))
+        (d / deploy.COMPILED_LIBRARY).write_text(_inputs_digest([results.quantize.model]))
         atomic_write_text(d / deploy.COMPILE_JSON, json.dumps({"target": target}))
-        write_manifest(d, "compile", [results["quantize"].model], {"target": target})
+        write_manifest(d, "compile", [results.quantize.model], {"target": target})
         return deploy.CompileResult.load(d)
     return action
 
 
 def fake_package(d: Path, results) -> deploy.PackageResult:
-    compiled = results["compile-aarch64"]
+    compiled = results.compiled["aarch64"]
     tar = d / deploy.package_file_name("aarch64")
     tar.write_text(_inputs_digest([compiled.library]))
     atomic_write_text(d / deploy.PACKAGE_RESULT_JSON, json.dumps(
@@ -112,7 +111,7 @@ def fake_package(d: Path, results) -> deploy.PackageResult:
 def fake_verify(d: Path, results) -> deploy.VerifyResult:
     atomic_write_text(d / deploy.VERIFY_JSON, json.dumps({"passed": True, "samples": 6, "routes": [
         {"runner": "native", "top1_agreement": 1.0, "max_logit_diff": 0.0, "seconds": 0.1}]}))
-    write_manifest(d, "verify", [results["package"].package], {})
+    write_manifest(d, "verify", [results.package.package], {})
     return deploy.VerifyResult.load(d)
 
 
@@ -138,7 +137,7 @@ def run(site: Path, check: bool = True, lr: float = 0.003, train_extra: str = ""
     for stage in stages:
         if stage.name in fakes:
             stage.action = fakes[stage.name]
-    results, ran = run_stages(stages)
+    results, ran = run_stages(cfg, stages)
     return cfg, results, ran
 
 
@@ -168,7 +167,7 @@ def test_an_added_data_file_reruns_training_and_what_follows(site, check):
     write_shard(site / "data" / "train-1.tfrecord", 12, 5)  # matched by the glob
     _, results, ran = run(site, check)
     assert ran == (ALL if check else AFTER_CHECK)
-    inputs = {i["path"] for i in json.loads((results["train"].manifest_path).read_text())["inputs"]}
+    inputs = {i["path"] for i in json.loads((results.train.manifest_path).read_text())["inputs"]}
     assert any("train-1" in p for p in inputs)
 
 
@@ -209,3 +208,26 @@ def test_a_damaged_output_reruns_that_stage(site):
     (cfg.out_dir / "compile-aarch64" / deploy.COMPILED_LIBRARY).write_text("tampered")
     _, _, ran = run(site)
     assert ran == ["compile-aarch64"]  # rebuilt bit-identical, so package and verify stay
+
+
+def test_every_stage_result_keeps_the_one_contract_and_loads_back_equal(site):
+    from appliance.core.stage import StageResult
+
+    _, results, _ = run(site)
+    for name, result in results.items():
+        assert isinstance(result, StageResult), name
+        again = type(result).load(result.out_dir)
+        assert again.figures() == result.figures(), name
+
+
+def test_the_index_page_links_every_stage_and_shows_the_summary_figures(site):
+    from appliance.pipeline.summary import index_html
+
+    cfg, results, ran = run(site)
+    page = index_html(build_summary(cfg, results, ran, 1.0), results)
+    for name in ALL:
+        assert f"<td>{name}</td>" in page and f'href="{name}/"' in page
+    assert 'href="check/report.html"' in page  # the data check's own report, found through its manifest
+    assert "87.50 %" in page  # the training's validation top-1, as the summary has it
+    _, results, ran = run(site)
+    assert "<td>unchanged</td>" in index_html(build_summary(cfg, results, ran, 1.0), results)

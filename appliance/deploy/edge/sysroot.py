@@ -20,6 +20,7 @@ from pathlib import Path
 from appliance import beside_venv
 from appliance.deploy.edge.qemu import find_qemu, run_counting_samples
 from appliance.core.errors import DataError, EnvironmentProblem
+from appliance.core.manifest import write_manifest, read_manifest, verify_outputs
 
 PACKAGES = ("python3.11", "libstdc++6")  # numpy's and TVM's wheels expect the system libstdc++
 MIRROR, SUITE = "http://deb.debian.org/debian", "bookworm"
@@ -37,8 +38,6 @@ def default_debs_dir() -> Path:
 
 
 def fetch_sysroot_debs(out_dir, *, mirror=MIRROR, suite=SUITE) -> list[Path]:
-    from appliance.core.manifest import write_manifest
-
     if shutil.which("apt-get") is None:
         raise EnvironmentProblem("apt-get: not found (fetching the arm64 sysroot needs a Debian host)")
     out_dir = Path(out_dir)
@@ -84,8 +83,6 @@ def fetch_sysroot_debs(out_dir, *, mirror=MIRROR, suite=SUITE) -> list[Path]:
 
 def build_python_sysroot(debs_dir, package_root: Path, into: Path) -> tuple[Path, Path]:
     """(sysroot, site): the checked .debs extracted with dpkg -x, the package's wheels unpacked."""
-    from appliance.core.manifest import read_manifest, verify_outputs
-
     debs_dir = Path(debs_dir)
     if not (debs_dir / "manifest.json").is_file():
         raise EnvironmentProblem(f"{debs_dir}: no arm64 sysroot .debs (run `appliance edge sysroot --out {debs_dir}` "

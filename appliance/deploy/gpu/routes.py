@@ -20,20 +20,15 @@ import time
 from pathlib import Path
 
 from appliance.core.errors import DataError, EnvironmentProblem
+from appliance.deploy.options import GPU_TARGETS  # noqa: F401 (the routes this module serves; tests list them here)
+from appliance.deploy.tolerance import refuse_failed_gate
+from appliance.deploy.accuracy_report import compare, write_reports
+from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, precision, quantize_fp16, run_ort
+from appliance.deploy.samples import check_input_shape, load_samples
+from appliance.core.manifest import atomic_write_text, write_manifest
 
-GPU_TARGETS = ("cuda-ort", "tensorrt")
 OPT_BATCH = 32  # TensorRT optimisation profile: batch 1..OPT_BATCH, tuned for OPT_BATCH
 WORKSPACE_BYTES = 2 << 30
-
-
-def add_arguments(p) -> None:
-    """The GPU routes' own options on the `appliance compile` parser."""
-    p.add_argument("--int8-calib", nargs="+", metavar="DATA",
-                   help="tensorrt: also build an INT8 engine, calibrated on these TFRecord files or .npz "
-                   "(the calibration data of `appliance quantize`)")
-    p.add_argument("--max-drop", type=float, default=1.0,
-                   help="cuda-ort/tensorrt: allowed top-1 drop in points against FP32 on labelled --samples "
-                   "(default 1.0)")
 
 
 def cuda_devices() -> int:
@@ -75,8 +70,6 @@ def require_gpu(target: str, model_path) -> None:
 
 
 def run(args) -> int:
-    from appliance.deploy.compile import refuse_failed_gate
-
     require_gpu(args.target, args.model)
     if not args.allow_failed_gate:
         refuse_failed_gate(args.model)
@@ -251,8 +244,6 @@ def _parity(got, expected, tolerance: float | None) -> dict:
 
 
 def _accuracy(model_path, artifact, fp32_logits, logits, y, fp32_latency, latency, mode, max_drop) -> dict:
-    from appliance.deploy.accuracy_report import compare
-
     fp32 = {"predictions": fp32_logits.argmax(1), "top1": float((fp32_logits.argmax(1) == y).mean()),
             "latency_ms_median": fp32_latency}
     built = {"predictions": logits.argmax(1), "top1": float((logits.argmax(1) == y).mean()),
@@ -266,11 +257,6 @@ def _accuracy(model_path, artifact, fp32_logits, logits, y, fp32_latency, latenc
 def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, tolerance=None, calib_files=None,
                 max_drop: float = 1.0) -> dict:
     import numpy as np
-
-    from appliance.deploy.accuracy_report import write_reports
-    from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, precision, run_ort
-    from appliance.deploy.samples import check_input_shape, load_samples
-    from appliance.core.manifest import atomic_write_text, write_manifest
 
     model_path, out_dir = Path(model_path), Path(out_dir)
     model = load_onnx(model_path)
@@ -294,8 +280,6 @@ def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, toleranc
 
     builds, inputs = [], [model_path, *(Path(f) for f in sample_files or [])]
     if target == "cuda-ort":
-        from appliance.deploy.quantize import quantize_fp16
-
         artifact = out_dir / "model.fp16.onnx"
         start = time.perf_counter()
         quantize_fp16(model, out_dir / ".model.fp16.onnx.tmp")
@@ -304,8 +288,6 @@ def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, toleranc
         seconds = time.perf_counter() - start
         builds.append(("fp16", artifact, seconds, lambda t: run_ort(session, t, batch=OPT_BATCH)))
     else:
-        from appliance.deploy.quantize import quantize_fp16
-
         fp16_source = model_path
         if not weakly_typed():  # strongly typed: the FP16 engine is built from an FP16 model
             fp16_source = out_dir / "model.fp16.onnx"

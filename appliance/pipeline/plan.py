@@ -1,0 +1,193 @@
+"""The pipeline's stages in order: what each reads, which stage function runs it, which result it keeps.
+
+Every stage here calls the same typed stage function as its CLI verb and keeps the typed result
+(appliance.core.stage.StageResult) it returns. A stage reads its inputs off the upstream results'
+attributes (a clean shard, a model, a library), never by spelling another stage's file names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from appliance.core.stage import StageResult
+from appliance.deploy import stages as deploy
+from appliance.pipeline.config import PipelineConfig
+from appliance.train.launcher import TrainResult
+from appliance.train.quality import GATE_KEYS, GateResult, Thresholds, gate_stage
+from appliance.train.stage import train_stage
+from data_tools.check.stage import CheckResult, check_stage
+
+
+@dataclass
+class Results:
+    """The typed results of the stages run (or loaded) so far, in pipeline order."""
+
+    cfg: PipelineConfig
+    check: CheckResult | None = None
+    train: TrainResult | None = None
+    gate: GateResult | None = None
+    export: deploy.ExportResult | None = None
+    quantize: deploy.QuantizeResult | None = None
+    compiled: dict[str, deploy.CompileResult] = field(default_factory=dict)  # target -> its build
+    package: deploy.PackageResult | None = None
+    verify: deploy.VerifyResult | None = None
+
+    def data(self, split: str) -> list[Path]:
+        """The data a later stage reads: the check stage's clean shards, or the files as configured."""
+        if self.check is None:
+            return list(self.cfg.train_files if split == "train" else self.cfg.val_files)
+        return list(self.check.clean.get(split, ()))
+
+    def deployed_model(self) -> Path:
+        """The ONNX model the builds compile: the quantized one, or the exported one without quantize."""
+        return self.quantize.model if self.quantize is not None else self.export.model
+
+    def items(self) -> list[tuple[str, StageResult]]:
+        """(stage name, result) for every stage that has a result, in pipeline order."""
+        named = [("check", self.check), ("train", self.train), ("gate", self.gate), ("export", self.export),
+                 ("quantize", self.quantize),
+                 *((f"compile-{target}", build) for target, build in self.compiled.items()),
+                 ("package", self.package), ("verify", self.verify)]
+        return [(name, result) for name, result in named if result is not None]
+
+
+@dataclass
+class Stage:
+    """One step: its name, directory and parameters (hashed into its fingerprint); subclasses say
+    what it reads (`inputs`), how it runs (`action`) and where its result goes (`keep`)."""
+
+    name: str
+    out_dir: Path
+    params: dict
+    result_type: type  # its StageResult class: `load` rebuilds a skipped stage's result
+    resumable: bool = False
+
+    def load(self, out_dir: Path) -> StageResult:
+        return self.result_type.load(out_dir)
+
+    def inputs(self, res: Results) -> list[Path]:
+        raise NotImplementedError
+
+    def action(self, out_dir: Path, res: Results) -> StageResult:
+        raise NotImplementedError
+
+    def keep(self, res: Results, result: StageResult) -> None:
+        setattr(res, self.name, result)
+
+
+def _files_in(directory: Path) -> list[Path]:
+    return sorted(p for p in Path(directory).rglob("*") if p.is_file())
+
+
+class CheckStage(Stage):
+    def inputs(self, res: Results) -> list[Path]:
+        return [*res.cfg.train_files, *res.cfg.val_files]
+
+    def action(self, out_dir: Path, res: Results) -> CheckResult:
+        files = [(p, "train") for p in res.cfg.train_files] + [(p, "val") for p in res.cfg.val_files]
+        return check_stage(files, out_dir, fail_on=res.cfg.check.fail_on)
+
+
+class TrainStage(Stage):
+    # Training reads the data files; their content is in its fingerprint whether or not a check ran.
+    def inputs(self, res: Results) -> list[Path]:
+        return [*res.data("train"), *res.data("val")]
+
+    def action(self, out_dir: Path, res: Results) -> TrainResult:
+        cfg = res.cfg
+        return train_stage(cfg.training, cfg.source, out_dir, train_files=res.data("train"),
+                           val_files=res.data("val"), check_report=res.check.report_json if res.check else None,
+                           nproc_per_node=cfg.pipeline.nproc_per_node, max_restarts=cfg.pipeline.max_restarts)
+
+
+class GateStage(Stage):
+    def inputs(self, res: Results) -> list[Path]:
+        return [res.train.metrics_path, *_files_in(res.train.model_dir)]
+
+    def action(self, out_dir: Path, res: Results) -> GateResult:
+        return gate_stage(res.train, Thresholds(**self.params), out_dir)
+
+
+class ExportStage(Stage):
+    def inputs(self, res: Results) -> list[Path]:
+        return [*_files_in(res.train.model_dir), *res.data("val")]
+
+    def action(self, out_dir: Path, res: Results) -> deploy.ExportResult:
+        e = res.cfg.export
+        return deploy.export_stage(res.train.model_dir, out_dir, opset=e.opset, sample_files=res.data("val"),
+                                   max_rel_error=e.max_rel_error)
+
+
+class QuantizeStage(Stage):
+    def inputs(self, res: Results) -> list[Path]:
+        return [res.export.model, *res.data("train"), *res.data("val")]
+
+    def action(self, out_dir: Path, res: Results) -> deploy.QuantizeResult:
+        q = res.cfg.quantize
+        return deploy.quantize_stage(res.export.model, res.data("train"), res.data("val"), out_dir, mode=q.mode,
+                                     method=q.method, per_channel=q.per_channel, calib_samples=q.calib_samples,
+                                     max_drop=q.max_drop, fallback=q.fallback, max_float_layers=q.max_float_layers)
+
+
+@dataclass
+class CompileStage(Stage):
+    target: str = ""
+
+    def inputs(self, res: Results) -> list[Path]:
+        return [res.deployed_model(), *res.data("val")]
+
+    def action(self, out_dir: Path, res: Results) -> deploy.CompileResult:
+        return deploy.compile_stage(res.deployed_model(), self.target, out_dir, sample_files=res.data("val"))
+
+    def keep(self, res: Results, result: deploy.CompileResult) -> None:
+        res.compiled[self.target] = result
+
+
+class PackageStage(Stage):
+    def inputs(self, res: Results) -> list[Path]:
+        build = res.compiled[res.cfg.package.target]
+        return [build.library, build.report]
+
+    def action(self, out_dir: Path, res: Results) -> deploy.PackageResult:
+        return deploy.package_stage(res.compiled[res.cfg.package.target], out_dir, sample_files=res.data("val"))
+
+
+class VerifyStage(Stage):
+    def inputs(self, res: Results) -> list[Path]:
+        return [res.package.package, *res.data("val")]
+
+    def action(self, out_dir: Path, res: Results) -> deploy.VerifyResult:
+        v = res.cfg.verify
+        return deploy.verify_stage(res.package, out_dir, sample_files=res.data("val"), num_samples=v.samples,
+                                   min_agreement=v.min_agreement)
+
+
+def train_params(cfg: PipelineConfig) -> dict:
+    """What decides the weights: neither where the processes talk ([distributed]) nor the gate's
+    thresholds do, so changing a threshold reruns the gate only."""
+    training = cfg.training
+    weights_deciding = {**{k: v for k, v in training.items() if k != "distributed"},
+                        "train": {k: v for k, v in training.get("train", {}).items() if k not in GATE_KEYS}}
+    return {"training": weights_deciding, "nproc_per_node": cfg.pipeline.nproc_per_node,
+            "checked": cfg.check.enabled}
+
+
+def plan(cfg: PipelineConfig) -> list[Stage]:
+    """The stages in order, each with its directory, parameters and result type."""
+    out = cfg.out_dir
+    stages: list[Stage] = []
+    if cfg.check.enabled:
+        stages.append(CheckStage("check", out / "check", asdict(cfg.check), CheckResult))
+    stages.append(TrainStage("train", out / "train", train_params(cfg), TrainResult, resumable=True))
+    thresholds = Thresholds.of(cfg.training.get("train", {}))
+    stages.append(GateStage("gate", out / "gate", asdict(thresholds), GateResult))
+    stages.append(ExportStage("export", out / "export", asdict(cfg.export), deploy.ExportResult))
+    if cfg.quantize.mode != "none":
+        stages.append(QuantizeStage("quantize", out / "quantize", asdict(cfg.quantize), deploy.QuantizeResult))
+    for target in cfg.compile.targets:
+        stages.append(CompileStage(f"compile-{target}", out / f"compile-{target}", {"target": target},
+                                   deploy.CompileResult, target=target))
+    stages.append(PackageStage("package", out / "package", asdict(cfg.package), deploy.PackageResult))
+    stages.append(VerifyStage("verify", out / "verify", asdict(cfg.verify), deploy.VerifyResult))
+    return stages
