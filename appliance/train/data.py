@@ -49,7 +49,7 @@ def decode_pixels(encoded: bytes, image_size: int, channels: int) -> torch.Tenso
         image = image.convert("RGB" if channels == 3 else "L")
         if image.size != (image_size, image_size):
             image = image.resize((image_size, image_size), Image.BILINEAR)
-        pixels = np.asarray(image, dtype=np.uint8)
+        pixels = np.array(image, dtype=np.uint8)  # a writable copy
     except ValueError:
         raise
     except Exception as err:  # PIL raises several types for damaged images

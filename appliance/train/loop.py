@@ -36,7 +36,7 @@ from appliance.train.components import (Checkpointing, MetricsLog, TrainingDiver
 from appliance.train.config import Config, load_config
 from appliance.train.profile_report import PROFILE_HTML, PROFILE_JSON, write_profile_report
 from appliance.train.report import REPORT_HTML, REPORT_JSON, write_training_report
-from appliance.train.setup import INIT_REPORT, STORAGE_WORDS, Run, build, printer, resume, start_processes
+from appliance.train.setup import INIT_REPORT, STORAGE_WORDS, Run, build, printer, resume as resume_run, start_processes
 from appliance.train.step import Guard, TrainWindow, train_step
 
 __all__ = ["INIT_REPORT", "STORAGE_WORDS", "TrainWindow", "TrainingDiverged", "main", "train", "write_run_manifest"]
@@ -62,9 +62,9 @@ def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage
                    outputs=outputs)
 
 
-def train(cfg: Config, resume_from: str = "auto") -> int:
+def train(cfg: Config, resume: str = "auto") -> int:
     run = build(start_processes(cfg, printer(_progress)))
-    resume(run, resume_from, log_line)
+    resume_run(run, resume, log_line)
     writer = bar = None
     if run.rank == 0:
         from tensorboardX import SummaryWriter
@@ -154,8 +154,10 @@ def finish(run: Run, guard: Guard, checkpoints: Checkpointing, stopped: bool, wr
     for loader in (run.train_loader, run.val_loader):
         shut_down_workers(loader)
     dist.barrier()
-    if writes_model and not stopped:
-        (cfg.run_dir / FINISHED).write_text(f"{run.step}\n")
+    if not stopped:
+        if writes_model:
+            (cfg.run_dir / FINISHED).write_text(f"{run.step}\n")
+        dist.barrier()  # the mark is there before any rank can die
         faults.maybe_die("finished", run.step, rank, signal.SIGABRT)  # the test of a late crash
     dist.destroy_process_group()
 
