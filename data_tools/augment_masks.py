@@ -93,6 +93,11 @@ class SegmentationSamples(torch.utils.data.Dataset):
         return DataError(f"{file}: record {number}: {what}")
 
     def __getitem__(self, index: int):
+        return self.item_at(index)
+
+    def item_at(self, index: int, epoch: int | None = None):
+        """The sample, augmented for `epoch` (None: the one set_epoch set); persistent loader
+        workers keep their copy of the dataset, so the training loader passes the epoch here."""
         sample = self.records[index]
         try:
             image = Image.open(io.BytesIO(bytes(sample[self.image_key])))
@@ -111,6 +116,6 @@ class SegmentationSamples(torch.utils.data.Dataset):
             raise self._fail(index, f"mask holds class {int(bad[0])}, outside 0..{self.num_classes - 1} "
                                     f"(the config has {self.num_classes} classes; ignore label {self.ignore_label})")
         if self.transform is not None:
-            return self.transform(image, mask, int(index))
+            return self.transform(image, mask, int(index), epoch)
         x = torch.from_numpy(preprocess_image(image, self.preprocessing))
         return x, eval_mask(mask, int(self.preprocessing["image_size"]))

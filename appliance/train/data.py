@@ -35,6 +35,30 @@ def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> t
     return torch.from_numpy(preprocess_image(image, preprocessing))
 
 
+def decode_pixels(encoded: bytes, image_size: int, channels: int) -> torch.Tensor:
+    """PNG/JPEG bytes -> uint8 tensor [C, H, W], resized: decode_image's first steps (channel order,
+    bilinear resize); step.Normalise finishes its arithmetic on the device, bit for bit (a test holds
+    them together). A quarter of float32's bytes cross to the GPU."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(encoded))
+        image.load()
+        image = image.convert("RGB" if channels == 3 else "L")
+        if image.size != (image_size, image_size):
+            image = image.resize((image_size, image_size), Image.BILINEAR)
+        pixels = np.array(image, dtype=np.uint8)  # a writable copy
+    except ValueError:
+        raise
+    except Exception as err:  # PIL raises several types for damaged images
+        raise DataError(f"undecodable image ({err})") from None
+    pixels = pixels[:, :, None] if pixels.ndim == 2 else pixels
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+
 def decode_for_augmentation(encoded: bytes, channels: int):
     """PNG/JPEG bytes -> a PIL image in the model's channel order; the augmentation resizes and normalises."""
     import io
@@ -48,12 +72,15 @@ def decode_for_augmentation(encoded: bytes, channels: int):
         raise DataError(f"undecodable image ({type(err).__name__}: {err})") from None
 
 
-def _dataset(cfg, files, augment: bool = False):
+def _dataset(cfg, files, augment: bool = False, pixels: bool = False):
+    """pixels: uint8 samples, normalised on the device (without augmentation)."""
     samples = task_for(cfg.task).dataset(cfg, files, augment)
-    if samples is not None:  # the task makes its own samples (segmentation: image and mask)
+    if samples is not None:  # the task makes its own samples (segmentation: image and mask, normalised here)
         return samples
     if augment:
         transform = functools.partial(decode_for_augmentation, channels=cfg.data.channels)
+    elif pixels:
+        transform = functools.partial(decode_pixels, image_size=cfg.data.image_size, channels=cfg.data.channels)
     else:
         transform = functools.partial(decode_image, image_size=cfg.data.image_size, channels=cfg.data.channels,
                                       mean=cfg.data.mean, std=cfg.data.std)
@@ -107,22 +134,57 @@ class CheckedSamples(torch.utils.data.Dataset):
             raise DataError(f"{file}: record {number}: {err}") from None
 
 
+class _EpochIndices(torch.utils.data.Sampler):
+    """The sampler's indices as (epoch, index): persistent loader workers keep their copy of the
+    dataset across epochs, so the epoch that seeds augmentation travels with each index."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        epoch = self.sampler.epoch
+        return ((epoch, index) for index in self.sampler)
+
+
+class _Epoched(torch.utils.data.Dataset):
+    """Sample (epoch, index): a SeededAugmentation's transform gets the epoch with the index."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        if hasattr(self.dataset, "item_at"):  # a task's own samples (segmentation: image and mask)
+            return self.dataset.item_at(index, epoch)
+        if not hasattr(self.dataset, "transform"):
+            return self.dataset[index]
+        image, label = self.dataset.dataset[index]
+        return self.dataset.transform(image, index, epoch), label
+
+
 def train_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):
-    """(DataLoader, ShardedSampler) for this rank's share of the training files.
+    """(DataLoader, ShardedSampler) for this rank's share of the training files; with pin (a GPU)
+    the samples are uint8 pixels unless augmented (step.Normalise finishes them on the device).
 
     The sampler trims each epoch to a multiple of the process count so every rank runs the same
     number of steps (DDP needs that); which up-to-(processes - 1) samples are left out changes
     with the epoch's shuffle.
     """
-    dataset = _dataset(cfg, cfg.data.train, augment=cfg.augment.enabled)
+    dataset = _dataset(cfg, cfg.data.train, augment=cfg.augment.enabled, pixels=pin)
     sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=True,
                              drop_last=True)
-    return _loader(cfg, dataset, sampler, generator, pin), sampler
+    return _loader(cfg, _Epoched(dataset), _EpochIndices(sampler), generator, pin), sampler
 
 
 def val_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):
     """Every validation record exactly once across ranks (shares may differ by one; eval sums)."""
-    dataset = _dataset(cfg, cfg.data.val)
+    dataset = _dataset(cfg, cfg.data.val, pixels=pin)
     sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=False)
     return _loader(cfg, dataset, sampler, generator, pin)
 
@@ -156,8 +218,9 @@ class _Loader(torch.utils.data.DataLoader):
 
 
 def _loader(cfg, dataset, sampler, generator, pin):
+    """Workers persist across epochs (starting them each epoch cost a third of a short epoch)."""
     workers = cfg.data.num_workers
     return _Loader(
         dataset, batch_size=cfg.train.batch_size, sampler=sampler, num_workers=workers, pin_memory=pin,
-        generator=generator, prefetch_factor=4 if workers else None,
+        generator=generator, prefetch_factor=4 if workers else None, persistent_workers=workers > 0,
         worker_init_fn=_worker_ignores_stop_signals if workers else None)

@@ -79,8 +79,17 @@ def prepare_model(cfg, log=print) -> tuple[nn.Module, dict | None]:
     return model, report
 
 
-def build_training_model(cfg, device: torch.device, log=print):
-    """(DDP-wrapped model for training, the plain model for saving and loading state, the init report)."""
+def memory_format_for(model: nn.Module, device: torch.device) -> torch.memory_format:
+    """channels_last for a convolution network on a GPU (cuDNN's fast layout: without it every conv
+    converts NCHW to NHWC and back); contiguous otherwise."""
+    if device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def build_training_model(cfg, device: torch.device, log=print, world: int = 2):
+    """(the model to train: DDP-wrapped with more than one process, else the plain model; the plain
+    model for saving and loading state; the init report; its memory format)."""
     model, report = prepare_model(cfg, log)
     if cfg.model.activation_checkpointing:
         # Trades compute for memory. The wrapper keeps state_dict keys unchanged. BatchNorm
@@ -88,13 +97,36 @@ def build_training_model(cfg, device: torch.device, log=print):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, check_fn=_is_block)
-    model.to(device)
+    memory_format = memory_format_for(model, device)
+    model.to(device, memory_format=memory_format)
+    if world == 1:  # DDP would only add its hooks and buffer broadcasts
+        return model, model, report, memory_format
     buckets = cfg.distributed
     # None at the default: DDP's own layout, whose first bucket is 1 MiB (an explicit 25 makes it 25 MiB).
     cap = None if buckets.bucket_cap_mb == DEFAULT_BUCKET_CAP_MB else buckets.bucket_cap_mb
     wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                       bucket_cap_mb=cap, gradient_as_bucket_view=buckets.gradient_as_bucket_view)
-    return wrapped, model, report
+    return wrapped, model, report, memory_format
+
+
+def match_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give loaded optimizer state the memory layout of its parameter: a checkpoint stores tensors
+    contiguous, and fused kernels walk a parameter and its state as flat memory."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
+def set_tf32(precision: str, deterministic: bool) -> bool:
+    """TF32 matmuls and convolutions for fp32 training unless bit-determinism is asked for; whether it is on
+    (the run manifest records it). Mixed precision computes in bf16/fp16 anyway."""
+    on = not deterministic
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    return on
 
 
 def pick_precision(requested: str, device: torch.device, source: str = "config") -> str:

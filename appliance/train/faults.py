@@ -6,6 +6,7 @@ follows runs clean. Points:
   step              SIGKILL after the optimizer step
   checkpoint-write  SIGKILL with this rank's files written, the checkpoint not yet committed
   nan-loss          this rank's loss of that step becomes NaN (the non-finite loss guard)
+  finished          SIGABRT once the run is finished and committed (STEP: the last step), a late crash
 Unset or empty: does nothing. A malformed value is a ConfigError at start-up (`load()`).
 
 APPLIANCE_TEST_SLOW_DECODE="SECONDS" makes every training sample's decode sleep that long (an
@@ -21,7 +22,7 @@ from appliance.core.errors import ConfigError
 
 ENV = "APPLIANCE_TEST_FAULT"
 SLOW_DECODE_ENV = "APPLIANCE_TEST_SLOW_DECODE"
-POINTS = ("step", "checkpoint-write", "nan-loss")
+POINTS = ("step", "checkpoint-write", "nan-loss", "finished")
 
 _fault: tuple[str, int, int] | None = None
 
@@ -44,9 +45,9 @@ def armed(point: str, step: int, rank: int) -> bool:
     return _fault == (point, step, rank)
 
 
-def maybe_die(point: str, step: int, rank: int) -> None:
+def maybe_die(point: str, step: int, rank: int, sig: int = signal.SIGKILL) -> None:
     if armed(point, step, rank):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
 
 
 def slow_decode_seconds() -> float:

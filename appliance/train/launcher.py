@@ -34,6 +34,7 @@ from appliance.train.quality import QUALITY_JSON, Thresholds, write_quality, qua
 from appliance.core.manifest import MANIFEST_NAME, read_manifest
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+FINISHED = worker_error.FINISHED_NAME
 
 
 def gpu_count() -> int:
@@ -242,6 +243,10 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     config = Path(spec.config)
     cfg = load_config(config)  # fail here, with one line, rather than in every worker
     nproc = resolve_nproc(spec.nproc_per_node)
+    gpus = gpu_count()
+    if gpus and nproc > gpus:  # NCCL refuses two ranks on one device, deep inside torchrun
+        raise ConfigError(f"--nproc-per-node {nproc} is more than the {gpus} GPU{'s' if gpus > 1 else ''} of this "
+                          f"machine (one process per GPU): use --nproc-per-node {gpus} or auto")
     if spec.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
     check_nodes(spec)
@@ -263,6 +268,8 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     lock_name = ".lock" if spec.nnodes == 1 else f".lock-node{spec.node_rank}"
     with directory_lock(cfg.run_dir, "run directory", lock_name) as lock:
         worker_error.clear(cfg.run_dir)
+        finished = cfg.run_dir / FINISHED
+        finished.unlink(missing_ok=True)
         if not quiet():
             print(f"appliance train: {printable}", file=sys.stderr, flush=True)
         error_file = cfg.run_dir / worker_error.FILE_NAME
@@ -272,6 +279,12 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
         raise Interrupted(f"stopped by {stopped_by}; the workers saved a checkpoint in "
                           f"{cfg.run_dir / 'checkpoints'}: run the same command to resume",
                           exit_code=128 + getattr(signal, stopped_by))
+    if returncode != 0 and finished.is_file() and not worker_error.read(cfg.run_dir):
+        # Every rank had committed the model and the manifest: the run is done, whatever came after.
+        print(f"appliance train: warning: the run finished (model and manifest committed), then a worker "
+              f"{_exit_words(returncode)} while shutting down; the results in {cfg.run_dir} are complete",
+              file=sys.stderr, flush=True)
+        returncode = 0
     if returncode != 0:
         line = worker_error.read(cfg.run_dir)
         if line:
@@ -285,6 +298,12 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
                              f"failing rank. Checkpoints: {cfg.run_dir / 'checkpoints'}")
     result = TrainResult.from_run_dir(cfg.run_dir)
     return judge(result, cfg.train)
+
+
+def _exit_words(returncode: int) -> str:
+    if returncode > 128 and returncode - 128 in signal.valid_signals():
+        return f"was killed by {signal.Signals(returncode - 128).name}"
+    return f"exited with status {returncode} (torchrun's)"
 
 
 def judge(result: TrainResult, train_section) -> TrainResult:

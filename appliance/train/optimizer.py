@@ -32,7 +32,9 @@ def param_groups(cfg, model) -> list[dict]:
             for (mult, decay), params in sorted(groups.items(), key=lambda kv: (kv[0][0] != 1.0, kv[0][0], not kv[0][1]))]
 
 
-def build_optimizer(cfg, model) -> torch.optim.Optimizer:
+def build_optimizer(cfg, model, fused: bool = False) -> torch.optim.Optimizer:
+    """SGD or AdamW over param_groups; fused: torch's one-kernel step where this torch has it for the
+    parameters' device (it also takes GradScaler's inf check on the device, with no read per step)."""
     opt = cfg.optimizer
     params = param_groups(cfg, model)
     if opt.name == "sgd":
@@ -44,6 +46,11 @@ def build_optimizer(cfg, model) -> torch.optim.Optimizer:
 
         # Each rank keeps the optimizer state of its shard; checkpoints save one file per rank.
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+    if fused:
+        try:
+            return cls(params, fused=True, **kwargs)
+        except (RuntimeError, ValueError, TypeError):  # no fused kernel for this device or dtype here
+            pass
     return cls(params, **kwargs)
 
 

@@ -44,3 +44,6 @@ def clear(run_dir: str | Path) -> None:
         (Path(run_dir) / FILE_NAME).unlink()
     except FileNotFoundError:
         pass
+
+
+FINISHED_NAME = ".finished"  # RUN_DIR: every rank committed the run (loop.py writes it, the launcher reads it)

@@ -11,7 +11,7 @@ from train_data import make_config
 
 def _gradient_storages(tmp_path, name, **distributed):
     cfg = load_config(make_config(tmp_path, name=name, distributed=distributed))
-    wrapped, model, _ = build_training_model(cfg, torch.device("cpu"), log=lambda line: None)
+    wrapped, model, _, _ = build_training_model(cfg, torch.device("cpu"), log=lambda line: None)
     for _ in range(2):  # DDP lays out its buckets again after the first backward, in gradient order
         wrapped(torch.randn(4, 1, 8, 8)).sum().backward()
     grads = [p.grad for p in model.parameters()]

@@ -1,0 +1,112 @@
+"""The loop's fast path on CPU tensors (issue 27): uint8 batches normalised on the device equal the
+one preprocessing definition bit for bit; the Guard finds the first non-finite step without a read
+per step; persistent loader workers still augment each epoch with that epoch's parameters; loaded
+optimizer state takes its parameter's memory layout; more processes than GPUs is one line."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from appliance.core.errors import ConfigError
+from appliance.train import data, launcher
+from appliance.train.config import load_config
+from appliance.train.ddp import match_layout
+from appliance.train.step import Guard, Normalise, to_device
+from train_data import make_config
+
+
+def _encoded(mode: str, fmt: str, size=(13, 9), seed=0) -> bytes:
+    rng = np.random.default_rng(seed)
+    shape = (size[1], size[0], 3) if mode == "RGB" else (size[1], size[0])
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode=mode).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("mode,fmt,channels,mean,std", [
+    ("RGB", "JPEG", 3, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+    ("RGB", "PNG", 1, [0.45], [0.226]),  # grey from RGB
+    ("L", "PNG", 1, [0.3], [0.25]),
+    ("L", "PNG", 3, [0.5, 0.4, 0.3], [0.2, 0.3, 0.4]),
+])
+def test_uint8_batches_normalised_on_the_device_equal_the_cpu_preprocessing(mode, fmt, channels, mean, std):
+    encoded = [_encoded(mode, fmt, seed=s) for s in range(3)]
+    reference = torch.stack([data.decode_image(e, 8, channels, mean, std) for e in encoded])
+    pixels = torch.stack([data.decode_pixels(e, 8, channels) for e in encoded])
+    assert pixels.dtype == torch.uint8 and pixels.shape == (3, channels, 8, 8)
+    images, labels = to_device(pixels, torch.tensor([0, 1, 2]), torch.device("cpu"),
+                               Normalise(mean, std, channels, torch.device("cpu")), torch.channels_last)
+    assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(images, reference)  # the same float32 arithmetic, in the same order
+
+
+def test_undecodable_pixels_are_a_data_error():
+    from appliance.core.errors import DataError
+
+    with pytest.raises(DataError, match="undecodable image"):
+        data.decode_pixels(b"\x89PNG\r\n\x1a\n not a png", 8, 3)
+
+
+def test_guard_names_the_first_non_finite_step_and_rank_only_when_asked():
+    guard = Guard(torch.device("cpu"), rank=0, world=1, horizon=100)
+    for step, loss in enumerate([1.0, 0.5, float("nan"), float("inf"), 0.2], start=1):
+        guard.note(torch.tensor(loss), step)
+    assert guard.agree() == (False, 3, 0)
+    clean = Guard(torch.device("cpu"), rank=0, world=1, horizon=100)
+    clean.note(torch.tensor(0.1), 1)
+    assert clean.agree() == (False, -1, -1) and not clean.stop_requested()
+    clean.local = True  # what SIGTERM's handler sets
+    assert clean.stop_requested() and clean.agree() == (True, -1, -1)
+
+
+def test_persistent_workers_augment_each_epoch_with_its_own_parameters(tmp_path):
+    cfg = load_config(make_config(tmp_path, augment={"enabled": True}, data={"num_workers": 2}))
+    loader, sampler = data.train_loader(cfg, 0, 1, torch.Generator(), pin=False)
+    assert loader.persistent_workers
+    augmented = loader.dataset.dataset  # SeededAugmentation, as the CPU path applies it
+    seen = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        batch_images, _ = next(iter(loader))  # the same workers both epochs
+        indices = sampler.share(epoch)[:len(batch_images)]
+        expected = []
+        for index in indices:
+            image, _ = augmented.dataset[int(index)]
+            expected.append(augmented.transform(image, int(index), epoch))
+        assert torch.equal(batch_images, torch.stack(expected))
+        seen.append(batch_images)
+    assert not torch.equal(seen[0], seen[1])
+    data_iter = loader._iterator
+    assert data_iter is not None and data_iter._workers[0].is_alive()
+    data_iter._shutdown_workers()
+
+
+def test_loaded_optimizer_state_takes_the_parameters_memory_layout():
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(conv.parameters(), lr=0.1)
+    conv(torch.randn(2, 3, 5, 5).contiguous(memory_format=torch.channels_last)).sum().backward()
+    optimizer.step()
+    saved = {k: ({i: {n: v.contiguous() if torch.is_tensor(v) else v for n, v in s.items()} for i, s in v.items()}
+                 if k == "state" else v) for k, v in optimizer.state_dict().items()}
+    fresh = torch.optim.AdamW(conv.parameters(), lr=0.1)
+    fresh.load_state_dict(saved)
+    assert fresh.state[conv.weight]["exp_avg"].stride() != conv.weight.stride()
+    match_layout(fresh)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert fresh.state[conv.weight][name].stride() == conv.weight.stride()
+        assert torch.equal(fresh.state[conv.weight][name], optimizer.state[conv.weight][name])
+
+
+def test_more_processes_than_gpus_is_one_line_before_torchrun(tmp_path, monkeypatch):
+    config = make_config(tmp_path)
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 1)  # this box has none; the check reads the count
+    with pytest.raises(ConfigError) as err:
+        launcher.launch_training(launcher.LaunchSpec(config=config, nproc_per_node="2"), dry_run=True)
+    assert str(err.value) == "--nproc-per-node 2 is more than the 1 GPU of this machine (one process per GPU): " \
+                             "use --nproc-per-node 1 or auto"
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 0)  # CPU processes: any number
+    assert "--nproc-per-node 2" in launcher.launch_training(launcher.LaunchSpec(config=config, nproc_per_node="2"),
+                                                           dry_run=True)
