@@ -32,7 +32,7 @@ def _audit(args) -> int:
 
 def _keygen(args) -> int:
     from appliance import __version__
-    from appliance.bundle import minisign
+    from appliance.core import minisign
     from appliance.core.errors import ConfigError
 
     passphrase = None
