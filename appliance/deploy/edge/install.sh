@@ -51,7 +51,10 @@ fi
 [ -n "$package" ] || package=$here
 package=$(cd "$package" 2>/dev/null && pwd) || die "$package: no such package directory"
 [ -f "$package/SHA256SUMS" ] || die "$package: no SHA256SUMS (not an edge package made by \`appliance package\`)"
-[ -z "$pubkey" ] || [ -f "$pubkey" ] || die "$pubkey: no such public key file"
+if [ -n "$pubkey" ]; then
+    [ -f "$pubkey" ] || die "$pubkey: no such public key file"
+    pubkey=$(cd "$(dirname "$pubkey")" && pwd)/$(basename "$pubkey")  # read after the cd below
+fi
 mkdir -p "$prefix" || die "$prefix: cannot create the install directory"
 prefix=$(cd "$prefix" && pwd)
 [ "$prefix" != "$package" ] || die "$prefix: is the package itself; install it somewhere else"
@@ -63,7 +66,9 @@ trap 'rm -rf "$stage"' EXIT INT TERM
 cp -R "$package" "$stage/package" || die "$package: cannot copy the package to $stage"
 cd "$stage/package"
 
-# Only the copy from here on. First the signature: SHA256SUMS is what it covers.
+# Only the copy from here on: plain files, then the signature (SHA256SUMS is what it covers).
+odd=$(find . ! -type f ! -type d | sed 's|^\./||' | head -n 1)
+[ -z "$odd" ] || die "$package/$odd: not a regular file (links and devices are refused)"
 [ -f SHA256SUMS.minisig ] || die "$package/SHA256SUMS.minisig: missing: the package is not signed (made by an \`appliance package\` without signing?); nothing installed"
 if [ -f "$state/trusted.pub" ]; then
     [ -z "$pubkey" ] || cmp -s "$pubkey" "$state/trusted.pub" \
@@ -76,12 +81,15 @@ elif [ -n "$pubkey" ]; then
     verifier=./bin/run  # nothing is installed yet: the new package's own (see docs/edge.md, first install)
 elif [ "$tofu" = yes ]; then
     [ -f signing-key.pub ] || die "$package/signing-key.pub: missing; pass --pubkey KEY.pub"
-    key=$stage/package/signing-key.pub
+    key=signing-key.pub
     verifier=./bin/run
     echo "install.sh: trusting on first use the key the package carries: $(sed -n 's/^untrusted comment: //p' signing-key.pub | head -n 1); compare its key id with the one \`appliance package\` printed"
 else
     die "$prefix: no trusted key yet: pass --pubkey KEY.pub (the site's public key, carried to this device once), or --trust-package-key"
 fi
+case "$key" in /*) keyname=$key ;; *) keyname=$package/$key ;; esac
+cp "$key" "$stage/key.pub" || die "$keyname: cannot be read"
+key=$stage/key.pub  # the bytes checked are the bytes kept as trusted.pub
 if command -v minisign >/dev/null 2>&1 && [ "$verifier" = ./bin/run ]; then
     # A first install: the system's own minisign, where there is one, rather than the package's program.
     out=$(minisign -Vq -m SHA256SUMS -x SHA256SUMS.minisig -p "$key" 2>&1) \
@@ -90,11 +98,9 @@ else
     [ -f "$verifier" ] || die "$package/bin/run: missing; nothing installed"
     # shellcheck disable=SC2086  # EDGE_EMULATOR is a command prefix, split on purpose
     out=$(${EDGE_EMULATOR:-} "$verifier" --verify-signature SHA256SUMS --signature SHA256SUMS.minisig --pubkey "$key" 2>&1) \
-        || die "$package/SHA256SUMS.minisig: $(printf '%s\n' "$out" | tail -n 1 | sed 's/^run: refused: SHA256SUMS.minisig: //; s/^run: [a-z]*: //'); nothing installed"
+        || die "$package/SHA256SUMS.minisig: $(printf '%s\n' "$out" | tail -n 1 | sed "s/^run: refused: SHA256SUMS.minisig: //; s/^run: [a-z]*: //; s|$key|$keyname|"); nothing installed"
 fi
 
-odd=$(find . ! -type f ! -type d | sed 's|^\./||' | head -n 1)
-[ -z "$odd" ] || die "$package/$odd: not a regular file (links and devices are refused)"
 if grep -v '^[0-9a-f]\{64\}  [A-Za-z0-9_][A-Za-z0-9_.+/-]*$' SHA256SUMS | grep -q . \
         || grep -q '  \.\|/\.\./\|/\./\|/\.*$\|//' SHA256SUMS; then
     die "$package/SHA256SUMS: malformed (every line must be '<sha256>  <relative path>')"
@@ -113,12 +119,19 @@ id=$(sha256sum SHA256SUMS | cut -c1-64)
 
 # What this installer owns in DIR: the list the last install wrote (paths relative to DIR).
 owned=$stage/owned
-if [ -f "$state/files" ]; then
-    if grep -v '^[A-Za-z0-9_][A-Za-z0-9_.+/-]*$' "$state/files" | grep -q . \
-            || grep -q '/\.\./\|/\.\.$\|/\./\|//' "$state/files"; then
-        die "$state/files: malformed (one relative path per line); $prefix left as it was"
+if [ ! -f "$state/files" ] && [ -f "$prefix/.installed" ] && [ -f "$prefix/SHA256SUMS" ]; then
+    # An install by the earlier install.sh, which kept only .installed: its SHA256SUMS says what it put here.
+    { cut -c67- "$prefix/SHA256SUMS"; echo SHA256SUMS; echo .installed; } > "$stage/earlier"
+    list=$stage/earlier
+else
+    list=$state/files
+fi
+if [ -f "$list" ]; then
+    if grep -v '^[A-Za-z0-9_.][A-Za-z0-9_.+/-]*$' "$list" | grep -q . \
+            || grep -q '^\.\./\|^\.\.$\|^\./\|/\.\./\|/\.\.$\|/\./\|//' "$list"; then
+        die "$list: malformed (one relative path per line); $prefix left as it was"
     fi
-    sort -u "$state/files" > "$owned"
+    sort -u "$list" > "$owned"
 else
     foreign=$(cd "$prefix" && find . -path './.install.*' -prune -o ! -type d -print | sed 's|^\./||' | sort)
     if [ -n "$foreign" ]; then
