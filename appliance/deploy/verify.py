@@ -137,7 +137,8 @@ def read_model_info(root: Path, package: Path) -> dict:
     graph_input = onnx.load(str(root / "reference" / "model.onnx"), load_external_data=False).graph.input[0]
     reference = [d.dim_value or None for d in graph_input.type.tensor_type.shape.dim]
     if len(reference) != 4 or any(r is not None and r != d for r, d in zip(reference[1:], shape[1:])):
-        raise DataError(f"{what}: input shape {shape} is not the reference model's {reference}")
+        said = ", ".join("N" if r is None else str(r) for r in reference)
+        raise DataError(f"{what}: input shape {shape} is not the reference model's [{said}]")
     return info
 
 

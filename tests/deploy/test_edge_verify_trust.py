@@ -132,7 +132,7 @@ def test_a_signed_model_json_that_is_wrong_is_one_line(change, edge_package, tmp
         return
     assert line == {
         "shape": f"appliance edge verify: error: {package}: model.json: input shape [1, 3, 32, 32] is not the "
-                 "reference model's [1, 3, 16, 16]",
+                 "reference model's [N, 3, 16, 16]",
         "bytes": f"appliance edge verify: error: {package}: model.json: not UTF-8 text (byte 11)"}[change]
 
 

@@ -53,7 +53,7 @@ package=$(cd "$package" 2>/dev/null && pwd) || die "$package: no such package di
 [ -f "$package/SHA256SUMS" ] || die "$package: no SHA256SUMS (not an edge package made by \`appliance package\`)"
 if [ -n "$pubkey" ]; then
     [ -f "$pubkey" ] || die "$pubkey: no such public key file"
-    pubkey=$(cd "$(dirname "$pubkey")" && pwd)/$(basename "$pubkey")  # read after the cd below
+    pubkey=$(cd "$(dirname "$pubkey")" && pwd)/${pubkey##*/}  # read after the cd below
 fi
 mkdir -p "$prefix" || die "$prefix: cannot create the install directory"
 prefix=$(cd "$prefix" && pwd)
