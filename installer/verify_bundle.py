@@ -20,8 +20,8 @@ import tarfile
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-# In a bundle minisign.py sits beside this file; in a source checkout it is appliance/bundle/minisign.py.
-for _candidate in (_HERE, _HERE.parent / "appliance" / "bundle"):
+# In a bundle minisign.py sits beside this file; in a source checkout it is appliance/core/minisign.py.
+for _candidate in (_HERE, _HERE.parent / "appliance" / "core"):
     if (_candidate / "minisign.py").exists():
         sys.path.insert(0, str(_candidate))
         break

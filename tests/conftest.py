@@ -1,4 +1,5 @@
 import fcntl
+import os
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,13 @@ def interop_python() -> Path:
     if not INTEROP_PYTHON.exists():
         pytest.fail(".venv-interop missing: run installer/bootstrap.sh --interop")
     return INTEROP_PYTHON
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _site_edge_key(tmp_path_factory):
+    """The site's edge signing key (made by the first `appliance package`) lives in this session's
+    temporary folder, never in the user's ~/.config; children inherit it through the environment."""
+    os.environ["APPLIANCE_EDGE_KEY"] = str(tmp_path_factory.getbasetemp() / "edge-key" / "edge-signing.key")
 
 
 @pytest.fixture(autouse=True)

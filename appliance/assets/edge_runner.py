@@ -2,8 +2,9 @@
 
 zig keys its libc++ build by the path of its install, so the first build in every new venv spends
 1-2.5 minutes on it. The runner does not depend on the model, only on what `runner_inputs` hashes:
-runner.cc, the tvm-ffi headers, libtvm_runtime.so and libtvm_ffi.so from the edge wheels, the glibc
-floor, zig's version and the compile argv. `appliance bundle build` builds it once on the connected
+runner.cc and the signature verifier it includes (signature.h, hashes.h), the tvm-ffi headers,
+libtvm_runtime.so and libtvm_ffi.so from the edge wheels, the glibc floor, zig's version and the
+compile argv. `appliance bundle build` builds it once on the connected
 host into edge-runner/ (run + runner.json); the installer puts that folder next to the venv, and
 `appliance package` copies it when its key is the key of what it would build.
 Core, not deploy: the bundle builder (which may not import deploy) makes it with the same function.
@@ -26,6 +27,7 @@ from appliance.core.errors import EnvironmentProblem
 from appliance.core.manifest import sha256_file
 
 RUNNER_SOURCE = Path(__file__).resolve().parents[1] / "deploy" / "edge" / "runner.cc"
+RUNNER_HEADERS = ("signature.h", "hashes.h")  # beside runner.cc, included by it: the device-side verifier
 RUNTIME_LIBS = {"apache_tvm-": "tvm/lib/libtvm_runtime.so", "apache_tvm_ffi-": "tvm_ffi/lib/libtvm_ffi.so"}
 HEADERS = "tvm_ffi/include"  # under the sdk folder extract_runtime fills
 DEFAULT_GLIBC_FLOOR = "2.28"
@@ -84,6 +86,7 @@ def runner_inputs(sdk: Path, lib_dir: Path, glibc_floor: str, source: Path = RUN
     """Everything bin/run is made from, hashed: two runners with equal inputs are interchangeable."""
     headers = sdk / HEADERS
     return {"runner.cc": sha256_file(source),
+            **{name: sha256_file(source.parent / name) for name in RUNNER_HEADERS},
             "headers": {str(p.relative_to(headers)): sha256_file(p) for p in sorted(headers.rglob("*")) if p.is_file()},
             "libraries": {Path(m).name: sha256_file(lib_dir / Path(m).name) for m in RUNTIME_LIBS.values()},
             "glibc_floor": glibc_floor, "zig": zig_version(),

@@ -34,16 +34,17 @@ from pathlib import Path
 from appliance import __version__
 
 from appliance.assets import edge_runner
-from appliance.bundle import minisign, tuning, vulnerabilities, weights as pretrained
+from appliance.bundle import tuning, vulnerabilities, weights as pretrained
 from appliance.bundle.profiles import Profile, load_profiles
 from appliance.bundle.sbom import build_sbom
 from appliance.bundle.wheelhouse import Target, Wheel, configured_index, fetch
+from appliance.core import minisign
 from appliance.core.errors import ApplianceError, ConfigError, EnvironmentProblem
 from appliance.core.manifest import atomic_write_text, sha256_file, write_manifest
 
 MADE_BY = f"appliance bundle build {__version__}"
 INSTALLER_FILES = ("installer/install.sh", "installer/install_bundle.py", "installer/verify_bundle.py",
-                   "appliance/bundle/minisign.py")
+                   "appliance/core/minisign.py")
 _SOURCE_FILES = ("pyproject.toml", "README.md", "setup.py", "setup.cfg", "MANIFEST.in")
 _SOURCE_DIRS = ("appliance", "data_tools")
 

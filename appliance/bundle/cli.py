@@ -9,7 +9,7 @@ from pathlib import Path
 from appliance.bundle.weights import MIRROR_ENV, parse_names
 from appliance.bundle.audit import audit as audit_bundle
 from appliance import __version__
-from appliance.bundle import minisign
+from appliance.core import minisign
 from appliance.core.errors import ConfigError
 
 

@@ -218,6 +218,9 @@ def register_package(subparsers) -> None:
                    "(default: the samples `appliance export` checked parity on, when still present)")
     p.add_argument("--wheelhouse", metavar="DIR",
                    help="aarch64 wheels (default: the project's or installed bundle's wheelhouse/edge-aarch64)")
+    p.add_argument("--key", metavar="KEY",
+                   help="minisign secret key that signs the package (default: $APPLIANCE_EDGE_KEY, else "
+                   "~/.config/appliance/edge-signing.key, made on first use; see docs/edge.md)")
     p.set_defaults(func=package_command)
 
 
@@ -225,8 +228,9 @@ def package_command(args) -> int:
     from appliance.deploy.package import build_package  # lazy: numpy and onnx, at the CLI boundary
 
     info = build_package(args.compiled, args.out, wheelhouse=args.wheelhouse, with_python=args.with_python,
-                         glibc_floor=args.glibc_floor, sample_files=args.samples)
-    print(f"wrote {args.out} ({info['bytes'] / 1e6:.1f} MB, {info['files']} files, glibc >= {info['glibc_floor']}, "
+                         glibc_floor=args.glibc_floor, sample_files=args.samples, key=args.key)
+    print(f"wrote {args.out} ({info['bytes'] / 1e6:.1f} MB, {info['files']} files, signed by key {info['key_id']}, "
+          f"glibc >= {info['glibc_floor']}, "
           f"{info['selftest_samples']} golden samples ({info['selftest_source']})"
           f"{', ' + str(len(info['wheels'])) + ' wheels' if info['wheels'] else ''}); "
           f"check it with `appliance edge verify {args.out}`")
@@ -238,7 +242,7 @@ def register_edge(subparsers) -> None:
     verbs = edge.add_subparsers(dest="edge_verb", metavar="VERB", required=True)
     p = verbs.add_parser(
         "verify", help="run the package under qemu-aarch64 and compare with host onnxruntime",
-        description="Check the package's SHA256SUMS, run its native runner under qemu-aarch64 on "
+        description="Check the package's signature (the site key, or --pubkey) and SHA256SUMS, run its native runner under qemu-aarch64 on "
         "samples and compare with onnxruntime on the host: top-1 agreement and max logit difference, gated "
         "(exit status 3 when the gate or the on-device self-test fails).")
     p.add_argument("package", metavar="edge-package.tar")
@@ -259,6 +263,8 @@ def register_edge(subparsers) -> None:
                    "emulated latency, reported and not gated")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
     p.add_argument("--out", metavar="DIR", type=values.output_dir, help="also write verify.json and manifest.json here")
+    p.add_argument("--pubkey", metavar="KEY.pub",
+                   help="the public key the package must be signed with (default: the site key's .pub)")
     p.set_defaults(func=verify_command)
     register_sysroot(verbs)
 
@@ -269,7 +275,7 @@ def verify_command(args) -> int:
     report = verify_package(args.package, sample_files=args.samples, num_samples=args.num_samples,
                             min_agreement=args.min_agreement, max_logit_diff=args.max_logit_diff,
                             sysroot=args.sysroot, out_dir=args.out, python=args.python,
-                            sysroot_debs=args.sysroot_debs, bench_runs=args.bench_runs)
+                            sysroot_debs=args.sysroot_debs, bench_runs=args.bench_runs, pubkey=args.pubkey)
     if args.json:
         print(json.dumps(report))
     else:

@@ -4,7 +4,8 @@ The tar holds edge-package/: model.so, model.json (input, preprocessing, class n
 floor, self-test tolerance), bin/run (native runner, no Python needed) with lib/ (TVM runtime
 from the aarch64 wheels), selftest/ (golden inputs: real validation samples, preprocessed, and
 the host's outputs for them), reference/model.onnx (what edge verify compares with), install.sh,
-manifest.json (lineage back to the training data) and SHA256SUMS over all of it.
+manifest.json (lineage back to the training data), signing-key.pub, SHA256SUMS over all of it and
+SHA256SUMS.minisig: SHA256SUMS signed with the site's edge key (appliance.deploy.edge.signing).
 `--with-python` adds python/run.py + python/preprocessing.py (a verbatim copy of the host's) and
 wheels/ (the hash-locked aarch64 wheels that runner needs, with a --require-hashes list).
 
@@ -28,6 +29,7 @@ from pathlib import Path
 from appliance import beside_venv
 from appliance.deploy.edge.sysroot import RUNNER_WHEELS  # what python/run.py imports
 from appliance.deploy.edge.glibc_floor import DEFAULT_GLIBC_FLOOR, check_floor, parse_floor, version_key
+from appliance.deploy.edge.signing import CARRIED_PUB, sign_sums, site_key
 from appliance.assets.edge_runner import (RUNTIME_LIBS, build_runner, extract_runtime, find_carried, runner_inputs,
                                    runner_key, wheel_of)
 from appliance.core.errors import DataError, EnvironmentProblem
@@ -152,7 +154,7 @@ def python_runner_wheels(wheels: list[Path], into: Path) -> list[Path]:
 
 
 def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_floor=DEFAULT_GLIBC_FLOOR,
-                  sample_files=None, golden_count=GOLDEN_SAMPLES) -> dict:
+                  sample_files=None, golden_count=GOLDEN_SAMPLES, key=None) -> dict:
     compiled, out = Path(compiled), Path(out)
     glibc_floor = parse_floor(glibc_floor)
     info_path = compiled / "compile.json"
@@ -167,6 +169,11 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
     if problems:
         raise DataError(f"{compiled}: changed since it was compiled: {problems[0]}")
     wheels = locked_wheels(Path(wheelhouse) if wheelhouse else default_wheelhouse())
+    # The key before the build: a bad or missing one fails now, not after minutes of work.
+    key, pub, key_id, key_made = site_key(key)
+    if key_made and not quiet():
+        print(f"package: made the site's edge signing key {key} (key id {key_id}, mode 0600); carry {pub} to each "
+              "device once (install.sh --pubkey)", file=sys.stderr, flush=True)
     # A pool to choose clear-cut golden samples from (see write_selftest).
     samples = golden_samples(compiled, sample_files, info.get("preprocessing") or {}, info["input"]["shape"],
                              golden_count * 8)
@@ -188,6 +195,7 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         shutil.copyfile(compiled / "model.so", root / "model.so")
         shutil.copyfile(compiled / "model.onnx", root / "reference" / "model.onnx")
         shutil.copyfile(HERE / "edge" / "install.sh", root / "install.sh")
+        shutil.copyfile(pub, root / CARRIED_PUB)  # for trust on first use only; devices trust their own copy
         (root / "install.sh").chmod(0o755)
         shipped_wheels = []
         if with_python:
@@ -214,12 +222,14 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         files = sorted(p for p in root.rglob("*") if p.is_file())
         atomic_write_text(root / "SHA256SUMS", "".join(
             f"{sha256_file(p)}  {p.relative_to(root)}\n" for p in files))
+        sign_sums(root, key, f"package:{out.name}\ttarget:{info['target']}")
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_name(f".{out.name}.partial")
         with tarfile.open(partial, "w") as tar:
             tar.add(root, arcname=ROOT_NAME)
         partial.replace(out)
-        return {"path": str(out), "bytes": out.stat().st_size, "files": len(files) + 1,
+        return {"path": str(out), "bytes": out.stat().st_size, "files": len(files) + 2, "key_id": key_id,
+                "public_key": str(pub),
                 "wheels": [w.name for w in shipped_wheels], "with_python": with_python, "glibc_floor": glibc_floor,
                 "elf_needs": elf_needs, "runner": runner, "selftest_samples": selftest["samples"],
                 "selftest_source": selftest["source"]}

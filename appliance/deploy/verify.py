@@ -1,11 +1,11 @@
-"""`appliance edge verify`: run an edge package's native runner under qemu-aarch64 and compare
-its logits with the host's onnxruntime on the same samples, before the package leaves the building.
+"""`appliance edge verify`: check an edge package's signature (the site key, or --pubkey) and
+checksums, then run its native runner under qemu-aarch64 and compare its logits with the host's
+onnxruntime on the same samples, before the package leaves the building.
 It also runs the package's own `bin/run --selftest` (golden samples, gated) and `bin/run --bench`
 (latency under emulation: reported, never gated, since qemu says nothing about ARM speed)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import tarfile
@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance.deploy.edge.qemu import DEFAULT_SYSROOT, check_sysroot, find_qemu, run_counting_samples, run_json
+from appliance.deploy.edge.signing import SIGNATURE, check_signature, trusted_key
+from appliance.core.manifest import sha256_file
 from appliance.core.errors import DataError
 from appliance.deploy.options import BENCH_RUNS
 from appliance.deploy.edge.sysroot import build_python_sysroot, default_debs_dir, run_python_runner
@@ -54,12 +56,33 @@ def _extract(tar: tarfile.TarFile, into: Path) -> None:
     tar.extractall(into, members=members)
 
 
-def unpack_checked(package: Path, into: Path) -> Path:
-    """Extract the tar and check every file against SHA256SUMS; one line for the first problem."""
+MAX_SUMS_BYTES = 1 << 20  # SHA256SUMS of a package is a few KB
+MAX_MODEL_JSON_BYTES = 16 << 20
+ROOT = "edge-package"
+
+
+def check_member_names(tar: tarfile.TarFile, package: Path) -> None:
+    """Every member is edge-package/ or a plain relative path under it, once: no `..`, no `.`,
+    no absolute name, no second copy of a name (one of them would be what gets extracted)."""
+    seen = set()
+    for member in tar.getmembers():
+        name = member.name.rstrip("/")
+        parts = name.split("/")
+        if parts[0] != ROOT or any(p in ("", ".", "..") for p in parts[1:]) or "\\" in name:
+            raise DataError(f"{package}: member {member.name!r} is not a plain path inside {ROOT}/; refused")
+        if name in seen:
+            raise DataError(f"{package}: member {member.name!r} appears twice; refused")
+        seen.add(name)
+
+
+def unpack_checked(package: Path, into: Path, pubkey: Path | None = None) -> Path:
+    """Extract the tar, check the signature of SHA256SUMS with pubkey (when given) and every file
+    against SHA256SUMS, and that nothing else is there; one line for the first problem."""
     if not package.is_file():
         raise DataError(f"{package}: no such file")
     try:
         with tarfile.open(package) as tar:
+            check_member_names(tar, package)
             _extract(tar, into)
     except tarfile.ReadError:
         # tarfile's own message is one line per compression it tried.
@@ -68,26 +91,62 @@ def unpack_checked(package: Path, into: Path) -> Path:
     except (tarfile.TarError, OSError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DataError(f"{package}: not a readable edge package tar ({first})") from None
-    root = into / "edge-package"
+    root = into / ROOT
     sums = root / "SHA256SUMS"
     if not sums.is_file():
-        raise DataError(f"{package}: not an edge package (no edge-package/SHA256SUMS)")
+        raise DataError(f"{package}: not an edge package (no {ROOT}/SHA256SUMS)")
+    if sums.stat().st_size > MAX_SUMS_BYTES:
+        raise DataError(f"{package}: {ROOT}/SHA256SUMS is {sums.stat().st_size} bytes (at most {MAX_SUMS_BYTES})")
+    if pubkey is not None:
+        check_signature(root, package, pubkey)
     listed = set()
     for number, line in enumerate(sums.read_text(errors="replace").splitlines(), 1):
         digest, _, name = line.partition("  ")
-        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
-            raise DataError(f"{package}: SHA256SUMS line {number} is not '<sha256>  <file>'")
+        parts = name.split("/")
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name or any(p in ("", ".", "..") for p in parts):
+            raise DataError(f"{package}: SHA256SUMS line {number} is not '<sha256>  <relative path>'")
         listed.add(name)
         path = root / name
-        if not path.is_file():
+        if not path.is_file() or path.is_symlink():
             raise DataError(f"{package}: {name} is listed in SHA256SUMS but missing")
-        if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+        if sha256_file(path) != digest:
             raise DataError(f"{package}: {name}: sha256 does not match SHA256SUMS (modified after packaging)")
-    extra = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
-                   and str(p.relative_to(root)) not in listed | {"SHA256SUMS"})
+    allowed = listed | {"SHA256SUMS", SIGNATURE}
+    extra = sorted(str(p.relative_to(root) if p.is_relative_to(root) else p.relative_to(into))
+                   for p in into.rglob("*") if not p.is_dir()
+                   and not (p.is_relative_to(root) and str(p.relative_to(root)) in allowed))
     if extra:
         raise DataError(f"{package}: {extra[0]} is not listed in SHA256SUMS (added after packaging)")
     return root
+
+
+def read_model_info(root: Path, package: Path) -> dict:
+    """model.json as the runner and the checks need it; one line for anything else (it is signed,
+    but a signer's tool can still write a bad one)."""
+    import onnx
+
+    path = root / "model.json"
+    what = f"{package}: model.json"
+    if not path.is_file() or path.stat().st_size > MAX_MODEL_JSON_BYTES:
+        raise DataError(f"{what}: missing or larger than {MAX_MODEL_JSON_BYTES} bytes")
+    try:
+        info = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise DataError(f"{what}: not UTF-8 text (byte {err.start})") from None
+    except (ValueError, RecursionError) as err:
+        raise DataError(f"{what}: not JSON ({str(err).splitlines()[0] if str(err) else type(err).__name__})") \
+            from None
+    inp = info.get("input") if isinstance(info, dict) else None
+    shape = inp.get("shape") if isinstance(inp, dict) else None
+    if not (isinstance(shape, list) and len(shape) == 4 and all(type(d) is int and 0 < d <= 1 << 16 for d in shape)
+            and isinstance(inp.get("name"), str) and isinstance(info.get("preprocessing"), dict)):
+        raise DataError(f"{what}: no valid input (name, shape [N, C, H, W] of positive sizes) and preprocessing")
+    graph_input = onnx.load(str(root / "reference" / "model.onnx"), load_external_data=False).graph.input[0]
+    reference = [d.dim_value or None for d in graph_input.type.tensor_type.shape.dim]
+    if len(reference) != 4 or any(r is not None and r != d for r, d in zip(reference[1:], shape[1:])):
+        said = ", ".join("N" if r is None else str(r) for r in reference)
+        raise DataError(f"{what}: input shape {shape} is not the reference model's [{said}]")
+    return info
 
 
 def run_native(root: Path, x: np.ndarray, sysroot: str) -> tuple[np.ndarray, float]:
@@ -143,16 +202,17 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
 
 def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=1.0,
                    max_logit_diff=None, sysroot=DEFAULT_SYSROOT, out_dir=None,
-                   python=False, sysroot_debs=None, bench_runs=BENCH_RUNS) -> dict:
+                   python=False, sysroot_debs=None, bench_runs=BENCH_RUNS, pubkey=None) -> dict:
     """Returns the report: `routes` (per runner: top1_agreement, max_logit_diff, passed, ...),
     `selftest` (bin/run --selftest --json), `bench` (bin/run --bench --json, emulated, or None)
     and `passed` (every route and the self-test)."""
     import numpy as np
 
     package = Path(package)
+    pubkey = trusted_key(pubkey)
     with tempfile.TemporaryDirectory(prefix="edge-verify-") as tmp:
-        root = unpack_checked(package, Path(tmp))
-        info = json.loads((root / "model.json").read_text())
+        root = unpack_checked(package, Path(tmp), pubkey)
+        info = read_model_info(root, package)
         if python and not (root / "python" / "run.py").is_file():
             raise DataError(f"{package}: has no Python runner (packaged without --with-python); "
                             "verify it without --python, or repackage with --with-python")
@@ -184,6 +244,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
     report = {"made_by": "appliance edge verify", "package": str(package.resolve()), "samples": int(len(host)),
               "sample_source": samples.source, "min_agreement": min_agreement, "routes": routes,
               "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": bench,
+              "signature": {"checked_with": str(pubkey)},
               "passed": all(r["passed"] for r in routes) and bool(selftest["passed"])}
     if out_dir:
         out_dir = Path(out_dir)

@@ -10,7 +10,7 @@ import tarfile
 import pytest
 
 import bundle_kit
-from appliance.bundle import minisign
+from appliance.core import minisign
 from conftest import VENV_BIN
 
 

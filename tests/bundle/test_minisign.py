@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from appliance.bundle import minisign
+from appliance.core import minisign
 from conftest import ROOT, VENV_BIN
 
 # RFC 8032, section 7.1: TEST 1, 2 and 3 (secret seed, public key, message, signature).
@@ -190,7 +190,7 @@ def test_verification_needs_only_the_standard_library(tmp_path):
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import minisign; "
             "print(minisign.verify_file(sys.argv[2], sys.argv[3], sys.argv[4])); "
             "assert not any(m.startswith(('cryptography', 'appliance')) for m in sys.modules), sorted(sys.modules)")
-    proc = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(ROOT / "appliance" / "bundle"), str(payload),
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(ROOT / "appliance" / "core"), str(payload),
                            str(tmp_path / "f.minisig"), str(tmp_path / "k.pub")], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 

@@ -15,6 +15,8 @@ import pytest
 from PIL import Image
 
 from conftest import run_appliance
+from appliance.core import minisign
+from appliance.deploy.edge.signing import default_key_path, public_path
 from data_tools import preprocessing as host_preprocessing
 
 
@@ -48,7 +50,7 @@ def test_package_contents_checksums_and_lineage(unpacked, edge_package):
     names = {str(p.relative_to(unpacked)) for p in unpacked.rglob("*") if p.is_file()}
     assert names == {"model.so", "model.json", "bin/run", "lib/libtvm_runtime.so", "lib/libtvm_ffi.so", "install.sh",
                      "reference/model.onnx", "selftest/inputs.npy", "selftest/expected.npy", "SHA256SUMS",
-                     "manifest.json"}
+                     "SHA256SUMS.minisig", "signing-key.pub", "manifest.json"}
     # Slim by default: the native runner, the model and the TVM runtime, no wheels.
     assert edge_package.stat().st_size < 12e6
     for tool_check in (["readelf", "-h", str(unpacked / "bin/run")],):
@@ -59,7 +61,10 @@ def test_package_contents_checksums_and_lineage(unpacked, edge_package):
     assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=unpacked).returncode == 0
 
     listed = {line.split("  ", 1)[1] for line in (unpacked / "SHA256SUMS").read_text().splitlines()}
-    assert listed == names - {"SHA256SUMS"}
+    assert listed == names - {"SHA256SUMS", "SHA256SUMS.minisig"}
+    # Signed with the site key.
+    assert "target:aarch64" in minisign.verify_file(str(unpacked / "SHA256SUMS"), str(unpacked / "SHA256SUMS.minisig"),
+                                                    str(public_path(default_key_path())))
 
     info = json.loads((unpacked / "model.json").read_text())
     assert info["input"] == {"name": "input", "shape": [1, 3, 16, 16], "dtype": "float32"}

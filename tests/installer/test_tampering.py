@@ -16,7 +16,7 @@ import pytest
 
 import bundle_kit
 from conftest import offline_cmd
-from appliance.bundle import minisign
+from appliance.core import minisign
 
 
 @pytest.fixture(scope="module")

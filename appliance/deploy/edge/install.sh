@@ -1,16 +1,23 @@
 #!/bin/sh
 # Edge package installer, made by `appliance package`. Runs on the aarch64 device, offline.
 #
-#   ./install.sh --prefix DIR [--python]      (DIR defaults to /opt/appliance-edge)
+#   ./install.sh --prefix DIR --pubkey KEY.pub [--python]   first install (DIR: /opt/appliance-edge by default)
+#   DIR/install.sh --package NEW_PACKAGE_DIR [--python]     every later install, by the installed copy
 #
-# 1. Copies the package once into a private directory (mode 700) under DIR; every later step reads
-#    only that copy, so a file swapped after the check is never what gets installed.
-# 2. Checks every file of the copy against SHA256SUMS and refuses unlisted files and links.
-# 3. With --python, makes DIR/venv from the copy's wheels (pip --no-index --require-hashes).
-# 4. Moves the copy's files into DIR and runs DIR/bin/run --selftest (golden samples vs the host).
-# Running it again for the same package changes nothing. Exit status: 0 installed (or already
-# installed), 1 refused or self-test failed. EDGE_EMULATOR (e.g. "qemu-aarch64 -L SYSROOT") runs
-# the aarch64 programs off the device, for testing this script on a build host.
+# Trust: KEY.pub is the site's public key, carried to the device once and checked out of band
+# (its key id is what `appliance package` printed). The first install keeps it in
+# DIR/.appliance-edge/trusted.pub; from then on every package is checked by what is ALREADY
+# installed (DIR/install.sh and DIR/bin/run --verify-signature) before any file of the new package
+# runs. `--trust-package-key` instead trusts the key the first package carries (trust on first use).
+# Steps: 1. a private copy (mode 700) of the package under DIR, which every later step reads;
+# 2. SHA256SUMS.minisig checked with the trusted key, every file against SHA256SUMS, no unlisted files
+# or links; 3. the copy's bin/run --selftest (golden samples vs the host); 4. with --python, DIR/venv
+# from the copy's wheels (pip --no-index --require-hashes); 5. the files listed in
+# DIR/.appliance-edge/files (what the last install put there) are replaced by the new package's, and
+# nothing else in DIR is touched. A DIR holding files this installer did not put there, and no such
+# list, is refused. Running it again for the same package changes nothing. Exit status: 0 installed
+# (or already installed), 1 refused or self-test failed. EDGE_EMULATOR (e.g. "qemu-aarch64 -L SYSROOT")
+# runs the aarch64 programs off the device, for testing this script on a build host.
 set -eu
 
 die() {
@@ -18,81 +25,162 @@ die() {
     exit 1
 }
 
-prefix=/opt/appliance-edge
+here=$(cd "$(dirname "$0")" && pwd)
+prefix=
+package=
+pubkey=
+tofu=no
 python=no
 while [ $# -gt 0 ]; do
     case "$1" in
         --prefix) [ $# -ge 2 ] || die "--prefix needs a directory"; prefix=$2; shift 2 ;;
         --prefix=*) prefix=${1#--prefix=}; shift ;;
+        --package) [ $# -ge 2 ] || die "--package needs a directory"; package=$2; shift 2 ;;
+        --package=*) package=${1#--package=}; shift ;;
+        --pubkey) [ $# -ge 2 ] || die "--pubkey needs a file"; pubkey=$2; shift 2 ;;
+        --pubkey=*) pubkey=${1#--pubkey=}; shift ;;
+        --trust-package-key) tofu=yes; shift ;;
         --python) python=yes; shift ;;
-        -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) die "unknown argument $1 (usage: install.sh --prefix DIR [--python])" ;;
+        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown argument $1 (usage: install.sh --prefix DIR --pubkey KEY.pub [--python], or DIR/install.sh --package NEW)" ;;
     esac
 done
-
-here=$(cd "$(dirname "$0")" && pwd)
-[ -f "$here/SHA256SUMS" ] || die "$here: no SHA256SUMS (not an edge package made by \`appliance package\`)"
+if [ -z "$prefix" ]; then  # the installed copy installs into its own directory
+    if [ -f "$here/.appliance-edge/trusted.pub" ]; then prefix=$here; else prefix=/opt/appliance-edge; fi
+fi
+[ -n "$package" ] || package=$here
+package=$(cd "$package" 2>/dev/null && pwd) || die "$package: no such package directory"
+[ -f "$package/SHA256SUMS" ] || die "$package: no SHA256SUMS (not an edge package made by \`appliance package\`)"
+if [ -n "$pubkey" ]; then
+    [ -f "$pubkey" ] || die "$pubkey: no such public key file"
+    pubkey=$(cd "$(dirname "$pubkey")" && pwd)/${pubkey##*/}  # read after the cd below
+fi
 mkdir -p "$prefix" || die "$prefix: cannot create the install directory"
 prefix=$(cd "$prefix" && pwd)
-[ "$prefix" != "$here" ] || die "$prefix: is the package itself; install it somewhere else"
+[ "$prefix" != "$package" ] || die "$prefix: is the package itself; install it somewhere else"
+state=$prefix/.appliance-edge
 
 umask 077
 stage=$(mktemp -d "$prefix/.install.XXXXXX") || die "$prefix: cannot make a private staging directory"
 trap 'rm -rf "$stage"' EXIT INT TERM
-cp -R "$here" "$stage/package" || die "$here: cannot copy the package to $stage"
+cp -R "$package" "$stage/package" || die "$package: cannot copy the package to $stage"
 cd "$stage/package"
 
-# Only the copy from here on.
+# Only the copy from here on: plain files, then the signature (SHA256SUMS is what it covers).
 odd=$(find . ! -type f ! -type d | sed 's|^\./||' | head -n 1)
-[ -z "$odd" ] || die "$here/$odd: not a regular file (links and devices are refused)"
-if grep -v '^[0-9a-f]\{64\}  [A-Za-z0-9_]' SHA256SUMS | grep -q . || grep -q '\.\./' SHA256SUMS; then
-    die "$here/SHA256SUMS: malformed (every line must be '<sha256>  <relative path>')"
+[ -z "$odd" ] || die "$package/$odd: not a regular file (links and devices are refused)"
+[ -f SHA256SUMS.minisig ] || die "$package/SHA256SUMS.minisig: missing: the package is not signed (made by an \`appliance package\` without signing?); nothing installed"
+if [ -f "$state/trusted.pub" ]; then
+    [ -z "$pubkey" ] || cmp -s "$pubkey" "$state/trusted.pub" \
+        || die "$pubkey: $prefix already trusts another key ($state/trusted.pub); to rotate keys replace that file out of band"
+    [ -x "$prefix/bin/run" ] || die "$prefix/bin/run: missing: the installed verifier is gone; reinstall into a new directory"
+    key=$state/trusted.pub
+    verifier=$prefix/bin/run  # installed before, trusted since: never the new package's
+elif [ -n "$pubkey" ]; then
+    key=$pubkey
+    verifier=./bin/run  # nothing is installed yet: the new package's own (see docs/edge.md, first install)
+elif [ "$tofu" = yes ]; then
+    [ -f signing-key.pub ] || die "$package/signing-key.pub: missing; pass --pubkey KEY.pub"
+    key=signing-key.pub
+    verifier=./bin/run
+    echo "install.sh: trusting on first use the key the package carries: $(sed -n 's/^untrusted comment: //p' signing-key.pub | head -n 1); compare its key id with the one \`appliance package\` printed"
+else
+    die "$prefix: no trusted key yet: pass --pubkey KEY.pub (the site's public key, carried to this device once), or --trust-package-key"
+fi
+case "$key" in /*) keyname=$key ;; *) keyname=$package/$key ;; esac
+cp "$key" "$stage/key.pub" || die "$keyname: cannot be read"
+key=$stage/key.pub  # the bytes checked are the bytes kept as trusted.pub
+if command -v minisign >/dev/null 2>&1 && [ "$verifier" = ./bin/run ]; then
+    # A first install: the system's own minisign, where there is one, rather than the package's program.
+    out=$(minisign -Vq -m SHA256SUMS -x SHA256SUMS.minisig -p "$key" 2>&1) \
+        || die "$package/SHA256SUMS.minisig: signature check failed (minisign: $(printf '%s' "$out" | head -n 1)); nothing installed"
+else
+    [ -f "$verifier" ] || die "$package/bin/run: missing; nothing installed"
+    # shellcheck disable=SC2086  # EDGE_EMULATOR is a command prefix, split on purpose
+    out=$(${EDGE_EMULATOR:-} "$verifier" --verify-signature SHA256SUMS --signature SHA256SUMS.minisig --pubkey "$key" 2>&1) \
+        || die "$package/SHA256SUMS.minisig: $(printf '%s\n' "$out" | tail -n 1 | sed "s/^run: refused: SHA256SUMS.minisig: //; s/^run: [a-z]*: //; s|$key|$keyname|"); nothing installed"
+fi
+
+if grep -v '^[0-9a-f]\{64\}  [A-Za-z0-9_][A-Za-z0-9_.+/-]*$' SHA256SUMS | grep -q . \
+        || grep -q '  \.\|/\.\./\|/\./\|/\.*$\|//' SHA256SUMS; then
+    die "$package/SHA256SUMS: malformed (every line must be '<sha256>  <relative path>')"
 fi
 if ! out=$(sha256sum -c --quiet SHA256SUMS 2>/dev/null); then
     name=$(printf '%s\n' "$out" | sed -n 's/^\(.*\): FAILED.*$/\1/p' | head -n 1)
-    die "$here/${name:-SHA256SUMS}: sha256 does not match SHA256SUMS (damaged or modified after packaging); nothing installed"
+    die "$package/${name:-SHA256SUMS}: sha256 does not match SHA256SUMS (damaged or modified after packaging); nothing installed"
 fi
 cut -c67- SHA256SUMS | sort > "$stage/listed"
-find . -type f | sed 's|^\./||' | grep -v '^SHA256SUMS$' | sort > "$stage/present"
+find . -type f | sed 's|^\./||' | grep -v '^SHA256SUMS$' | grep -v '^SHA256SUMS\.minisig$' | sort > "$stage/present"
 extra=$(comm -13 "$stage/listed" "$stage/present" | head -n 1)
-[ -z "$extra" ] || die "$here/$extra: not listed in SHA256SUMS (added after packaging); nothing installed"
+[ -z "$extra" ] || die "$package/$extra: not listed in SHA256SUMS (added after packaging); nothing installed"
 id=$(sha256sum SHA256SUMS | cut -c1-64)
 
-if [ -f "$prefix/.installed" ] && [ "$(cat "$prefix/.installed")" = "$id" ] \
+{ cut -c67- SHA256SUMS; echo SHA256SUMS; echo SHA256SUMS.minisig; [ "$python" = no ] || echo venv; } | sort -u > "$stage/new"
+
+# What this installer owns in DIR: the list the last install wrote (paths relative to DIR).
+owned=$stage/owned
+if [ ! -f "$state/files" ] && [ -f "$prefix/.installed" ] && [ -f "$prefix/SHA256SUMS" ]; then
+    # An install by the earlier install.sh, which kept only .installed: its SHA256SUMS says what it put here.
+    { cut -c67- "$prefix/SHA256SUMS"; echo SHA256SUMS; echo .installed; } > "$stage/earlier"
+    list=$stage/earlier
+else
+    list=$state/files
+fi
+if [ -f "$list" ]; then
+    if grep -v '^[A-Za-z0-9_.][A-Za-z0-9_.+/-]*$' "$list" | grep -q . \
+            || grep -q '^\.\./\|^\.\.$\|^\./\|/\.\./\|/\.\.$\|/\./\|//' "$list"; then
+        die "$list: malformed (one relative path per line); $prefix left as it was"
+    fi
+    sort -u "$list" > "$owned"
+else
+    foreign=$(cd "$prefix" && find . -path './.install.*' -prune -o ! -type d -print | sed 's|^\./||' | sort)
+    if [ -n "$foreign" ]; then
+        count=$(printf '%s\n' "$foreign" | wc -l | tr -d ' ')
+        names=$(printf '%s\n' "$foreign" | head -n 3 | sed "s|^|$prefix/|" | tr '\n' ' ' | sed 's/ $//')
+        die "$prefix: holds $count file(s) this installer did not put there ($names) and no $state/files: nothing installed; install into an empty or new directory"
+    fi
+    : > "$owned"
+fi
+clash=$(comm -23 "$stage/new" "$owned" | while read -r f; do
+    if [ -e "$prefix/$f" ] || [ -L "$prefix/$f" ]; then echo "$prefix/$f"; fi; done | head -n 1)
+[ -z "$clash" ] || die "$clash: exists and was not installed by this installer (not in $state/files); nothing installed"
+
+if [ -f "$state/installed" ] && [ "$(cat "$state/installed")" = "$id" ] \
         && (cd "$prefix" && sha256sum -c --quiet SHA256SUMS >/dev/null 2>&1) \
         && { [ "$python" = no ] || [ -x "$prefix/venv/bin/python" ]; }; then
     echo "install.sh: $prefix already holds this package (SHA256SUMS $id); nothing changed"
     exit 0
 fi
 
+# Readable by the services that run the model; the staging directory itself stays private.
+chmod -R u=rwX,go=rX "$stage/package"
+# The new model proves itself from the private copy, before anything in DIR changes.
+# shellcheck disable=SC2086  # EDGE_EMULATOR is a command prefix, split on purpose
+if ! ${EDGE_EMULATOR:-} "$stage/package/bin/run" --selftest; then
+    die "$package: bin/run --selftest failed: the model does not reproduce the host's outputs on this device; $prefix left as it was"
+fi
+
+umask 022
+mkdir -p "$state"
+# The list first, covering old and new: an install cut short leaves every file it may have placed owned.
+sort -u "$owned" "$stage/new" > "$state/files.tmp" && mv -f "$state/files.tmp" "$state/files"
+rm -f "$state/installed"
+comm -23 "$owned" "$stage/new" | while read -r f; do rm -rf "${prefix:?}/$f"; done
 if [ "$python" = yes ]; then
-    [ -f wheels/requirements.txt ] || die "$here: no wheels/ (packaged without --with-python); install without --python"
+    [ -f wheels/requirements.txt ] || die "$package: no wheels/ (packaged without --with-python); install without --python"
     py=$(command -v python3.11 || command -v python3 || true)
     [ -n "$py" ] || die "python3.11: not found (the bundled wheels are for CPython 3.11)"
-    rm -rf "$prefix/venv"
+    rm -rf "${prefix:?}/venv"  # ours: listed in $state/files, or absent (checked above)
     "$py" -m venv "$prefix/venv" || die "$py -m venv $prefix/venv failed"
     "$prefix/venv/bin/pip" install --quiet --no-index --no-deps --require-hashes --find-links "$stage/package/wheels" \
         -r wheels/requirements.txt || die "pip could not install the bundled wheels (hashes checked) into $prefix/venv"
 fi
-
-# Readable by the services that run the model; the staging directory itself stays private.
-chmod -R u=rwX,go=rX "$stage/package"
-rm -f "$prefix/.installed"
-if [ -f "$prefix/SHA256SUMS" ]; then  # what an earlier package put here
-    cut -c67- "$prefix/SHA256SUMS" | cut -d/ -f1 | sort -u | while read -r top; do
-        case "$top" in ""|.|..|.*) continue ;; esac  # never above or beside what a package put here
-        rm -rf "${prefix:?}/$top"
-    done
-fi
-for entry in * ; do
-    rm -rf "${prefix:?}/$entry"
-    mv "$entry" "$prefix/$entry"
+# Each file by rename: a running DIR/install.sh keeps reading the file it started from.
+grep -v '^venv$' "$stage/new" | while read -r f; do
+    mkdir -p "$prefix/$(dirname "$f")"
+    mv -f "$f" "$prefix/$f"
 done
-
-# shellcheck disable=SC2086  # EDGE_EMULATOR is a command prefix, split on purpose
-if ! ${EDGE_EMULATOR:-} "$prefix/bin/run" --selftest; then
-    die "$prefix/bin/run --selftest failed: the installed model does not reproduce the host's outputs on this device"
-fi
-echo "$id" > "$prefix/.installed"
-chmod 644 "$prefix/.installed"
-echo "installed in $prefix (SHA256SUMS $id): run $prefix/bin/run --input tensor.npy --top-k 5"
+[ -f "$state/trusted.pub" ] || cp "$key" "$state/trusted.pub"
+cp "$stage/new" "$state/files.tmp" && mv -f "$state/files.tmp" "$state/files"
+echo "$id" > "$state/installed"
+echo "installed in $prefix (SHA256SUMS $id, signature checked with $state/trusted.pub): run $prefix/bin/run --input tensor.npy --top-k 5; install later packages with $prefix/install.sh --package DIR"

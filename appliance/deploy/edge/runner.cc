@@ -8,13 +8,17 @@
 //   run --input tensor.npy [--top-k K] [--output logits.npy] [--model model.so]
 //   run --selftest [--json] [--model model.so]
 //   run --bench [--warmup N] [--runs N] [--threads N] [--json] [--max-fluctuation F] [--input tensor.npy]
+//   run --verify-signature FILE --signature FILE.minisig --pubkey KEY.pub
 //
 // tensor.npy is float32, C order, shaped like the model input in model.json (N, C, H, W); a
 // batch larger than the compiled batch runs sample by sample. --input prints one JSON line per
 // sample with the top-k class indices and logits; --output writes all logits as float32 .npy.
 // --selftest runs the golden inputs in selftest/ and compares with the host's outputs recorded
 // at packaging (exit 0 pass, 1 fail). --bench times the model (exit 1 when --max-fluctuation
-// is given and exceeded). Every error is one line on stderr and exit status 2.
+// is given and exceeded). --verify-signature checks a minisign signature of FILE with the
+// public key (signature.h): exit 0 and the trusted comment, or exit 1 and one line saying why;
+// install.sh runs it from the already-installed runner on a new package's SHA256SUMS.
+// Every error is one line on stderr and exit status 2.
 #include <tvm/ffi/c_api.h>
 
 #include <algorithm>
@@ -30,6 +34,8 @@
 #include <limits.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "signature.h"
 
 namespace {
 
@@ -562,6 +568,7 @@ int main(int argc, char** argv) {
   int top_k = 5, warmup = 10, runs = 100, threads = 0;
   bool selftest = false, bench = false, json = false;
   double max_fluctuation = -1;
+  std::string signed_file, signature, pubkey;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     auto value = [&]() -> std::string {
@@ -579,6 +586,9 @@ int main(int argc, char** argv) {
     else if (arg == "--warmup") warmup = PositiveInt(arg, value(), 0);
     else if (arg == "--runs") runs = PositiveInt(arg, value(), 1);
     else if (arg == "--threads") threads = PositiveInt(arg, value(), 1);
+    else if (arg == "--verify-signature") signed_file = value();
+    else if (arg == "--signature") signature = value();
+    else if (arg == "--pubkey") pubkey = value();
     else if (arg == "--max-fluctuation") {
       std::string text = value();
       char* end;
@@ -589,11 +599,23 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: run --input tensor.npy [--top-k K] [--output logits.npy] [--model model.so]\n"
           "       run --selftest [--json]\n"
-          "       run --bench [--warmup N] [--runs N] [--threads N] [--json] [--max-fluctuation F] [--input tensor.npy]\n");
+          "       run --bench [--warmup N] [--runs N] [--threads N] [--json] [--max-fluctuation F] [--input tensor.npy]\n"
+          "       run --verify-signature FILE --signature FILE.minisig --pubkey KEY.pub\n");
       return 0;
     } else {
       Fail("unknown argument " + arg + " (see --help)");
     }
+  }
+  if (!signed_file.empty() || !signature.empty() || !pubkey.empty()) {
+    if (signed_file.empty() || signature.empty() || pubkey.empty())
+      Fail("--verify-signature FILE needs --signature FILE.minisig and --pubkey KEY.pub");
+    std::string said;
+    if (!edgesig::VerifyMinisign(signed_file, signature, pubkey, &said)) {
+      std::fprintf(stderr, "run: refused: %s\n", said.c_str());
+      return 1;
+    }
+    std::printf("%s: signature OK (trusted comment: %s)\n", signed_file.c_str(), said.c_str());
+    return 0;
   }
   if (selftest + bench > 1) Fail("--selftest and --bench are separate runs; give one");
   if (!selftest && !bench && input.empty()) Fail("--input tensor.npy is required (or --selftest, --bench)");

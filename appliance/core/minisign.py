@@ -6,8 +6,10 @@ Two sides, one file:
   This file is therefore copied into every bundle (`installer/minisign.py`) and needs nothing
   outside the standard library to verify. Ed25519 verification follows RFC 8032 section 6
   (extended coordinates); it handles only public data, so its timing does not matter.
-- signing and key generation (the connected host) use the maintained, constant-time Ed25519 of
-  the `cryptography` package, imported only there (manifests/dev.lock).
+- signing and key generation use the maintained, constant-time Ed25519 of the `cryptography`
+  package where it is installed (the connected host: manifests/dev.lock), imported only there;
+  a site without it (which signs its edge packages, appliance.deploy.edge.signing) falls back to
+  RFC 8032 signing here, with a Montgomery ladder (no branch on the secret).
 Both are tested against RFC 8032's vectors and the stock `minisign` tool (tests/bundle/test_minisign.py).
 
 minisign formats (https://jedisct1.github.io/minisign/), all base64 lines after a comment:
@@ -104,27 +106,66 @@ def ed25519_verify(public: bytes, message: bytes, signature: bytes) -> bool:
     return _equal(_mul(s, _G), _add(R, _mul(h, A)))
 
 
-# --- signing: the connected host only ----------------------------------------------------
+# --- signing ------------------------------------------------------------------------------
 
 
 def _private_key(seed: bytes):
-    # Imported here, not at the top: this file also runs on the air-gapped host, which has
-    # only the standard library and only verifies.
+    """cryptography's Ed25519 key (constant time, OpenSSL), or None where the package is absent."""
+    # Imported here, not at the top: this file also runs on the air-gapped host with only the
+    # standard library, where it verifies bundles.
     try:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     except ImportError:
-        raise SignatureError("signing needs the `cryptography` package (manifests/dev.lock): sign on the "
-                             "connected host; the air-gapped side only verifies") from None
+        return None
     return Ed25519PrivateKey.from_private_bytes(seed)
 
 
+def _expand(seed: bytes) -> tuple[int, bytes]:
+    """RFC 8032 5.1.5: the clamped secret scalar and the nonce prefix."""
+    h = hashlib.sha512(seed).digest()
+    a = int.from_bytes(h[:32], "little")
+    a = (a & ~7 & ((1 << 254) - 1)) | (1 << 254)
+    return a, h[32:]
+
+
+def _ladder(s: int, P):
+    """s * P with the same sequence of point operations for every s of 255 bits (a Montgomery
+    ladder): signing without `cryptography` leaks no branch on the secret scalar. Python's integers
+    are not constant time, so this is the fallback, not the preferred path."""
+    R0, R1 = (0, 1, 1, 0), P
+    for i in range(254, -1, -1):
+        bit = (s >> i) & 1
+        pair = (R0, R1) if bit == 0 else (R1, R0)
+        low, high = _add(pair[0], pair[1]), _add(pair[0], pair[0])
+        R0, R1 = (high, low) if bit == 0 else (low, high)
+    return R0
+
+
+def _compress(P) -> bytes:
+    zi = pow(P[2], _P - 2, _P)
+    x, y = P[0] * zi % _P, P[1] * zi % _P
+    return (y | ((x & 1) << 255)).to_bytes(32, "little")
+
+
 def ed25519_public_key(seed: bytes) -> bytes:
-    return _private_key(seed).public_key().public_bytes_raw()
+    key = _private_key(seed)
+    if key is not None:
+        return key.public_key().public_bytes_raw()
+    return _compress(_ladder(_expand(seed)[0], _G))
 
 
 def ed25519_sign(seed: bytes, message: bytes) -> bytes:
-    """Constant-time Ed25519 (cryptography / OpenSSL)."""
-    return _private_key(seed).sign(message)
+    """Constant-time Ed25519 of `cryptography` (OpenSSL) where it is installed (the connected host:
+    manifests/dev.lock), else RFC 8032 5.1.6 here, for a site that signs its edge packages offline."""
+    key = _private_key(seed)
+    if key is not None:
+        return key.sign(message)
+    a, prefix = _expand(seed)
+    public = _compress(_ladder(a, _G))
+    r = _hash_int(prefix + message)
+    R = _compress(_ladder(r, _G))
+    s = (r + _hash_int(R + public + message) * a) % _L
+    return R + s.to_bytes(32, "little")
 
 
 # --- minisign files -----------------------------------------------------------------------
@@ -178,6 +219,16 @@ def read_small_text(path: str, what: str, limit: int = MAX_KEY_FILE_BYTES) -> st
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise SignatureError(f"{path}: not a {what} (byte {err.start} is not UTF-8 text)") from None
+MAX_SMALL_FILE = 64 << 10  # keys, signatures, passphrases: a few hundred bytes each
+
+
+def _read_small(path: str) -> bytes:
+    """A key, signature or passphrase file, refused past MAX_SMALL_FILE (a link to /dev/zero, a huge file)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_SMALL_FILE + 1)
+    if len(data) > MAX_SMALL_FILE:
+        raise SignatureError(f"{path}: larger than {MAX_SMALL_FILE} bytes, not a minisign key or signature file")
+    return data
 
 
 def read_public_key(path_or_text: str) -> tuple[bytes, bytes]:
@@ -209,8 +260,7 @@ _SECRET_LEN = 104  # key id (8) + seed and public key (64) + checksum (32): the 
 def read_passphrase_file(path: str) -> str:
     """The first line of a passphrase file (without its line end)."""
     try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
+        text = _read_small(path).decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise SignatureError(f"{path}: passphrase file unreadable ({getattr(err, 'strerror', None) or err})") \
             from None
@@ -262,8 +312,7 @@ def read_secret_key(path: str, passphrase: str | None = None) -> tuple[bytes, by
     For a protected key the passphrase is the argument, else passphrase_from_env().
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [ln for ln in f.read().splitlines() if ln.strip()]
+        lines = [ln for ln in _read_small(path).decode("utf-8").splitlines() if ln.strip()]
     except FileNotFoundError:
         raise SignatureError(f"{path}: secret key file missing") from None
     except (OSError, UnicodeDecodeError) as err:
