@@ -167,6 +167,7 @@ STRING_IMPORTS = {
     ("appliance.train.launcher", "appliance.train.agent"): "run as `python -m` under torchrun: a process",
     ("appliance.train.launcher", "appliance.train.loop"): "each worker runs `python -m` under torchrun: a process",
     ("appliance.pipeline.demo", "appliance.pipeline"): "importlib.resources: the demo's pipeline config",
+    ("data_tools.augment_masks", "data_tools.augment"): "a logger's name: joint augmentation logs with the image augmentation",
 }
 
 

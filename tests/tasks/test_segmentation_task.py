@@ -1,6 +1,13 @@
 """The segmentation task: figures from per-pixel confusion counts, the most-common-class gate, the
 ignore label in loss and counts, every architecture's output, and [task] in the training config."""
 
+import sys
+from pathlib import Path
+
+# The training tests' data helpers (train_data, seg_data) serve these tests too (no conftest here: a second
+# conftest module would shadow tests/conftest.py for `from conftest import ...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+
 import pytest
 import torch
 
