@@ -112,9 +112,10 @@ def unpack_checked(package: Path, into: Path, pubkey: Path | None = None) -> Pat
         if sha256_file(path) != digest:
             raise DataError(f"{package}: {name}: sha256 does not match SHA256SUMS (modified after packaging)")
     allowed = listed | {"SHA256SUMS", SIGNATURE}
-    extra = sorted(str(p.relative_to(root) if p.is_relative_to(root) else p.relative_to(into))
-                   for p in into.rglob("*") if not p.is_dir()
-                   and not (p.is_relative_to(root) and str(p.relative_to(root)) in allowed))
+    # Members outside the package's root were refused by check_member_names before extraction;
+    # `into` may hold other files (the tar itself, a caller's), which are not the package's.
+    extra = sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                   if not p.is_dir() and str(p.relative_to(root)) not in allowed)
     if extra:
         raise DataError(f"{package}: {extra[0]} is not listed in SHA256SUMS (added after packaging)")
     return root

@@ -38,8 +38,8 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
         accuracy[f"{q['mode']}_top1"] = q["quantized"]["top1"]
         accuracy["quantized_top1_drop_points"] = q["top1_drop_points"]
         if q["mode"] == "int8":  # which path made the model the edge runs (fallback: which layers stayed float)
-            summary["quantize_path"] = {"produced_by": q.get("produced_by", "ptq"), "method": q["method"],
-                                        "per_channel": q["per_channel"], "float_layers": q.get("float_layers", [])}
+            summary["quantize_path"] = {"produced_by": q.get("produced_by", "ptq"), "method": q.get("method"),
+                                        "per_channel": q.get("per_channel", False), "float_layers": q.get("float_layers", [])}
         summary["sizes_bytes"].update({"onnx_fp32": q["fp32"]["bytes"], f"onnx_{q['mode']}": q["quantized"]["bytes"]})
         summary["latency_ms"].update({"host_ort_fp32": q["fp32"]["latency_ms_median"],
                                       f"host_ort_{q['mode']}": q["quantized"]["latency_ms_median"]})

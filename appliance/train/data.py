@@ -162,7 +162,7 @@ class _Epoched(torch.utils.data.Dataset):
         epoch, index = key
         if hasattr(self.dataset, "item_at"):  # a task's own samples (segmentation: image and mask)
             return self.dataset.item_at(index, epoch)
-        if not hasattr(self.dataset, "transform"):
+        if not isinstance(self.dataset, SeededAugmentation):  # nothing seeded by the epoch
             return self.dataset[index]
         image, label = self.dataset.dataset[index]
         return self.dataset.transform(image, index, epoch), label

@@ -140,7 +140,8 @@ def test_pipeline_quantize_stage_falls_back_and_its_summary_names_the_path(tmp_p
 
     from appliance.core.errors import GateFailed
     from appliance.deploy.stages import quantize_stage
-    from appliance.pipeline.runner import build_summary, format_summary
+    from appliance.pipeline.plan import Results
+    from appliance.pipeline.summary import build_summary, format_summary
 
     model, calib, val = outlier
     settings = dict(mode="int8", method="minmax", per_channel=True, calib_samples=64, max_drop=1.0)
@@ -148,8 +149,8 @@ def test_pipeline_quantize_stage_falls_back_and_its_summary_names_the_path(tmp_p
         quantize_stage(model, [calib], [val], tmp_path / "none", fallback="none", **settings)
     result = quantize_stage(model, [calib], [val], tmp_path / "auto", **settings)
     assert result.gate_passed and result.report["produced_by"] == "float layers"
-    summary = build_summary(SimpleNamespace(out_dir=tmp_path, source=tmp_path / "pipeline.toml"),
-                            {"quantize": result}, ["quantize"], 1.0)
+    cfg = SimpleNamespace(out_dir=tmp_path, source=tmp_path / "pipeline.toml")
+    summary = build_summary(cfg, Results(cfg, quantize=result), ["quantize"], 1.0)
     assert summary["quantize_path"] == {"produced_by": "float layers", "method": "minmax", "per_channel": True,
                                         "float_layers": result.report["float_layers"]}
     assert f"float layers (minmax, per-channel); kept in float: {', '.join(result.report['float_layers'])}" \

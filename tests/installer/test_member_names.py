@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from appliance.bundle import minisign
+from appliance.core import minisign
 
 sys.path.insert(0, str(ROOT / "installer"))
 import verify_bundle  # noqa: E402

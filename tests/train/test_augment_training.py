@@ -12,7 +12,16 @@ from train_data import make_config
 def loaders(tmp_path, **augment):
     cfg = load_config(make_config(tmp_path, augment={"enabled": True, **augment}))
     gen = torch.Generator()
-    return cfg, train_loader(cfg, 0, 1, gen, False)[0].dataset, val_loader(cfg, 0, 1, gen, False).dataset
+    epoched = train_loader(cfg, 0, 1, gen, False)[0].dataset  # (epoch, index) keys: persistent workers
+    return cfg, epoched.dataset, val_loader(cfg, 0, 1, gen, False).dataset
+
+
+def test_the_loader_passes_the_epoch_with_each_index(tmp_path):
+    cfg, train, _ = loaders(tmp_path, crop_scale=[0.5, 1.0])
+    epoched = train_loader(cfg, 0, 1, torch.Generator(), False)[0].dataset
+    for epoch in (0, 1):
+        train.set_epoch(epoch)
+        assert torch.equal(epoched[(epoch, 3)][0], train[3][0])
 
 
 def test_same_epoch_and_index_give_the_same_sample_and_epochs_differ(tmp_path):
