@@ -89,7 +89,7 @@ def our_imports(path: Path, module: str, root: Path) -> list[tuple[str, int]]:
             base = node.module or ""
             if node.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            # `from appliance.deploy import stages` imports a module; `from x import name` imports x.
+            # `from appliance.deploy import export` imports a module; `from x import name` imports x.
             names = [f"{base}.{a.name}" if _is_module(f"{base}.{a.name}", root) else base for a in node.names]
         else:
             continue
@@ -143,14 +143,13 @@ COMPILER_ORDER = [
 
 # The stage modules: each stage's own modules, in its package. One stage never imports another's;
 # what two stages share lives in a shared module (deploy/samples.py, deploy/onnx_model.py,
-# deploy/tolerance.py, data_tools.check.gate). appliance.deploy.stages is the deploy stages'
-# contract (their typed results), not a stage.
+# deploy/tolerance.py, data_tools.check.gate). Each deploy stage's typed result lives in its module.
 STAGE_MODULES = {
     "check": ["data_tools.check.stage", "data_tools.check.run"],
     "train": ["appliance.train.stage", "appliance.train.launcher", "appliance.train.quality"],  # + its gate
     "export": ["appliance.deploy.export"],
     "quantize": ["appliance.deploy.quantize"],
-    "compile": [COMPILER, "appliance.deploy.gpu"],
+    "compile": ["appliance.deploy.compile", COMPILER, "appliance.deploy.gpu"],
     "package": ["appliance.deploy.package"],
     "verify": ["appliance.deploy.verify"],
 }
@@ -270,7 +269,7 @@ def test_a_planted_violation_fails(tmp_path):
 
     for package in PACKAGES:
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "appliance" / "train" / "planted.py").write_text("from appliance.deploy import stages\n")
+    (tmp_path / "appliance" / "train" / "planted.py").write_text("from appliance.deploy import export\n")
     (tmp_path / "data_tools" / "planted_a.py").write_text("import data_tools.planted_b\n")
     (tmp_path / "data_tools" / "planted_b.py").write_text("def f():\n    from data_tools import planted_a\n")
     problems = violations(tmp_path)
@@ -357,8 +356,8 @@ def test_a_planted_stage_importing_another_stage_fails(plant, tree_copy):
 @pytest.mark.parametrize("source", [
     'import json\n\ndef load(out):\n    return json.loads((out / "compile-aarch64" / "compile.json").read_text())\n',
     'def report(check_dir):\n    return open(f"{check_dir}/report.json").read()\n',
-    "from appliance.deploy.stages import COMPILE_JSON\n",
-    "from appliance.deploy import stages\n\ndef library(d):\n    return d / stages.COMPILED_LIBRARY\n",
+    "from appliance.deploy.compile import COMPILE_JSON\n",
+    "from appliance.deploy import compile\n\ndef library(d):\n    return d / compile.COMPILED_LIBRARY\n",
 ])
 def test_a_planted_pipeline_naming_a_stage_file_fails(plant, source):
     root = plant("appliance/pipeline/planted.py", source)
@@ -367,15 +366,15 @@ def test_a_planted_pipeline_naming_a_stage_file_fails(plant, source):
 
 def test_a_planted_string_import_must_be_listed(plant):
     root = plant("appliance/train/planted.py",
-                 'import importlib\n\ndef f():\n    return importlib.import_module("appliance.deploy.stages")\n')
-    assert any("appliance.train.planted names the module 'appliance.deploy.stages'" in p
+                 'import importlib\n\ndef f():\n    return importlib.import_module("appliance.deploy.compile")\n')
+    assert any("appliance.train.planted names the module 'appliance.deploy.compile'" in p
                for p in unlisted_string_imports(root))
     # ...and it is an edge of the graph like any import: train may not reach into deploy through a string.
     assert any("appliance.train.planted" in p and "side by side" in p for p in violations(root))
 
 
 @pytest.mark.parametrize("module, layer", [("appliance.core.errors", "core"), ("data_tools.tfrecord", "data"),
-                                           ("data_tools.check.cli", "cli"), ("appliance.deploy.stages", "stages"),
+                                           ("data_tools.check.cli", "cli"), ("appliance.deploy.compile", "stages"),
                                            ("appliance.pipeline.runner", "pipeline")])
 def test_layers_place_modules_as_documented(module, layer):
     assert LAYERS[place(module)[0]][0] == layer

@@ -10,6 +10,7 @@ names: a caller reads paths and figures off the result, never out of the directo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -37,3 +38,13 @@ def html_reports(result: StageResult) -> list[Path]:
     except DataError:  # a stage without a readable manifest has no report to link
         return []
     return [out_dir / o["path"] for o in outputs if str(o.get("path", "")).endswith(".html")]
+
+
+def read_result_json(path: Path) -> dict:
+    """A finished stage's JSON record; DataError naming the file when it is missing or damaged."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing (is {Path(path).parent} the output of that stage?)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: damaged ({err}); rerun that stage") from None

@@ -44,9 +44,9 @@ def register_export(subparsers) -> None:
 
 
 def export_command(args) -> int:
-    from appliance.deploy import export, stages  # lazy: torch and onnx, at the CLI boundary
+    from appliance.deploy import export  # lazy: torch and onnx, at the CLI boundary
 
-    result = stages.export_stage(args.model, args.out, opset=args.opset, batch=export.parse_batch(args.batch),
+    result = export.export_stage(args.model, args.out, opset=args.opset, batch=export.parse_batch(args.batch),
                                  sample_files=args.samples, num_samples=args.num_samples,
                                  max_rel_error=args.max_rel_error)
     parity = result.parity["parity"]
@@ -89,7 +89,7 @@ def register_quantize(subparsers) -> None:
 
 
 def quantize_command(args) -> int:
-    from appliance.deploy import stages  # lazy: numpy and onnx, at the CLI boundary
+    from appliance.deploy.quantize import quantize_stage  # lazy: numpy and onnx, at the CLI boundary
 
     def show(result) -> None:  # before the gate: a failed model's figures are printed too
         report = result.report
@@ -105,7 +105,7 @@ def quantize_command(args) -> int:
                 line += f"; kept in float: {', '.join(report['float_layers'])}"
         print(json.dumps(report) if args.json else line)
 
-    stages.quantize_stage(args.model, args.calib, args.val, args.out, mode=args.mode, method=args.method,
+    quantize_stage(args.model, args.calib, args.val, args.out, mode=args.mode, method=args.method,
                           per_channel=args.per_channel, scheme=args.scheme, calib_samples=args.calib_samples,
                           val_samples=args.val_samples, max_drop=args.max_drop, on_result=show,
                           fallback=args.fallback, max_float_layers=args.max_float_layers,
@@ -166,9 +166,9 @@ def compile_command(args) -> int:
         from appliance.deploy.gpu import routes as gpu_routes  # lazy: numpy and onnx, at the CLI boundary
 
         return gpu_routes.run(args)
-    from appliance.deploy import stages  # lazy: numpy and onnx, at the CLI boundary
+    from appliance.deploy.compile import compile_stage  # lazy: numpy and onnx, at the CLI boundary
 
-    info = stages.compile_stage(
+    info = compile_stage(
         args.model, args.target, args.out, sample_files=args.samples, allow_failed_gate=args.allow_failed_gate,
         tolerance=args.tolerance, tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
         int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning,

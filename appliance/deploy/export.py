@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.core.errors import DataError
@@ -15,6 +16,10 @@ from appliance.deploy.samples import load_samples, synthetic_samples
 from appliance.core.manifest import atomic_write_text, write_manifest
 from appliance.core.html_report import columns_svg, page
 from appliance import __version__
+from appliance.core.stage import read_result_json
+
+EXPORTED_MODEL = "model.onnx"
+PARITY_JSON = "parity.json"
 
 
 
@@ -126,3 +131,29 @@ def parity_html(report: dict, per_sample) -> str:
 
 def _version() -> str:
     return __version__
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    model: Path
+    bytes: int
+    parity: dict
+
+    @classmethod
+    def load(cls, out_dir: Path) -> "ExportResult":
+        out_dir = Path(out_dir)
+        model = out_dir / EXPORTED_MODEL
+        return cls(out_dir, model, model.stat().st_size if model.exists() else 0, read_result_json(out_dir / PARITY_JSON))
+
+    def figures(self) -> dict:
+        return {"model": str(self.model), "bytes": self.bytes, "parity": self.parity}
+
+
+def export_stage(model_dir: Path, out_dir: Path, *, opset: int, sample_files, max_rel_error: float,
+                 batch: int | None = None, num_samples: int = 64) -> ExportResult:
+    """Export model_dir (a run or trained-model directory) to ONNX; DataError when parity fails.
+    batch: None for a dynamic batch axis."""
+    export_model(model_dir, out_dir, opset=opset, batch=batch, sample_files=list(sample_files or []) or None,
+                 num_samples=num_samples, max_rel_error=max_rel_error)
+    return ExportResult.load(out_dir)

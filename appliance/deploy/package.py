@@ -24,6 +24,7 @@ import shutil
 import sys
 import tarfile
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import beside_venv
@@ -39,6 +40,9 @@ from appliance.deploy.samples import check_input_shape, load_samples, synthetic_
 from appliance.deploy.tolerance import qdq_allowance
 from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
 from data_tools import preprocessing
+from appliance.core.stage import read_result_json
+
+PACKAGE_RESULT_JSON = "package.json"
 
 HERE = Path(__file__).resolve().parent
 PROJECT = HERE.parents[1]
@@ -233,3 +237,39 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
                 "wheels": [w.name for w in shipped_wheels], "with_python": with_python, "glibc_floor": glibc_floor,
                 "elf_needs": elf_needs, "runner": runner, "selftest_samples": selftest["samples"],
                 "selftest_source": selftest["source"]}
+
+
+@dataclass(frozen=True)
+class PackageResult:
+    out_dir: Path
+    package: Path
+    target: str
+    bytes: int
+    info: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, out_dir: Path) -> "PackageResult":
+        record = read_result_json(Path(out_dir) / PACKAGE_RESULT_JSON)
+        return cls(Path(out_dir), Path(out_dir) / record["package"], record["target"], record["bytes"],
+                   record.get("info", {}))
+
+    def figures(self) -> dict:
+        return {"package": str(self.package), "bytes": self.bytes, "info": self.info}
+
+
+def package_file_name(target: str) -> str:
+    return f"edge-package-{target}.tar"
+
+
+def package_stage(compiled: CompileResult, out_dir: Path, *, sample_files=None) -> PackageResult:
+    """The edge package of a compiled model (its self-test samples from sample_files), with a stage
+    manifest (its lineage assembled by write_manifest)."""
+    out_dir = Path(out_dir)
+    tar = out_dir / package_file_name(compiled.target)
+    info = build_package(compiled.out_dir, tar, sample_files=list(sample_files) if sample_files else None)
+    record = {"package": tar.name, "target": compiled.target, "bytes": tar.stat().st_size, "info": info}
+    atomic_write_text(out_dir / PACKAGE_RESULT_JSON, json.dumps(record, indent=2) + "\n")
+    # The package carries its own manifest inside; this one describes the stage directory.
+    write_manifest(out_dir, "package", [compiled.library, compiled.report],
+                   {"target": compiled.target})
+    return PackageResult.load(out_dir)

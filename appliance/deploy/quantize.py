@@ -13,9 +13,10 @@ into the report either way unless switched off.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.core.errors import DataError
+from appliance.core.errors import DataError, GateFailed
 from appliance.core.manifest import write_manifest
 from appliance.deploy.accuracy_report import compare, evaluate, write_reports
 from appliance.deploy.fallback import Attempt, find_passing
@@ -24,6 +25,10 @@ from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_se
 from appliance.deploy.options import FALLBACKS, MAX_FLOAT_LAYERS, SCHEMES
 from appliance.deploy.samples import check_input_shape, load_samples
 from appliance.deploy.sensitivity import ERROR_SAMPLES, measure_sensitivity
+from appliance.core.stage import read_result_json
+
+ACCURACY_JSON = "accuracy.json"
+ACCURACY_HTML = "accuracy.html"
 
 __all__ = ["METHODS", "SCHEMES", "FALLBACKS", "MAX_FLOAT_LAYERS", "ERROR_SAMPLES", "CalibrationSet", "quantize_model", "quantize_int8", "quantize_fp16"]
 
@@ -136,3 +141,48 @@ def _int8(model_path, out_path, calib_x, val, input_name, fp32, scheme, asked: R
 
 def replace_floats(recipe: Recipe) -> Recipe:
     return Recipe(recipe.method, recipe.per_channel)
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    out_dir: Path
+    model: Path
+    mode: str
+    report: dict
+
+    @property
+    def gate_passed(self) -> bool:
+        return bool(self.report["gate_passed"])
+
+    @classmethod
+    def load(cls, out_dir: Path) -> "QuantizeResult":
+        out_dir = Path(out_dir)
+        report = read_result_json(out_dir / ACCURACY_JSON)
+        return cls(out_dir, Path(report["quantized"]["model"]), report["mode"], report)
+
+    @property
+    def html(self) -> Path:
+        return self.out_dir / ACCURACY_HTML
+
+    def figures(self) -> dict:
+        return {"model": str(self.model), "report": self.report}
+
+
+def quantize_stage(model: Path, calib_files, val_files, out_dir: Path, *, mode: str, method: str,
+                   per_channel: bool, calib_samples: int, max_drop: float, scheme: str = "s8s8",
+                   val_samples: int = 1_000_000, on_result=None, fallback: str = "auto",
+                   max_float_layers: int = 10, **options) -> QuantizeResult:
+    """Quantize, then measure on val_files (default: calib_files); GateFailed when top-1 drops more than
+    max_drop points (after --fallback auto found no INT8 model within it). on_result(result) is called
+    before the gate is applied (the CLI prints it)."""
+    quantize_model(model, list(calib_files), out_dir, val_files=list(val_files) if val_files else None, mode=mode,
+                   method=method, per_channel=per_channel, scheme=scheme, calib_samples=calib_samples,
+                   val_samples=val_samples, max_drop=max_drop, fallback=fallback, max_float_layers=max_float_layers,
+                   **options)
+    result = QuantizeResult.load(out_dir)
+    if on_result is not None:
+        on_result(result)
+    if not result.gate_passed:
+        raise GateFailed(f"{result.model}: {mode} top-1 dropped {result.report['top1_drop_points']:.2f} points, "
+                         f"more than --max-drop {max_drop:g} (see {result.html})")
+    return result

@@ -11,13 +11,14 @@ import re
 import tarfile
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance.deploy.edge.qemu import DEFAULT_SYSROOT, check_sysroot, find_qemu, run_counting_samples, run_json
 from appliance.deploy.edge.signing import SIGNATURE, check_signature, trusted_key
 from appliance.core.manifest import sha256_file
-from appliance.core.errors import DataError
+from appliance.core.errors import DataError, GateFailed
 from appliance.deploy.options import BENCH_RUNS
 from appliance.deploy.edge.sysroot import build_python_sysroot, default_debs_dir, run_python_runner
 from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
@@ -25,6 +26,9 @@ from appliance.deploy.samples import check_input_shape, load_samples, synthetic_
 from appliance.deploy.tolerance import qdq_allowance
 from appliance.core.manifest import atomic_write_text, write_manifest
 from appliance.core.html_report import PALETTE, columns_svg, page
+from appliance.core.stage import read_result_json
+
+VERIFY_JSON = "verify.json"
 
 if TYPE_CHECKING:
     import numpy as np
@@ -289,3 +293,37 @@ def verify_html(report: dict) -> str:
             "<table><tr><th>runner</th><th>top-1 agreement</th><th>max logit difference</th><th>time</th><th></th></tr>"
             + "".join(rows) + "</table>" + device_proof_html(report) + "".join(charts))
     return page("Edge package vs host", "appliance edge verify", "verify.json", report["passed"], body)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    out_dir: Path
+    report: dict
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.report["passed"])
+
+    @classmethod
+    def load(cls, out_dir: Path) -> "VerifyResult":
+        return cls(Path(out_dir), read_result_json(Path(out_dir) / VERIFY_JSON))
+
+    def figures(self) -> dict:
+        return {"report": self.report}
+
+
+def verify_stage(package: PackageResult, out_dir: Path, *, sample_files, num_samples: int,
+                 min_agreement: float) -> VerifyResult:
+    """Run the package under qemu on validation samples; GateFailed when it disagrees with the host."""
+    verify_package(package.package, sample_files=list(sample_files), num_samples=num_samples or 1_000_000,
+                   min_agreement=min_agreement, out_dir=out_dir)
+    result = VerifyResult.load(out_dir)
+    if not result.passed:
+        selftest = result.report.get("selftest") or {}
+        if selftest and not selftest.get("passed", False):
+            raise GateFailed(f"{Path(out_dir) / VERIFY_JSON}: the package's on-device self-test failed under qemu "
+                             f"({selftest.get('error') or selftest})")
+        worst = min(r["top1_agreement"] for r in result.report["routes"])
+        raise GateFailed(f"{Path(out_dir) / VERIFY_JSON}: the edge build disagrees with the host "
+                         f"(top-1 agreement {worst:.4f} < {min_agreement})")
+    return result

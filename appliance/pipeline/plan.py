@@ -11,7 +11,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from appliance.core.stage import StageResult
-from appliance.deploy import stages as deploy
+from appliance.deploy.compile import CompileResult, compile_stage
+from appliance.deploy.export import ExportResult, export_stage
+from appliance.deploy.package import PackageResult, package_stage
+from appliance.deploy.quantize import QuantizeResult, quantize_stage
+from appliance.deploy.verify import VerifyResult, verify_stage
 from appliance.pipeline.config import PipelineConfig
 from appliance.train.launcher import TrainResult
 from appliance.train.quality import GATE_KEYS, GateResult, Thresholds, gate_stage
@@ -27,11 +31,11 @@ class Results:
     check: CheckResult | None = None
     train: TrainResult | None = None
     gate: GateResult | None = None
-    export: deploy.ExportResult | None = None
-    quantize: deploy.QuantizeResult | None = None
-    compiled: dict[str, deploy.CompileResult] = field(default_factory=dict)  # target -> its build
-    package: deploy.PackageResult | None = None
-    verify: deploy.VerifyResult | None = None
+    export: ExportResult | None = None
+    quantize: QuantizeResult | None = None
+    compiled: dict[str, CompileResult] = field(default_factory=dict)  # target -> its build
+    package: PackageResult | None = None
+    verify: VerifyResult | None = None
 
     def data(self, split: str) -> list[Path]:
         """The data a later stage reads: the check stage's clean shards, or the files as configured."""
@@ -113,9 +117,9 @@ class ExportStage(Stage):
     def inputs(self, res: Results) -> list[Path]:
         return [*_files_in(res.train.model_dir), *res.data("val")]
 
-    def action(self, out_dir: Path, res: Results) -> deploy.ExportResult:
+    def action(self, out_dir: Path, res: Results) -> ExportResult:
         e = res.cfg.export
-        return deploy.export_stage(res.train.model_dir, out_dir, opset=e.opset, sample_files=res.data("val"),
+        return export_stage(res.train.model_dir, out_dir, opset=e.opset, sample_files=res.data("val"),
                                    max_rel_error=e.max_rel_error)
 
 
@@ -123,9 +127,9 @@ class QuantizeStage(Stage):
     def inputs(self, res: Results) -> list[Path]:
         return [res.export.model, *res.data("train"), *res.data("val")]
 
-    def action(self, out_dir: Path, res: Results) -> deploy.QuantizeResult:
+    def action(self, out_dir: Path, res: Results) -> QuantizeResult:
         q = res.cfg.quantize
-        return deploy.quantize_stage(res.export.model, res.data("train"), res.data("val"), out_dir, mode=q.mode,
+        return quantize_stage(res.export.model, res.data("train"), res.data("val"), out_dir, mode=q.mode,
                                      method=q.method, per_channel=q.per_channel, calib_samples=q.calib_samples,
                                      max_drop=q.max_drop, fallback=q.fallback, max_float_layers=q.max_float_layers)
 
@@ -137,10 +141,10 @@ class CompileStage(Stage):
     def inputs(self, res: Results) -> list[Path]:
         return [res.deployed_model(), *res.data("val")]
 
-    def action(self, out_dir: Path, res: Results) -> deploy.CompileResult:
-        return deploy.compile_stage(res.deployed_model(), self.target, out_dir, sample_files=res.data("val"))
+    def action(self, out_dir: Path, res: Results) -> CompileResult:
+        return compile_stage(res.deployed_model(), self.target, out_dir, sample_files=res.data("val"))
 
-    def keep(self, res: Results, result: deploy.CompileResult) -> None:
+    def keep(self, res: Results, result: CompileResult) -> None:
         res.compiled[self.target] = result
 
 
@@ -149,17 +153,17 @@ class PackageStage(Stage):
         build = res.compiled[res.cfg.package.target]
         return [build.library, build.report]
 
-    def action(self, out_dir: Path, res: Results) -> deploy.PackageResult:
-        return deploy.package_stage(res.compiled[res.cfg.package.target], out_dir, sample_files=res.data("val"))
+    def action(self, out_dir: Path, res: Results) -> PackageResult:
+        return package_stage(res.compiled[res.cfg.package.target], out_dir, sample_files=res.data("val"))
 
 
 class VerifyStage(Stage):
     def inputs(self, res: Results) -> list[Path]:
         return [res.package.package, *res.data("val")]
 
-    def action(self, out_dir: Path, res: Results) -> deploy.VerifyResult:
+    def action(self, out_dir: Path, res: Results) -> VerifyResult:
         v = res.cfg.verify
-        return deploy.verify_stage(res.package, out_dir, sample_files=res.data("val"), num_samples=v.samples,
+        return verify_stage(res.package, out_dir, sample_files=res.data("val"), num_samples=v.samples,
                                    min_agreement=v.min_agreement)
 
 
@@ -182,12 +186,12 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
     stages.append(TrainStage("train", out / "train", train_params(cfg), TrainResult, resumable=True))
     thresholds = Thresholds.of(cfg.training.get("train", {}))
     stages.append(GateStage("gate", out / "gate", asdict(thresholds), GateResult))
-    stages.append(ExportStage("export", out / "export", asdict(cfg.export), deploy.ExportResult))
+    stages.append(ExportStage("export", out / "export", asdict(cfg.export), ExportResult))
     if cfg.quantize.mode != "none":
-        stages.append(QuantizeStage("quantize", out / "quantize", asdict(cfg.quantize), deploy.QuantizeResult))
+        stages.append(QuantizeStage("quantize", out / "quantize", asdict(cfg.quantize), QuantizeResult))
     for target in cfg.compile.targets:
         stages.append(CompileStage(f"compile-{target}", out / f"compile-{target}", {"target": target},
-                                   deploy.CompileResult, target=target))
-    stages.append(PackageStage("package", out / "package", asdict(cfg.package), deploy.PackageResult))
-    stages.append(VerifyStage("verify", out / "verify", asdict(cfg.verify), deploy.VerifyResult))
+                                   CompileResult, target=target))
+    stages.append(PackageStage("package", out / "package", asdict(cfg.package), PackageResult))
+    stages.append(VerifyStage("verify", out / "verify", asdict(cfg.verify), VerifyResult))
     return stages

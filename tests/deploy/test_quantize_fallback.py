@@ -139,7 +139,7 @@ def test_pipeline_quantize_stage_falls_back_and_its_summary_names_the_path(tmp_p
     from types import SimpleNamespace
 
     from appliance.core.errors import GateFailed
-    from appliance.deploy.stages import quantize_stage
+    from appliance.deploy.quantize import quantize_stage
     from appliance.pipeline.plan import Results
     from appliance.pipeline.summary import build_summary, format_summary
 

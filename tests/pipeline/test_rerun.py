@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from appliance.deploy import stages as deploy
+from appliance.deploy.compile import COMPILED_LIBRARY, COMPILE_JSON, CompileResult
+from appliance.deploy.export import EXPORTED_MODEL, ExportResult, PARITY_JSON
+from appliance.deploy.package import PACKAGE_RESULT_JSON, PackageResult, package_file_name
+from appliance.deploy.quantize import ACCURACY_JSON, QuantizeResult
+from appliance.deploy.verify import VERIFY_JSON, VerifyResult
 from appliance.core.manifest import atomic_write_text, sha256_file, write_manifest
 from appliance.pipeline.config import load_pipeline_config
 from appliance.pipeline.runner import build_summary, plan, run_stages
@@ -71,48 +75,48 @@ def fake_train(cfg):
     return action
 
 
-def fake_export(d: Path, results) -> deploy.ExportResult:
-    (d / deploy.EXPORTED_MODEL).write_text(_inputs_digest(sorted((results.train.model_dir).iterdir())))
-    atomic_write_text(d / deploy.PARITY_JSON, json.dumps({"passed": True, "max_rel_error": 0.0}))
+def fake_export(d: Path, results) -> ExportResult:
+    (d / EXPORTED_MODEL).write_text(_inputs_digest(sorted((results.train.model_dir).iterdir())))
+    atomic_write_text(d / PARITY_JSON, json.dumps({"passed": True, "max_rel_error": 0.0}))
     write_manifest(d, "export", [results.train.model_dir / "weights.bin"], {})
-    return deploy.ExportResult.load(d)
+    return ExportResult.load(d)
 
 
-def fake_quantize(d: Path, results) -> deploy.QuantizeResult:
+def fake_quantize(d: Path, results) -> QuantizeResult:
     model = d / "model.int8.onnx"
     model.write_text(_inputs_digest([results.export.model]))
     side = {"top1": 0.875, "bytes": 10, "latency_ms_median": 0.1}
-    atomic_write_text(d / deploy.ACCURACY_JSON, json.dumps({
+    atomic_write_text(d / ACCURACY_JSON, json.dumps({
         "mode": "int8", "fp32": {"model": str(results.export.model), **side},
         "quantized": {"model": str(model), **side}, "top1_drop_points": 0.0, "gate_passed": True}))
     write_manifest(d, "quantize", [results.export.model], {})
-    return deploy.QuantizeResult.load(d)
+    return QuantizeResult.load(d)
 
 
 def fake_compile(target):
-    def action(d: Path, results) -> deploy.CompileResult:
-        (d / deploy.COMPILED_LIBRARY).write_text(_inputs_digest([results.quantize.model]))
-        atomic_write_text(d / deploy.COMPILE_JSON, json.dumps({"target": target}))
+    def action(d: Path, results) -> CompileResult:
+        (d / COMPILED_LIBRARY).write_text(_inputs_digest([results.quantize.model]))
+        atomic_write_text(d / COMPILE_JSON, json.dumps({"target": target}))
         write_manifest(d, "compile", [results.quantize.model], {"target": target})
-        return deploy.CompileResult.load(d)
+        return CompileResult.load(d)
     return action
 
 
-def fake_package(d: Path, results) -> deploy.PackageResult:
+def fake_package(d: Path, results) -> PackageResult:
     compiled = results.compiled["aarch64"]
-    tar = d / deploy.package_file_name("aarch64")
+    tar = d / package_file_name("aarch64")
     tar.write_text(_inputs_digest([compiled.library]))
-    atomic_write_text(d / deploy.PACKAGE_RESULT_JSON, json.dumps(
+    atomic_write_text(d / PACKAGE_RESULT_JSON, json.dumps(
         {"package": tar.name, "target": "aarch64", "bytes": tar.stat().st_size}))
     write_manifest(d, "package", [compiled.library], {"target": "aarch64", "lineage": []})
-    return deploy.PackageResult.load(d)
+    return PackageResult.load(d)
 
 
-def fake_verify(d: Path, results) -> deploy.VerifyResult:
-    atomic_write_text(d / deploy.VERIFY_JSON, json.dumps({"passed": True, "samples": 6, "routes": [
+def fake_verify(d: Path, results) -> VerifyResult:
+    atomic_write_text(d / VERIFY_JSON, json.dumps({"passed": True, "samples": 6, "routes": [
         {"runner": "native", "top1_agreement": 1.0, "max_logit_diff": 0.0, "seconds": 0.1}]}))
     write_manifest(d, "verify", [results.package.package], {})
-    return deploy.VerifyResult.load(d)
+    return VerifyResult.load(d)
 
 
 def write_shard(path: Path, n: int, seed: int) -> None:
@@ -205,7 +209,7 @@ def test_summary_carries_the_training_accuracy(site):
 
 def test_a_damaged_output_reruns_that_stage(site):
     cfg, _, _ = run(site)
-    (cfg.out_dir / "compile-aarch64" / deploy.COMPILED_LIBRARY).write_text("tampered")
+    (cfg.out_dir / "compile-aarch64" / COMPILED_LIBRARY).write_text("tampered")
     _, _, ran = run(site)
     assert ran == ["compile-aarch64"]  # rebuilt bit-identical, so package and verify stay
 
