@@ -17,9 +17,9 @@ from appliance.core.manifest import remember_command
 from appliance.train.cli import slurm_parser
 from appliance.core.progress import set_quiet
 
-# Modules that contribute verbs. Each exposes `register(subparsers)` and sets
-# `func` on its parsers; heavy imports (torch, tvm) happen inside the functions
-# so `appliance --help` stays fast.
+# Modules that contribute verbs. Each exposes `register(subparsers)` and sets `func` on its
+# parsers: a function, or "module:function" of a handler module that imports heavy libraries
+# (torch, tvm) at its top and is imported when its verb runs, so `appliance --help` stays fast.
 VERB_MODULES = [  # in the order of the pipeline, as `appliance --help` lists them
     "appliance.doctor",
     "data_tools.cli",
@@ -42,6 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name in VERB_MODULES:
         importlib.import_module(name).register(subparsers)
     return parser
+
+
+def handler(func):
+    """A verb's function, or "module:function": a handler module that imports heavy libraries (torch,
+    numpy, tvm) at its top, imported only when its verb runs (tests/test_layers.py STRING_IMPORTS)."""
+    if isinstance(func, str):
+        module, _, name = func.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return func
 
 
 def _verb_label(args) -> str:
@@ -73,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        return int(handler(args.func)(args) or 0)
     except ApplianceError as err:
         if args.debug:
             traceback.print_exc()

@@ -261,15 +261,26 @@ def package_file_name(target: str) -> str:
     return f"edge-package-{target}.tar"
 
 
-def package_stage(compiled: CompileResult, out_dir: Path, *, sample_files=None) -> PackageResult:
-    """The edge package of a compiled model (its self-test samples from sample_files), with a stage
-    manifest (its lineage assembled by write_manifest)."""
+def package_stage(compiled, out_dir: Path | None = None, *, tar: Path | None = None, sample_files=None,
+                  **options) -> PackageResult:
+    """The edge package of a compiled model: `appliance package` and the pipeline's package stage.
+
+    compiled: a compile stage's result (its out_dir, target, library, report) or a compile directory.
+    The tar is `tar`, else out_dir/edge-package-<target>.tar. With out_dir the stage directory also gets
+    package.json and a manifest (its lineage assembled by write_manifest); without it (`appliance
+    package --out FILE`) only the tar is written. options: those of build_package (wheelhouse,
+    with_python, glibc_floor, key)."""
+    compile_dir = Path(getattr(compiled, "out_dir", compiled))
+    if tar is None:
+        tar = Path(out_dir) / package_file_name(compiled.target)
+    tar = Path(tar)
+    info = build_package(compile_dir, tar, sample_files=list(sample_files) if sample_files else None, **options)
+    target = json.loads((compile_dir / "compile.json").read_text())["target"]  # build_package checked it
+    if out_dir is None:
+        return PackageResult(tar.parent, tar, target, tar.stat().st_size, info)
     out_dir = Path(out_dir)
-    tar = out_dir / package_file_name(compiled.target)
-    info = build_package(compiled.out_dir, tar, sample_files=list(sample_files) if sample_files else None)
-    record = {"package": tar.name, "target": compiled.target, "bytes": tar.stat().st_size, "info": info}
+    record = {"package": tar.name, "target": target, "bytes": tar.stat().st_size, "info": info}
     atomic_write_text(out_dir / PACKAGE_RESULT_JSON, json.dumps(record, indent=2) + "\n")
     # The package carries its own manifest inside; this one describes the stage directory.
-    write_manifest(out_dir, "package", [compiled.library, compiled.report],
-                   {"target": compiled.target})
+    write_manifest(out_dir, "package", [compiled.library, compiled.report], {"target": target})
     return PackageResult.load(out_dir)

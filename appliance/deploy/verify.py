@@ -297,7 +297,7 @@ def verify_html(report: dict) -> str:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    out_dir: Path
+    out_dir: Path | None  # None: `appliance edge verify` without --out wrote no report
     report: dict
 
     @property
@@ -312,18 +312,24 @@ class VerifyResult:
         return {"report": self.report}
 
 
-def verify_stage(package: PackageResult, out_dir: Path, *, sample_files, num_samples: int,
-                 min_agreement: float) -> VerifyResult:
-    """Run the package under qemu on validation samples; GateFailed when it disagrees with the host."""
-    verify_package(package.package, sample_files=list(sample_files), num_samples=num_samples or 1_000_000,
-                   min_agreement=min_agreement, out_dir=out_dir)
-    result = VerifyResult.load(out_dir)
+def verify_stage(package, out_dir: Path | None = None, *, sample_files=None, num_samples: int = 32,
+                 min_agreement: float = 1.0, on_result=None, **options) -> VerifyResult:
+    """`appliance edge verify` and the pipeline's verify stage: run the package (a package stage's result or
+    a tar) under qemu on samples and compare with the host; GateFailed (exit 3) when a runner disagrees or
+    the on-device self-test fails. With out_dir, verify.json, verify.html and a manifest go there.
+    on_result(result) is called before the gate (the CLI prints it). options: those of verify_package."""
+    tar = Path(getattr(package, "package", package))
+    report = verify_package(tar, sample_files=list(sample_files) if sample_files else None,
+                            num_samples=num_samples or 1_000_000, min_agreement=min_agreement, out_dir=out_dir,
+                            **options)
+    result = VerifyResult.load(out_dir) if out_dir else VerifyResult(None, report)
+    if on_result is not None:
+        on_result(result)
     if not result.passed:
+        failed = [r["runner"] for r in result.report["routes"] if not r["passed"]]
         selftest = result.report.get("selftest") or {}
         if selftest and not selftest.get("passed", False):
-            raise GateFailed(f"{Path(out_dir) / VERIFY_JSON}: the package's on-device self-test failed under qemu "
-                             f"({selftest.get('error') or selftest})")
-        worst = min(r["top1_agreement"] for r in result.report["routes"])
-        raise GateFailed(f"{Path(out_dir) / VERIFY_JSON}: the edge build disagrees with the host "
-                         f"(top-1 agreement {worst:.4f} < {min_agreement})")
+            failed.append("the on-device self-test")
+        see = f" (see {Path(out_dir) / VERIFY_JSON})" if out_dir else ""
+        raise GateFailed(f"{tar}: edge verification failed: {', '.join(failed) or 'see the report'}{see}")
     return result

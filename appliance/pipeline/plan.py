@@ -19,7 +19,7 @@ from appliance.deploy.verify import VerifyResult, verify_stage
 from appliance.pipeline.config import PipelineConfig
 from appliance.train.launcher import TrainResult
 from appliance.train.quality import GATE_KEYS, GateResult, Thresholds, gate_stage
-from appliance.train.stage import train_stage
+from appliance.train.stage import stage_config, train_stage
 from data_tools.check.stage import CheckResult, check_stage
 
 
@@ -100,9 +100,9 @@ class TrainStage(Stage):
 
     def action(self, out_dir: Path, res: Results) -> TrainResult:
         cfg = res.cfg
-        return train_stage(cfg.training, cfg.source, out_dir, train_files=res.data("train"),
-                           val_files=res.data("val"), check_report=res.check.report_json if res.check else None,
-                           nproc_per_node=cfg.pipeline.nproc_per_node, max_restarts=cfg.pipeline.max_restarts)
+        config = stage_config(cfg.training, cfg.source, out_dir, train_files=res.data("train"),
+                              val_files=res.data("val"), check_report=res.check.report_json if res.check else None)
+        return train_stage(config, nproc_per_node=cfg.pipeline.nproc_per_node, max_restarts=cfg.pipeline.max_restarts)
 
 
 class GateStage(Stage):

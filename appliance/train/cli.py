@@ -15,15 +15,14 @@ PROFILE_STEPS = 10  # `--profile` without a number
 
 
 def run(args) -> int:
-    from appliance.train.launcher import LaunchSpec, launch_training  # lazy: torch, at the CLI boundary
+    from appliance.train.stage import train_stage  # late: torch, at the CLI boundary
 
     if args.preflight:
         return preflight(args)
-    result = launch_training(LaunchSpec(config=Path(args.config), nproc_per_node=args.nproc_per_node,
-                                        nnodes=args.nnodes[1], min_nnodes=args.nnodes[0], node_rank=args.node_rank,
-                                        rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
-                                        resume=args.resume, iface=args.iface, profile=args.profile),
-                             dry_run=args.dry_run)
+    result = train_stage(args.config, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes[1],
+                         min_nnodes=args.nnodes[0], node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                         max_restarts=args.max_restarts, resume=args.resume, iface=args.iface, profile=args.profile,
+                         dry_run=args.dry_run)
     if isinstance(result, str):
         print(result)
         return 0
@@ -63,7 +62,7 @@ def nnodes_range(text: str) -> tuple[int, int]:
 
 
 def write_slurm(args) -> int:
-    from appliance.train.launcher import slurm_script  # lazy: torch, at the CLI boundary
+    from appliance.train.launcher import slurm_script  # late: torch, at the CLI boundary
 
     print(slurm_script(Path(args.config), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                        nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,

@@ -54,11 +54,19 @@ def train_sections(training: dict, run_dir: Path, train_files, val_files, check_
     return sections
 
 
-def train_stage(training: dict, source: Path, run_dir: Path, *, train_files, val_files,
-                check_report: Path | None, nproc_per_node: str, max_restarts: int) -> TrainResult:
-    """Train into run_dir (resuming its newest good checkpoint); raises ApplianceError with one line."""
+def stage_config(training: dict, source: Path, run_dir: Path, *, train_files, val_files,
+                 check_report: Path | None) -> Path:
+    """The pipeline's training sections written as run_dir/config.toml, the config `train_stage` reads."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / CONFIG_NAME
     write_train_config(config, train_sections(training, run_dir, train_files, val_files, check_report, source), str(source))
-    return launch_training(LaunchSpec(config=config, nproc_per_node=nproc_per_node, max_restarts=max_restarts))
+    return config
+
+
+def train_stage(config: Path, *, dry_run: bool = False, **launch) -> TrainResult | str:
+    """`appliance train` and the pipeline's train stage: train as config says (resuming its newest good
+    checkpoint) and return the run's result (with dry_run, the command line that would run). launch: the
+    other fields of LaunchSpec (nproc_per_node, nnodes, max_restarts, resume, ...). Raises ApplianceError
+    with one line. The quality gate is the gate's (appliance.train.quality)."""
+    return launch_training(LaunchSpec(config=Path(config), **launch), dry_run=dry_run)

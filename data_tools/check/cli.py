@@ -43,7 +43,7 @@ def register_data_verb(data_subparsers) -> None:
 
 
 def check_command(args) -> int:
-    from data_tools.check import image_probe, run  # lazy: PIL and numpy, at the CLI boundary
+    from data_tools.check.stage import CheckFailed, check_stage  # late: PIL and numpy, at the CLI boundary
 
     inputs = [(f, None) for f in args.files] + [(f, "train") for f in args.train] + [(f, "val") for f in args.val]
     if not inputs:
@@ -53,12 +53,13 @@ def check_command(args) -> int:
             raise ConfigError(f"data check: {flag} must name a feature, got {key!r}")
     if args.val and not args.train:
         raise ConfigError("data check: --val needs --train (leakage is checked between the two)")
-    report, status = run.run_check(
-        inputs, args.out, schema_path=args.schema, fail_on=args.fail_on, image_key=args.image_key,
-        label_key=args.label_key, max_pixels=args.max_pixels or image_probe.DEFAULT_MAX_PIXELS,
-        near_distance=args.near_distance, jobs=args.jobs, progress=not (args.no_progress or args.quiet),
-        command=["appliance", *sys.argv[1:]], summary_stream=sys.stderr if args.json else None,
-        num_classes=args.num_classes, ignore_label=args.ignore_label)
-    if args.json:
-        print(json.dumps(report))
-    return status
+    sizes = {"max_pixels": args.max_pixels} if args.max_pixels else {}  # else run_check's default
+    try:
+        check_stage(inputs, args.out, fail_on=args.fail_on, on_report=(lambda r: print(json.dumps(r))) if args.json
+                    else None, schema_path=args.schema, image_key=args.image_key, label_key=args.label_key,
+                    near_distance=args.near_distance, jobs=args.jobs, progress=not (args.no_progress or args.quiet),
+                    command=["appliance", *sys.argv[1:]], summary_stream=sys.stderr if args.json else None,
+                    num_classes=args.num_classes, ignore_label=args.ignore_label, **sizes)
+    except CheckFailed as failed:  # its lines (each unreadable file, each failed rule) are printed already
+        return failed.exit_code
+    return 0

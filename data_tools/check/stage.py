@@ -40,14 +40,27 @@ class CheckResult:
                 "records_quarantined": self.records_quarantined, "report": str(self.report_html)}
 
 
-def check_stage(files: list[tuple[Path, str]], out_dir: Path, *, fail_on: str | None) -> CheckResult:
-    """Check (file, split) pairs into out_dir; GateFailed (exit 3) when the gate fails or a file
-    cannot be read at all."""
-    report, status = run_check([(str(p), split) for p, split in files], out_dir, fail_on=fail_on)
+class CheckFailed(GateFailed):
+    """The check's gate failed (exit status 3) or an input file could not be read (2). The per-file and
+    `gate failed:` lines are printed already (run_check); the message names the report."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def check_stage(files, out_dir: Path, *, fail_on: str | None = None, on_report=None, **options) -> CheckResult:
+    """`appliance data check` and the pipeline's check stage: check (file, split) pairs (split None,
+    "train" or "val") into out_dir. on_report(report) is called before the gate (the CLI prints it);
+    CheckFailed (exit 3) when the gate fails, (exit 2) when a file cannot be read at all.
+    options: those of run_check (schema_path, image_key, label_key, progress, ...)."""
+    report, status = run_check([(str(p), split) for p, split in files], out_dir, fail_on=fail_on, **options)
     out_dir = Path(out_dir)
+    if on_report is not None:
+        on_report(report)
     if status != 0:
         failed = "; ".join(report.get("gate", {}).get("failed", [])) or "a file could not be read"
-        raise GateFailed(f"{out_dir / REPORT_JSON}: data check gate failed: {failed}")
+        raise CheckFailed(f"{out_dir / REPORT_JSON}: data check gate failed: {failed}", status)
     return result_of(out_dir, report)
 
 
