@@ -47,7 +47,7 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
     import numpy as np
     from PIL import Image, ImageOps, PngImagePlugin
 
-    from data_tools import example, tfrecord  # lazy: numpy; this module registers a verb
+    from data_tools import example, tfrecord  # late: numpy; this module registers a verb
 
     originals = []
     for number, data in enumerate(tfrecord.read_records(file)):
@@ -65,7 +65,7 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
 
     torch.set_num_threads(1)  # a few small images: intra-op threads only add contention
 
-    from data_tools.augment import TrainTransform  # lazy: torch; this module registers a verb
+    from data_tools.augment import TrainTransform  # late: torch; this module registers a verb
 
     try:
         transform = TrainTransform(size, seed=seed, mean=None, std=None, **augment)

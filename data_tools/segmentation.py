@@ -45,7 +45,7 @@ def encode_segmentation_example(image: bytes, image_format: str, height: int, wi
     }
     if filename is not None:
         features["image/filename"] = filename
-    from data_tools.example import encode_example  # lazy: numpy; tasks read this module's keys in `appliance --help`
+    from data_tools.example import encode_example  # late: numpy; tasks read this module's keys in `appliance --help`
 
     return encode_example(features)
 
@@ -111,7 +111,7 @@ def check_mask(encoded: bytes, width: int, height: int, num_classes: int | None,
 
 def read_segmentation_example(data: bytes) -> tuple[bytes, np.ndarray]:
     """(encoded image, (H, W) uint8 class ids) of one record."""
-    from data_tools.example import decode_example  # lazy: numpy; tasks read this module's keys in `appliance --help`
+    from data_tools.example import decode_example  # late: numpy; tasks read this module's keys in `appliance --help`
 
     example = decode_example(data, (IMAGE_KEY, MASK_KEY))
     return example[IMAGE_KEY][0], decode_mask(example[MASK_KEY][0])

@@ -163,6 +163,10 @@ STRING_IMPORTS = {
                      "appliance.pipeline.cli", "appliance.bundle.cli")},
     ("data_tools.cli", "data_tools.check.cli"): "DATA_VERB_MODULES: `appliance data` sub-verbs, with importlib",
     ("data_tools.cli", "data_tools.preview"): "DATA_VERB_MODULES: `appliance data` sub-verbs, with importlib",
+    ("appliance.deploy.cli", "appliance.deploy.commands"): "the handlers of the deploy verbs (numpy, onnx), imported "
+                                                             "when their verb runs",
+    ("data_tools.cli", "data_tools.commands"): "the handlers of `data index/cat/convert` (numpy, PIL), imported when "
+                                               "their verb runs",
     ("appliance.train.launcher", "appliance.train.agent"): "run as `python -m` under torchrun: a process",
     ("appliance.train.launcher", "appliance.train.loop"): "each worker runs `python -m` under torchrun: a process",
     ("appliance.pipeline.demo", "appliance.pipeline"): "importlib.resources: the demo's pipeline config",
@@ -172,8 +176,12 @@ STRING_IMPORTS = {
 
 def string_imports(path: Path, module: str, root: Path) -> list[tuple[str, int]]:
     """(module named, line) for every string constant naming one of our modules other than this one."""
-    return [(value, line) for value, line in scan(path)[1]
-            if value != module and re.fullmatch(r"(appliance|data_tools)(\.\w+)+", value) and _is_module(value, root)]
+    found = []
+    for value, line in scan(path)[1]:
+        named = re.fullmatch(r"((?:appliance|data_tools)(?:\.\w+)+)(?::\w+)?", value)  # a module, or "module:function"
+        if named and named.group(1) != module and _is_module(named.group(1), root):
+            found.append((named.group(1), line))
+    return found
 
 
 def inner_order(where: str, module: str, target: str) -> list[str]:
@@ -378,3 +386,59 @@ def test_a_planted_string_import_must_be_listed(plant):
                                            ("appliance.pipeline.runner", "pipeline")])
 def test_layers_place_modules_as_documented(module, layer):
     assert LAYERS[place(module)[0]][0] == layer
+
+
+# Imports of our own modules inside functions (DESIGN.md, "Imports at the top"): a module's
+# dependencies are read at its top. The few left defer a module that imports torch, tvm, numpy or PIL
+# at its top, where a light caller (`appliance --help`, reading a config) must not pay for it.
+MAX_LATE_IMPORTS = 19
+LATE = re.compile(r"#\s*late:\s*\S")
+
+
+def late_imports(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """(every in-function import of appliance/data_tools as 'file:line', those without a `# late: <reason>`
+    comment on the line or the line above) in appliance/ and data_tools/."""
+    found, unexplained = [], []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            if path.parts[-2] == "edge" and path.name == "run.py":
+                continue  # the edge package's own runner, run on the device
+            text = path.read_text()
+            lines = text.splitlines()
+            for function in ast.walk(ast.parse(text, str(path))):
+                if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Import):
+                        ours = any(a.name.split(".")[0] in PACKAGES for a in node.names)
+                    elif isinstance(node, ast.ImportFrom):
+                        ours = bool(node.level) or (node.module or "").split(".")[0] in PACKAGES
+                    else:
+                        continue
+                    where = f"{path.relative_to(root)}:{node.lineno}"
+                    if not ours or where in found:  # a nested function's import is walked twice
+                        continue
+                    found.append(where)
+                    nearby = lines[node.lineno - 1: node.end_lineno] + lines[max(node.lineno - 2, 0): node.lineno - 1]
+                    if not any(LATE.search(line) for line in nearby):
+                        unexplained.append(f"{where}: {lines[node.lineno - 1].strip()}")
+    return found, unexplained
+
+
+def test_few_imports_of_our_modules_sit_inside_functions_and_each_says_why():
+    found, unexplained = late_imports()
+    assert not unexplained, "imports of our modules inside a function without a `# late: <reason>` comment:\n" + \
+        "\n".join(unexplained)
+    assert len(found) <= MAX_LATE_IMPORTS, (f"{len(found)} imports of our modules inside functions, more than "
+                                            f"{MAX_LATE_IMPORTS}; import at the top:\n" + "\n".join(found))
+
+
+def test_a_planted_late_import_without_a_reason_fails(plant):
+    root = plant("data_tools/planted.py", "def f():\n    from data_tools import tfrecord\n\n\n"
+                 "def g():\n    # late: a reason on the line above\n    import data_tools.example\n")
+    found, unexplained = late_imports(root)
+    assert "data_tools/planted.py:2" in found and "data_tools/planted.py:7" in found
+    assert [u for u in unexplained if "planted" in u] == ["data_tools/planted.py:2: from data_tools import tfrecord"]
+    many = "".join(f"def f{i}():\n    import data_tools.tfrecord  # late: planted\n" for i in range(MAX_LATE_IMPORTS))
+    root = plant("data_tools/planted_many.py", many)
+    assert len(late_imports(root)[0]) > MAX_LATE_IMPORTS

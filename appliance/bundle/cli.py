@@ -14,7 +14,7 @@ from appliance.core.errors import ConfigError
 
 
 def _build(args) -> int:
-    from appliance.bundle.build import build_bundle, default_source  # lazy: importlib.metadata, a tenth of --help
+    from appliance.bundle.build import build_bundle, default_source  # late: importlib.metadata, a tenth of --help
 
     source = Path(args.source) if args.source else default_source()
     tar = build_bundle(args.profile, Path(args.out), source, Path(args.sign_key) if args.sign_key else None,

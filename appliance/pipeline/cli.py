@@ -10,7 +10,7 @@ from appliance.pipeline.config import STAGES
 def run_pipeline_command(args) -> int:
     import json
 
-    from appliance.pipeline.runner import run_pipeline  # lazy: torch, at the CLI boundary
+    from appliance.pipeline.runner import run_pipeline  # late: torch, at the CLI boundary
 
     summary = run_pipeline(args.config, from_stage=args.from_stage, quiet_summary=args.json)
     if args.json:
@@ -19,7 +19,7 @@ def run_pipeline_command(args) -> int:
 
 
 def run_demo_command(args) -> int:
-    from appliance.pipeline.demo import run_demo  # lazy: torch, at the CLI boundary
+    from appliance.pipeline.demo import run_demo  # late: torch, at the CLI boundary
 
     run_demo(args.out, epochs=args.epochs)
     return 0

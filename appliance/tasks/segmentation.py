@@ -24,16 +24,17 @@ class Segmentation:
         self.ignore_label, self.class_weights = int(ignore_label), tuple(class_weights)
 
     def build_model(self, architecture: str, num_classes: int, in_channels: int = 3, onnx_graph=None):
-        # Late: the module defines torch modules, and configs are read where torch is not wanted.
+        # late: the module defines torch modules, and configs are read where torch is not wanted.
         from appliance.tasks.segmentation_models import build_segmentation_model
 
         return build_segmentation_model(architecture, num_classes, in_channels)
 
     def dataset(self, cfg, files, augment: bool = False):
         """(image, mask) samples of files; augmented by [augment] when augment is set."""
+        # late: torch (the joint augmentation); configs are read without it
         from data_tools.augment_masks import JointTrainTransform, SegmentationSamples
-        from data_tools.dataset import TFRecordDataset
-        from data_tools.preprocessing import preprocessing_of
+        from data_tools.dataset import TFRecordDataset  # late: torch; configs are read without it
+        from data_tools.preprocessing import preprocessing_of  # late: numpy; configs are read without it
 
         d = cfg.data
         image_key = d.image_key if d.image_key else IMAGE_KEY

@@ -334,7 +334,7 @@ def config_from_dict(raw: dict, path: str | Path) -> Config:
         sections["model"] = dataclasses.replace(sections["model"], architecture="onnx")
     init_sha256 = ""
     if sections["model"].init:
-        from appliance.train.init_weights import resolve_init  # lazy: torch; configs are read without it
+        from appliance.train.init_weights import resolve_init  # late: torch; configs are read without it
 
         init = resolve_init(sections["model"].init, base, source)
         if init.kind != "torchvision":  # absolute, as the data paths: the workers read the same file

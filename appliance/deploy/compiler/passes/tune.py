@@ -41,7 +41,8 @@ def _tuned(mod, build):
         target = search.tuning_target(target)
         header = search.check_database(db_dir, model_sha, target_name, target)
     elif rpc:
-        from appliance.deploy.compiler.tuning.rpc import connect, remote_cores  # imports TVM's RPC: only when asked
+        # late: rpc.py imports TVM's RPC and MetaSchedule at its top; only when --rpc asks
+        from appliance.deploy.compiler.tuning.rpc import connect, remote_cores
 
         target = {**target, "num-cores": remote_cores(connect(rpc, options["rpc_key"]))}  # the device's, not this host's
         header = search.tune(mod, target_name, target, db_dir, trials, model_sha, log=log, rpc=rpc,

@@ -185,7 +185,7 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
 
-    # measure.py and rpc.py import TVM's MetaSchedule at their top: loaded only when tuning runs
+    # late: measure.py and rpc.py import TVM's MetaSchedule at their top: loaded only when tuning runs
     from appliance.deploy.compiler.tuning.measure import InProcessBuilder, InProcessRunner, progress_callback
 
     import tvm_ffi
@@ -211,7 +211,7 @@ def tune(mod, target_name: str, tvm_target: dict, db_dir, trials: int, model_sha
     contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
         tasks, str(tmp), space=space, strategy=strategy, num_threads=len(os.sched_getaffinity(0)), seed=seed)
     if rpc:
-        from appliance.deploy.compiler.tuning.rpc import RPCDeviceRunner  # TVM's RPC: only when asked
+        from appliance.deploy.compiler.tuning.rpc import RPCDeviceRunner  # late: TVM's RPC, only when --rpc asks
 
         runner = RPCDeviceRunner(rpc, rpc_key)
         builder = InProcessBuilder(tmp / "build", shared_library=True, cross_compiler=cross_compiler)
