@@ -32,7 +32,6 @@ ALLOWED = {
                                                 "component lists can move out",
     ("appliance/deploy/gpu/routes.py", "compile_gpu"): "open: the cuda-ort and tensorrt routes share one body "
                                                        "to split per route",
-    ("data_tools/check/report_html.py", "render"): "open: one HTML page in order; its sections can move out",
 }
 
 

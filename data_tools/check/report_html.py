@@ -59,6 +59,14 @@ def _shown(shown: int, total: int, what: str) -> str:
 
 
 def render(report: dict, thumbs: dict, out_dir: Path | None = None) -> str:
+    out = [*_header(report, out_dir), *_files_and_checks(report), *_label_balance(report),
+           *_segmentation(report, thumbs), *_statistics(report), *_outliers_and_duplicates(report, thumbs),
+           *_damage_and_outputs(report), "</body></html>"]
+    return "\n".join(out)
+
+
+def _header(report: dict, out_dir: Path | None) -> list[str]:
+    """The page head, the totals and the gate's verdict."""
     gate = report.get("gate", {"passed": True, "failed": [], "conditions": []})
     out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Data check report</title>"
            f"<meta name='generator' content='{escape(report['made_by'])}'><style>{_CSS}</style></head><body>",
@@ -73,7 +81,12 @@ def render(report: dict, thumbs: dict, out_dir: Path | None = None) -> str:
         verdict = "<span class='pass'>passed</span>" if gate["passed"] else "<span class='fail'>FAILED</span>"
         out.append(f"<h2>Gate: {verdict}</h2><p>Conditions: {escape(', '.join(gate['conditions']))}</p>")
         out += [f"<p class='fail'>{escape(line)}</p>" for line in gate["failed"]]
+    return out
 
+
+def _files_and_checks(report: dict) -> list[str]:
+    """Per file: records, valid, quarantined; then the checks' counts."""
+    out = []
     out.append("<h2>Files</h2><table><tr><th>file</th><th>split</th><th>records</th><th>valid</th>"
                "<th>quarantined</th><th>unreadable ranges</th><th>problem</th></tr>")
     for f in report["files"]:
@@ -88,7 +101,12 @@ def render(report: dict, thumbs: dict, out_dir: Path | None = None) -> str:
     else:
         out.append(f"<p id='checks'>No record failed a check: all {report['records_total']} records read "
                    "passed framing, parse, schema, image and duplicate checks.</p>")
+    return out
 
+
+def _label_balance(report: dict) -> list[str]:
+    """Records per class and the imbalance."""
+    out = []
     labels = report["labels"]
     out.append("<h2>Label balance</h2>")
     if labels["histogram"]:
@@ -104,8 +122,12 @@ def render(report: dict, thumbs: dict, out_dir: Path | None = None) -> str:
                    "</p>")
     else:
         out.append("<p>No labels found.</p>")
+    return out
 
-    out += _segmentation(report, thumbs)
+
+def _statistics(report: dict) -> list[str]:
+    """The image statistics' histograms with their outlier bounds."""
+    out = []
     out.append("<h2>Statistics</h2><p>Red dashed: 3-sigma bounds; orange dotted: median/MAD bounds "
                "(modified z-score 3.5). A value outside either is an outlier.</p><div class='plots'>")
     for name, stat in report["statistics"].items():
@@ -113,7 +135,12 @@ def render(report: dict, thumbs: dict, out_dir: Path | None = None) -> str:
             out.append(histogram(stat["histogram"]["counts"], stat["histogram"]["edges"], stat,
                                  f"{name}", f"plot-stat-{name.replace('/', '-')}"))
     out.append("</div>")
+    return out
 
+
+def _outliers_and_duplicates(report: dict, thumbs: dict) -> list[str]:
+    """Outlier thumbnails and the duplicate groups."""
+    out = []
     outliers = report["metrics"]["outliers"]
     out.append(f"<h2>Outliers ({outliers} records)</h2>")
     out.append(_shown(len(thumbs["outliers"]), outliers, "outlier records"))
@@ -134,7 +161,12 @@ def render(report: dict, thumbs: dict, out_dir: Path | None = None) -> str:
         out += [_thumb(m) for m in group["members"]]
         out.append("</div></div>")
     out.append("</div>")
+    return out
 
+
+def _damage_and_outputs(report: dict) -> list[str]:
+    """Unreadable byte ranges (the first MAX_DAMAGED_ROWS) and where the outputs went."""
+    out = []
     if report["damaged_ranges"]:
         out.append("<h2>Unreadable byte ranges</h2><table><tr><th>file</th><th>bytes</th><th>reason</th></tr>")
         out += [f"<tr><td>{escape(d['file'])}</td><td>{d['start']}-{d['end']}</td><td>{escape(d['reason'])}</td></tr>"
@@ -144,8 +176,7 @@ def render(report: dict, thumbs: dict, out_dir: Path | None = None) -> str:
                           "unreadable byte ranges"))
     out.append(f"<h2>Outputs</h2><p>{escape(report['clean_output'])}. Quarantined records: "
                f"quarantine/ (reasons in {escape(report['quarantine']['reasons'])}).</p>")
-    out.append("</body></html>")
-    return "\n".join(out)
+    return out
 
 
 def _segmentation(report: dict, thumbs: dict) -> list[str]:
