@@ -30,8 +30,6 @@ ALLOWED = {
                                                    "tar, signature) to split into its steps",
     ("appliance/bundle/sbom.py", "build_sbom"): "open: the CycloneDX document is built in one literal; the "
                                                 "component lists can move out",
-    ("appliance/deploy/gpu/routes.py", "compile_gpu"): "open: the cuda-ort and tensorrt routes share one body "
-                                                       "to split per route",
 }
 
 

@@ -278,58 +278,14 @@ def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, toleranc
     expected = run_ort(reference, x, batch=OPT_BATCH)
     cpu_ms = _latency_ms(lambda t: run_ort(reference, t, batch=OPT_BATCH), x)
 
-    builds, inputs = [], [model_path, *(Path(f) for f in sample_files or [])]
+    inputs = [model_path, *(Path(f) for f in sample_files or [])]
     if target == "cuda-ort":
-        artifact = out_dir / "model.fp16.onnx"
-        start = time.perf_counter()
-        quantize_fp16(model, out_dir / ".model.fp16.onnx.tmp")
-        (out_dir / ".model.fp16.onnx.tmp").replace(artifact)
-        session = cuda_ort_session(artifact)
-        seconds = time.perf_counter() - start
-        builds.append(("fp16", artifact, seconds, lambda t: run_ort(session, t, batch=OPT_BATCH)))
+        builds = _cuda_ort_builds(model, out_dir)
     else:
-        fp16_source = model_path
-        if not weakly_typed():  # strongly typed: the FP16 engine is built from an FP16 model
-            fp16_source = out_dir / "model.fp16.onnx"
-            quantize_fp16(model, fp16_source)
-        plans = [("fp16", fp16_source, False)]
-        if calib_files:
-            calib = load_samples(calib_files, preprocessing, limit=256)
-            check_input_shape(calib, [1, *chw], inp.name, model_path)
-            qdq = out_dir / "model.int8-qdq.onnx"
-            symmetric_qdq(model_path, qdq, calib.x, inp.name)
-            plans.append(("int8", qdq, True))
-            inputs += calib.files
-        for name, source, int8 in plans:
-            artifact = out_dir / f"model.{name}.engine"
-            start = time.perf_counter()
-            engine_bytes = build_trt_engine(source, inp.name, chw, int8)
-            atomic_write_bytes(artifact, engine_bytes)
-            engine = TensorRTEngine(engine_bytes, artifact)
-            builds.append((name, artifact, time.perf_counter() - start, engine))
-
-    default_tol = {"fp16": 1e-2, "int8": None}
-    results = []
-    for name, artifact, seconds, fn in builds:
-        got = fn(x)
-        tol = tolerance if tolerance is not None else default_tol[name]
-        # INT8 logits differ from FP32 by far more than rounding: its gate is the top-1 drop (or agreement).
-        check = _parity(got, expected, tol)
-        latency = _latency_ms(fn, x)
-        build = {"precision": name, "artifact": str(artifact), "bytes": artifact.stat().st_size,
-                 "build_seconds": round(seconds, 2), "check": check, "latency_ms": latency,
-                 "speedup_vs_cpu_batch1": cpu_ms["batch1_median"] / latency["batch1_median"]}
-        if y is not None:
-            acc = _accuracy(model_path, artifact, expected, got, y, cpu_ms["batch1_median"],
-                            latency["batch1_median"], f"{target} {name}", max_drop)
-            report_dir = out_dir / name if len(builds) > 1 else out_dir
-            report_dir.mkdir(exist_ok=True)
-            write_reports(report_dir, acc)
-            build["accuracy"] = acc
-            build["passed"] = check["passed"] and acc["gate_passed"]
-        else:
-            build["passed"] = check["passed"] and (tol is not None or check["top1_agreement"] >= 1 - max_drop / 100)
-        results.append(build)
+        builds, calib_inputs = _tensorrt_builds(model, model_path, out_dir, inp.name, chw, preprocessing, calib_files)
+        inputs += calib_inputs
+    results = [_measured(build, x, y, expected, cpu_ms, model_path, out_dir, target, tolerance, max_drop,
+                         several=len(builds) > 1) for build in builds]
 
     info = {"made_by": "appliance compile", "source_model": str(model_path.resolve()), "target": target,
             "input": {"name": inp.name, "shape": ["batch", *chw], "dtype": "float32"},
@@ -346,6 +302,70 @@ def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, toleranc
                             f"diff {c['max_abs_diff']:.3g}, allowed {c['allowed'] if c['allowed'] is not None else 'any'}; top-1 agreement "
                             f"{c['top1_agreement']:.4f}); see {out_dir / 'compile.json'}")
     return info
+
+
+def _cuda_ort_builds(model, out_dir: Path) -> list[tuple]:
+    """cuda-ort: the FP16 model on onnxruntime's CUDA provider: [(name, artifact, seconds, run)]."""
+    artifact = out_dir / "model.fp16.onnx"
+    start = time.perf_counter()
+    quantize_fp16(model, out_dir / ".model.fp16.onnx.tmp")
+    (out_dir / ".model.fp16.onnx.tmp").replace(artifact)
+    session = cuda_ort_session(artifact)
+    seconds = time.perf_counter() - start
+    return [("fp16", artifact, seconds, lambda t: run_ort(session, t, batch=OPT_BATCH))]
+
+
+def _tensorrt_builds(model, model_path: Path, out_dir: Path, input_name: str, chw: list, preprocessing: dict,
+                     calib_files) -> tuple[list[tuple], list[Path]]:
+    """tensorrt: the FP16 engine, and the INT8 one when calib_files are given: ([(name, artifact, seconds,
+    engine)], the calibration files read)."""
+    fp16_source, inputs = model_path, []
+    if not weakly_typed():  # strongly typed: the FP16 engine is built from an FP16 model
+        fp16_source = out_dir / "model.fp16.onnx"
+        quantize_fp16(model, fp16_source)
+    plans = [("fp16", fp16_source, False)]
+    if calib_files:
+        calib = load_samples(calib_files, preprocessing, limit=256)
+        check_input_shape(calib, [1, *chw], input_name, model_path)
+        qdq = out_dir / "model.int8-qdq.onnx"
+        symmetric_qdq(model_path, qdq, calib.x, input_name)
+        plans.append(("int8", qdq, True))
+        inputs += calib.files
+    builds = []
+    for name, source, int8 in plans:
+        artifact = out_dir / f"model.{name}.engine"
+        start = time.perf_counter()
+        engine_bytes = build_trt_engine(source, input_name, chw, int8)
+        atomic_write_bytes(artifact, engine_bytes)
+        engine = TensorRTEngine(engine_bytes, artifact)
+        builds.append((name, artifact, time.perf_counter() - start, engine))
+    return builds, inputs
+
+
+def _measured(build: tuple, x, y, expected, cpu_ms: dict, model_path: Path, out_dir: Path, target: str, tolerance,
+              max_drop: float, several: bool) -> dict:
+    """One build checked against onnxruntime FP32 (parity, latency; accuracy and its reports when labelled)."""
+    name, artifact, seconds, fn = build
+    default_tol = {"fp16": 1e-2, "int8": None}
+    got = fn(x)
+    tol = tolerance if tolerance is not None else default_tol[name]
+    # INT8 logits differ from FP32 by far more than rounding: its gate is the top-1 drop (or agreement).
+    check = _parity(got, expected, tol)
+    latency = _latency_ms(fn, x)
+    result = {"precision": name, "artifact": str(artifact), "bytes": artifact.stat().st_size,
+              "build_seconds": round(seconds, 2), "check": check, "latency_ms": latency,
+              "speedup_vs_cpu_batch1": cpu_ms["batch1_median"] / latency["batch1_median"]}
+    if y is not None:
+        acc = _accuracy(model_path, artifact, expected, got, y, cpu_ms["batch1_median"],
+                        latency["batch1_median"], f"{target} {name}", max_drop)
+        report_dir = out_dir / name if several else out_dir
+        report_dir.mkdir(exist_ok=True)
+        write_reports(report_dir, acc)
+        result["accuracy"] = acc
+        result["passed"] = check["passed"] and acc["gate_passed"]
+    else:
+        result["passed"] = check["passed"] and (tol is not None or check["top1_agreement"] >= 1 - max_drop / 100)
+    return result
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
