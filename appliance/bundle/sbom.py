@@ -17,6 +17,19 @@ import email.parser
 import zipfile
 from pathlib import Path
 
+from cyclonedx.model import (ExternalReference, ExternalReferenceType, HashAlgorithm, HashType, Property,
+                             XsUri)
+from cyclonedx.model.bom import Bom
+from cyclonedx.model.component import Component, ComponentType
+from cyclonedx.model.impact_analysis import ImpactAnalysisAffectedStatus
+from cyclonedx.model.tool import ToolRepository
+from cyclonedx.model.vulnerability import (BomTarget, BomTargetVersionRange, Vulnerability,
+                                           VulnerabilityReference, VulnerabilitySource)
+from cyclonedx.output.json import JsonV1Dot6
+from packageurl import PackageURL
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
 from appliance.bundle.vulnerabilities import VulnerabilityData
 
 # Trove classifiers that name exactly one SPDX license (others, e.g. "BSD License", stay names).
@@ -71,8 +84,6 @@ def _marker_env(python: str, arch: str) -> dict:
 
 def requires(meta: email.message.Message | None, python: str, arch: str) -> list[str]:
     """Canonical names of the distributions this wheel needs on the target (no extras)."""
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.utils import canonicalize_name
 
     out = []
     for line in (meta.get_all("Requires-Dist") or []) if meta is not None else []:
@@ -90,18 +101,6 @@ def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, m
                weights: dict[str, dict] | None = None, runner: dict | None = None) -> str:
     """wheels: [{"file", "name", "version", "sha256"}]; paths: filename -> local file; weights: the bundle's
     weights/index.json; runner: bundle.json's edge_runner entry. Returns the JSON text."""
-    from cyclonedx.model import (ExternalReference, ExternalReferenceType, HashAlgorithm, HashType, Property,
-                                 XsUri)
-    from cyclonedx.model.bom import Bom
-    from cyclonedx.model.component import Component, ComponentType
-    from cyclonedx.model.impact_analysis import ImpactAnalysisAffectedStatus
-    from cyclonedx.model.tool import ToolRepository
-    from cyclonedx.model.vulnerability import (BomTarget, BomTargetVersionRange, Vulnerability,
-                                               VulnerabilityReference, VulnerabilitySource)
-    from cyclonedx.output.json import JsonV1Dot6
-    from packageurl import PackageURL
-    from packaging.utils import canonicalize_name
-
     root = Component(type=ComponentType.APPLICATION, name=f"appliance-bundle-{profile_name}", version=bundle_version,
                      bom_ref=f"appliance-bundle-{profile_name}-py{python}")
     bom = Bom()
@@ -110,6 +109,21 @@ def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, m
     tools.components.add(Component(type=ComponentType.APPLICATION, name="appliance", version=bundle_version,
                                    description=made_by))
     bom.metadata.tools = tools
+    for key, value in _properties(properties, vulns, wheels).items():
+        bom.metadata.properties.add(Property(name=f"appliance:{key}", value=str(value)))
+    components, needed = _wheel_components(bom, wheels, paths, python, arch)
+    models = _site_components(weights, runner)
+    for model in models:
+        bom.components.add(model)
+        bom.register_dependency(model, [])
+    # The bundle depends on what nothing else in it pulls in: the lock's top-level requirements.
+    bom.register_dependency(root, [c for c in components.values() if c.name not in needed] + models)
+    _add_vulnerabilities(bom, components, vulns)
+    return JsonV1Dot6(bom).output_as_string(indent=2) + "\n"
+
+
+def _properties(properties: dict, vulns: VulnerabilityData, wheels: list[dict]) -> dict:
+    """The bundle's properties and what the vulnerability data covered."""
     props = {**{k: v for k, v in properties.items() if v is not None}, "vulnerability_data_source": vulns.source,
              "vulnerability_data_taken": vulns.taken}
     if not vulns.offered:
@@ -121,9 +135,12 @@ def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, m
             canonicalize_name(w["name"]) == n and w["version"] == v for w in wheels))
         if missing:
             props["vulnerability_data_missing"] = ", ".join(missing)
-    for key, value in props.items():
-        bom.metadata.properties.add(Property(name=f"appliance:{key}", value=str(value)))
+    return props
 
+
+def _wheel_components(bom, wheels: list[dict], paths: dict[str, Path], python: str, arch: str) -> tuple[dict, set]:
+    """A component per wheel with its dependencies registered: ({canonical name: component}, the names some
+    other wheel requires)."""
     components, metas = {}, {}
     for w in sorted(wheels, key=lambda w: w["name"]):
         filename = Path(w["file"]).name
@@ -140,6 +157,11 @@ def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, m
         deps = [components[d] for d in dict.fromkeys(requires(metas[name], python, arch)) if d in components]
         needed.update(d.name for d in deps)
         bom.register_dependency(component, deps)
+    return components, needed
+
+
+def _site_components(weights: dict[str, dict] | None, runner: dict | None) -> list:
+    """What a site carries besides wheels: the pretrained weights and the prebuilt edge runner."""
     models = []
     for name, entry in sorted((weights or {}).items()):
         models.append(Component(
@@ -150,8 +172,6 @@ def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, m
                                                    hashes=[HashType(alg=HashAlgorithm.SHA_256,
                                                                     content=entry["sha256"])])],
             properties=[Property(name="appliance:file", value=f"weights/{entry['file']}")]))
-        bom.components.add(models[-1])
-        bom.register_dependency(models[-1], [])
     if runner:
         models.append(Component(
             type=ComponentType.APPLICATION, name="appliance-edge-runner", version=runner["key"][:12],
@@ -161,11 +181,11 @@ def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, m
             properties=[Property(name=f"appliance:{k}", value=str(v)) for k, v in
                         (("file", f"{runner['path']}/run"), ("key", runner["key"]),
                          ("glibc_floor", runner["glibc_floor"]), ("zig", runner["zig"]))]))
-        bom.components.add(models[-1])
-        bom.register_dependency(models[-1], [])
-    # The bundle depends on what nothing else in it pulls in: the lock's top-level requirements.
-    bom.register_dependency(root, [c for c in components.values() if c.name not in needed] + models)
+    return models
 
+
+def _add_vulnerabilities(bom, components: dict, vulns: VulnerabilityData) -> None:
+    """The advisories that name a bundled wheel's exact version."""
     for (name, version), advisories in sorted(vulns.advisories.items()):
         component = components.get(name)
         if component is None or component.version != version:
@@ -181,4 +201,3 @@ def build_sbom(profile_name: str, python: str, arch: str, bundle_version: str, m
                 affects=[BomTarget(ref=component.bom_ref, versions=[BomTargetVersionRange(
                     version=version, status=ImpactAnalysisAffectedStatus.AFFECTED)])],
                 properties=[Property(name="appliance:fixed_in", value=", ".join(a.fixed_in))] if a.fixed_in else None))
-    return JsonV1Dot6(bom).output_as_string(indent=2) + "\n"
