@@ -26,8 +26,6 @@ ALLOWED = {
     ("data_tools/tfrecord.py", None): "the verified reader and its damage scanner share the framing state",
     ("data_tools/tfrecord.py", "_records"): "one generator for every public form of the reader: a wrapper "
                                             "generator costs ~10% of the hot path",
-    ("appliance/bundle/build.py", "build_bundle"): "open: one ordered script (wheelhouses, locks, SBOM, "
-                                                   "tar, signature) to split into its steps",
 }
 
 
