@@ -7,7 +7,7 @@ import platform
 import onnxruntime
 import torch
 
-from appliance import doctor
+from appliance.doctor import probes as doctor
 from conftest import run_appliance
 
 

@@ -17,7 +17,7 @@ ALLOWED = {
                                           "library only: keys, signatures, Ed25519 verify and sign in one file",
     ("appliance/train/checkpoint.py", None): "open: the atomic writer, the verified loader and the ZeRO optimizer "
                                              "shards are three concerns to split",
-    ("appliance/doctor/__init__.py", None): "open: the probes (subprocess, parallel) and the report belong in two modules",
+    
     ("data_tools/example.py", None): "the Example codec: descriptor, the fast canonical decoder and the full "
                                      "parser's fallback must agree field for field, read side by side",
     ("data_tools/example.py", "_decode_example_fast"): "one inlined loop over the wire format: a call per "

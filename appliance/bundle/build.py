@@ -213,7 +213,7 @@ def _chosen_profiles(manifests: Path, profile_names: list[str]) -> list[Profile]
     return [profiles[p] for p in dict.fromkeys(profile_names)]
 
 
-def _fetch_locked(targets: list, cache: Path, out_dir: Path) -> dict[tuple[str, str], list]:
+def _fetch_locked(targets: list, cache: Path, out_dir: Path) -> dict[tuple[str, str], list[Wheel]]:
     """Every locked wheel of every target, fetched and hash-checked; BundleError listing every problem."""
     problems: list[str] = []
     planned = {}
