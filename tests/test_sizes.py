@@ -15,9 +15,6 @@ MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 80
 ALLOWED = {
     ("appliance/core/minisign.py", None): "travels alone into the bundle, where the installer runs it with the standard "
                                           "library only: keys, signatures, Ed25519 verify and sign in one file",
-    ("appliance/train/checkpoint.py", None): "open: the atomic writer, the verified loader and the ZeRO optimizer "
-                                             "shards are three concerns to split",
-    
     ("data_tools/example.py", None): "the Example codec: descriptor, the fast canonical decoder and the full "
                                      "parser's fallback must agree field for field, read side by side",
     ("data_tools/example.py", "_decode_example_fast"): "one inlined loop over the wire format: a call per "

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from appliance.core.errors import ApplianceError
-from appliance.train.checkpoint import _broadcast_int
+from appliance.train.collectives import broadcast_int
 from appliance.train.determinism import rng_state
 from appliance.tasks import task_for
 from appliance.train.step import Guard, TrainWindow, to_device
@@ -48,7 +48,7 @@ def check_finite(run, guard: Guard) -> bool:
 
 def diverged(run, step: int, on_rank: int) -> TrainingDiverged:
     found = run.checkpoints.committed() if run.checkpoints.rank == 0 else []
-    newest = _broadcast_int(found[-1][0] if found else -1)
+    newest = broadcast_int(found[-1][0] if found else -1)
     kept = (f"the newest checkpoint step-{newest:08d} is the resume point" if newest >= 0
             else "no checkpoint was written yet")
     return TrainingDiverged(

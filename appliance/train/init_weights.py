@@ -18,7 +18,7 @@ from appliance.models import (CARD_NAME, ONNX_ARCHITECTURE, WEIGHTS_NAME, classi
                               nonfinite_weights)
 from appliance.core.manifest import sha256_file
 from appliance.assets.weights import PREFIX as TORCHVISION_PREFIX, find_weights
-from appliance.train.checkpoint import CheckpointDamaged, read_sums
+from appliance.train.checkpoint_files import CheckpointDamaged, read_sums
 
 KINDS = ("safetensors", "model_dir", "checkpoint", "torchvision", "pth", "onnx")
 

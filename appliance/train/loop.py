@@ -30,7 +30,7 @@ from appliance.core.manifest import write_manifest
 from appliance.core.progress import Progress
 from appliance.models import save_trained_model
 from appliance.train import faults, profiling, worker_error
-from appliance.train.checkpoint import _all_gather_json, _broadcast_int
+from appliance.train.collectives import all_gather_json, broadcast_int
 from appliance.train.components import (Checkpointing, MetricsLog, TrainingDiverged, Validation, check_finite,
                                         log_line)
 from appliance.train.config import Config, load_config
@@ -174,7 +174,7 @@ def start_profiler(cfg: Config, device, rank: int, step: int, total_steps: int, 
     """profiling.OFF, or a StepProfiler whose window fits the steps this attempt has left. Every
     rank takes rank 0's [profile] figures, so all of them reach the report's collective."""
     p = cfg.profile
-    steps, wait, warmup = (_broadcast_int(v) for v in (p.steps, p.wait, p.warmup))
+    steps, wait, warmup = (broadcast_int(v) for v in (p.steps, p.wait, p.warmup))
     if steps == 0:
         return profiling.OFF
     wait, warmup, active = profiling.window(steps, wait, warmup, total_steps - step)
@@ -194,7 +194,7 @@ def profile_done(summary: dict | None, cfg: Config, rank: int, world: int, log) 
     writes profile.json and profile.html."""
     if summary is None:
         return
-    summaries = _all_gather_json(summary)
+    summaries = all_gather_json(summary)
     if rank == 0:
         _, html_path = write_profile_report(cfg.run_dir, summaries, cfg, world)
         log(f"profile of steps {summary['steps'][0]}-{summary['steps'][1]}: {html_path}", flush=True)
