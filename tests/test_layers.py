@@ -442,3 +442,54 @@ def test_a_planted_late_import_without_a_reason_fails(plant):
     many = "".join(f"def f{i}():\n    import data_tools.tfrecord  # late: planted\n" for i in range(MAX_LATE_IMPORTS))
     root = plant("data_tools/planted_many.py", many)
     assert len(late_imports(root)[0]) > MAX_LATE_IMPORTS
+
+
+# One verb, one function (DESIGN.md, "Stage results"): the handler of each stage verb calls the same
+# stage function as the pipeline's plan (appliance/pipeline/plan.py), so no gate is implemented twice.
+STAGE_VERBS = {  # (module, handler) -> the stage function it must call
+    ("data_tools/check/cli.py", "check_command"): "check_stage",
+    ("appliance/train/cli.py", "run"): "train_stage",
+    ("appliance/deploy/commands.py", "export_command"): "export_stage",
+    ("appliance/deploy/commands.py", "quantize_command"): "quantize_stage",
+    ("appliance/deploy/commands.py", "compile_command"): "compile_stage",
+    ("appliance/deploy/commands.py", "package_command"): "package_stage",
+    ("appliance/deploy/commands.py", "verify_command"): "verify_stage",
+}
+
+
+def calls_in(path: Path, function: str) -> set[str]:
+    """Names of the functions `function` in path calls (f(...) or module.f(...))."""
+    tree = ast.parse(path.read_text(), str(path))
+    node = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function), None)
+    if node is None:
+        return set()
+    return {c.func.id if isinstance(c.func, ast.Name) else c.func.attr for c in ast.walk(node)
+            if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))}
+
+
+def verbs_off_their_stage(root: Path = ROOT) -> list[str]:
+    plan_calls = {c.func.id if isinstance(c.func, ast.Name) else c.func.attr
+                  for c in ast.walk(ast.parse((root / "appliance/pipeline/plan.py").read_text()))
+                  if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))}
+    problems = []
+    for (path, handler), stage in STAGE_VERBS.items():
+        if stage not in plan_calls:
+            problems.append(f"appliance/pipeline/plan.py does not call {stage}")
+        if stage not in calls_in(root / path, handler):
+            problems.append(f"{path}:{handler} does not call {stage}, the function the pipeline runs")
+    return problems
+
+
+def test_each_stage_verb_calls_the_stage_function_the_pipeline_calls():
+    problems = verbs_off_their_stage()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_planted_verb_that_bypasses_its_stage_fails(plant, tree_copy):
+    commands = tree_copy / "appliance" / "deploy" / "commands.py"
+    original = commands.read_text()
+    try:
+        commands.write_text(original.replace("package_stage(args.compiled", "build_package(args.compiled"))
+        assert any("package_command does not call package_stage" in p for p in verbs_off_their_stage(tree_copy))
+    finally:
+        commands.write_text(original)
