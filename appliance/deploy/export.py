@@ -90,7 +90,11 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
               "batch": batch or "dynamic", "preprocessing": preprocessing,
               "class_names": list(card.class_names), "parity": parity}
     atomic_write_text(out_dir / "parity.json", json.dumps(report, indent=2) + "\n")
-    atomic_write_text(out_dir / "parity.html", parity_html(report, np.abs(expected - got).max(1)))
+    task = card.extra.get("task")
+    if isinstance(task, dict):  # a segmentation model: logits (N, K, H, W), agreement per pixel
+        report["task"] = {**task, "output": "logits [N, K, H, W]"}
+    atomic_write_text(out_dir / "parity.html",
+                      parity_html(report, np.abs(expected - got).reshape(len(expected), -1).max(1)))
     atomic_write_text(out_dir / CARD_NAME, card.to_json())
     write_manifest(out_dir, "export", [model_dir / WEIGHTS_NAME, model_dir / CARD_NAME, *samples.files],
                    {"opset": opset, "batch": batch or "dynamic", "max_rel_error": max_rel_error,
