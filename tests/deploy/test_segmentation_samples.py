@@ -49,3 +49,25 @@ def test_segmentation_scores_miou_and_classification_top1():
     cls = task_for(None)
     assert cls.metric == "top1" and cls.score(np.eye(3), np.array([0, 1, 1])) == pytest.approx(2 / 3)
     assert task_of_metadata({}).kind == "classification"
+
+
+def test_a_segmentation_model_exports_4d_logits_with_a_dynamic_batch_and_parity(tmp_path):
+    import onnx
+    import torch
+
+    from appliance.deploy.export import export_model
+    from appliance.models import ModelCard, save_trained_model
+    from appliance.tasks.segmentation_models import build_segmentation_model
+
+    torch.manual_seed(0)
+    card = ModelCard("unet_small", 3, 1, 16, mean=(0.4,), std=(0.2,), channel_order="L",
+                     class_names=("surface", "scratch", "spot"),
+                     extra={"task": {"kind": "segmentation", "ignore_label": 255}})
+    save_trained_model(tmp_path / "model", build_segmentation_model("unet_small", 3, 1).eval(), card)
+    val = tmp_path / "val.tfrecord"
+    write_records(val, seg_records(6, seed=2, size=16))
+    report = export_model(tmp_path / "model", tmp_path / "export", sample_files=[val])
+    assert report["parity"]["passed"] and report["parity"]["samples"] == 6
+    assert report["task"]["kind"] == "segmentation"
+    out = onnx.load(str(tmp_path / "export" / "model.onnx")).graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in out] == ["batch", 3, 16, 16]
