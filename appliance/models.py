@@ -244,8 +244,9 @@ def mismatched_weights(state: dict, own: dict, shapes: bool = True) -> str | Non
     return None
 
 
-def load_trained_model(model_dir: str | Path):
-    """(model in eval mode, card) from a trained-model directory. Loads no pickle."""
+def load_trained_model(model_dir: str | Path, build=None):
+    """(model in eval mode, card) from a trained-model directory. Loads no pickle.
+    build: the card's task's build_model (appliance.tasks), default classification's build_model."""
     from safetensors.torch import load_file
 
     model_dir = Path(model_dir)
@@ -254,7 +255,7 @@ def load_trained_model(model_dir: str | Path):
         raise DataError(f"{model_dir}: not a trained-model directory (needs {CARD_NAME} and {WEIGHTS_NAME})")
     card = ModelCard.from_json(card_path.read_text(), str(card_path))
     graph = model_dir / card.extra.get("onnx_graph", ONNX_GRAPH_NAME)
-    model = build_model(card.architecture, card.num_classes, card.in_channels, onnx_graph=graph)
+    model = (build or build_model)(card.architecture, card.num_classes, card.in_channels, onnx_graph=graph)
     try:
         state = load_file(str(weights))
     except Exception as err:  # safetensors raises its own error types for damaged files

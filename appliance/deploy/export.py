@@ -9,7 +9,8 @@ from pathlib import Path
 
 from appliance.core.errors import DataError
 from appliance.deploy.options import DEFAULT_MAX_REL_ERROR, OPSETS
-from appliance.models import CARD_NAME, WEIGHTS_NAME, load_trained_model
+from appliance.models import CARD_NAME, WEIGHTS_NAME, ModelCard, load_trained_model
+from appliance.tasks import task_of_card
 from appliance.deploy.onnx_model import load_onnx, ort_session, run_ort
 from data_tools.preprocessing import preprocessing_of
 from appliance.deploy.samples import load_samples, synthetic_samples
@@ -52,7 +53,8 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
     if problem:
         raise DataError(f"opset {problem}")
     model_dir = find_model_dir(model_path)
-    model, card = load_trained_model(model_dir)
+    card = ModelCard.from_json((model_dir / CARD_NAME).read_text(), str(model_dir / CARD_NAME))
+    model, card = load_trained_model(model_dir, build=task_of_card(card).build_model)  # the task's architectures
     preprocessing = preprocessing_of(card)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,11 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
               "batch": batch or "dynamic", "preprocessing": preprocessing,
               "class_names": list(card.class_names), "parity": parity}
     atomic_write_text(out_dir / "parity.json", json.dumps(report, indent=2) + "\n")
-    atomic_write_text(out_dir / "parity.html", parity_html(report, np.abs(expected - got).max(1)))
+    task = card.extra.get("task")
+    if isinstance(task, dict):  # a segmentation model: logits (N, K, H, W), agreement per pixel
+        report["task"] = {**task, "output": "logits [N, K, H, W]"}
+    atomic_write_text(out_dir / "parity.html",
+                      parity_html(report, np.abs(expected - got).reshape(len(expected), -1).max(1)))
     atomic_write_text(out_dir / CARD_NAME, card.to_json())
     write_manifest(out_dir, "export", [model_dir / WEIGHTS_NAME, model_dir / CARD_NAME, *samples.files],
                    {"opset": opset, "batch": batch or "dynamic", "max_rel_error": max_rel_error,

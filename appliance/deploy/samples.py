@@ -1,9 +1,10 @@
 """Labelled samples for parity, calibration, evaluation and edge verification.
 
-Two sources: TFRecord files of image examples (image/encoded + image/class/label, read with
-data_tools and preprocessed by the one shared function), or an .npz/.npy of already
-preprocessed tensors (`x`: float32 N,C,H,W and optional `y`: labels) for sites that prepare
-their own. Either way the result is checked against the model's input shape here, once.
+Two sources: TFRecord files of image examples (image/encoded + image/class/label, or, for
+segmentation, DeepLab's image/segmentation/class/encoded mask; read with data_tools and
+preprocessed by the one shared function), or an .npz/.npy of already preprocessed tensors
+(`x`: float32 N,C,H,W and optional `y`: labels (N,) or masks (N,H,W)) for sites that prepare
+their own. A mask is resized to the model's grid with nearest neighbour, as training evaluates. Either way the result is checked against the model's input shape here, once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from data_tools.preprocessing import preprocess_image
 from appliance.core.errors import DataError
 from data_tools.example import decode_example
+from data_tools.segmentation import MASK_KEY, MaskProblem, decode_mask
 from data_tools.tfrecord import read_records
 
 IMAGE_KEY, LABEL_KEY = "image/encoded", "image/class/label"
@@ -24,7 +26,7 @@ IMAGE_KEY, LABEL_KEY = "image/encoded", "image/class/label"
 @dataclass
 class Samples:
     x: np.ndarray            # float32 (N, C, H, W), preprocessed
-    y: np.ndarray | None     # int64 (N,) labels, or None when the source has none
+    y: np.ndarray | None     # int64 (N,) labels or (N, H, W) masks, or None when the source has none
     files: list[Path]        # the files they came from (manifest inputs)
     source: str              # "tfrecord" or "tensors"
 
@@ -53,8 +55,8 @@ def _load_tensors(path: Path, limit: int | None) -> Samples:
         x, y = data["x"], (data["y"] if "y" in data else None)
     if x.ndim != 4:
         raise DataError(f"{path}: tensors must be (N, C, H, W), got shape {tuple(x.shape)}")
-    if y is not None and len(y) != len(x):
-        raise DataError(f"{path}: {len(x)} tensors but {len(y)} labels")
+    if y is not None and (len(y) != len(x) or y.ndim not in (1, 3)):
+        raise DataError(f"{path}: {len(x)} tensors but labels of shape {tuple(y.shape)} (need (N,) or (N, H, W))")
     if limit:
         x, y = x[:limit], (y[:limit] if y is not None else None)
     return Samples(np.ascontiguousarray(x, dtype=np.float32),
@@ -68,20 +70,37 @@ def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -
             if limit and len(xs) >= limit:
                 break
             try:
-                features = decode_example(bytes(record), keys=[IMAGE_KEY, LABEL_KEY])
+                features = decode_example(bytes(record), keys=[IMAGE_KEY, LABEL_KEY, MASK_KEY])
             except Exception as err:
                 raise DataError(f"{f}: record {number}: not a tf.train.Example ({err})") from None
-            if IMAGE_KEY not in features or LABEL_KEY not in features:
-                raise DataError(f"{f}: record {number}: needs {IMAGE_KEY} and {LABEL_KEY}; "
+            target = LABEL_KEY if LABEL_KEY in features else MASK_KEY
+            if IMAGE_KEY not in features or target not in features:
+                raise DataError(f"{f}: record {number}: needs {IMAGE_KEY} and {LABEL_KEY} (or {MASK_KEY}); "
                                 f"found {sorted(features)}")
             try:
                 xs.append(preprocess_image(features[IMAGE_KEY][0], preprocessing))
             except Exception as err:
                 raise DataError(f"{f}: record {number}: {IMAGE_KEY} is not a decodable image ({err})") from None
-            ys.append(int(features[LABEL_KEY][0]))
+            ys.append(int(features[LABEL_KEY][0]) if target == LABEL_KEY
+                      else _mask(features[MASK_KEY][0], int(preprocessing["image_size"]), f, number))
     if not xs:
         raise DataError(f"{files[0]}: no image examples found")
-    return Samples(np.stack(xs), np.asarray(ys, dtype=np.int64), files, "tfrecord")
+    if len({type(y) for y in ys}) > 1:
+        raise DataError(f"{files[0]}: mixes labelled and masked records")
+    return Samples(np.stack(xs), np.stack(ys).astype(np.int64), files, "tfrecord")
+
+
+def _mask(encoded: bytes, size: int, path: Path, number: int) -> np.ndarray:
+    """A record's class mask on the model's size x size grid (nearest neighbour, as training evaluates)."""
+    from PIL import Image  # late, as data_tools.preprocessing does
+
+    try:
+        mask = decode_mask(bytes(encoded))
+    except MaskProblem as err:
+        raise DataError(f"{path}: record {number}: {err.detail}") from None
+    if mask.shape != (size, size):
+        mask = np.asarray(Image.fromarray(mask).resize((size, size), Image.NEAREST))
+    return mask
 
 
 def check_input_shape(samples: Samples, expected: list, input_name: str, model_path) -> None:

@@ -30,3 +30,11 @@ def task_for(section=None):
 def task_of_card(card) -> object:
     """The task a trained model's card records (cards without one are classification's)."""
     return task_for(card.extra.get("task") if isinstance(card.extra.get("task"), dict) else None)
+
+
+def task_of_metadata(meta: dict) -> object:
+    """The task of an exported model: its ONNX metadata's model card (appliance.model_card)."""
+    card = meta.get("model_card") if isinstance(meta, dict) else None
+    extra = card.get("extra") if isinstance(card, dict) else None
+    task = extra.get("task") if isinstance(extra, dict) else None
+    return task_for(task if isinstance(task, dict) else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from appliance.models import ARCHITECTURES, build_model
 from appliance.tasks.classification_figures import per_class, quality_figures
+from appliance.tasks.deploy_metrics import argmax_agreement, top1
 
 
 class Classification:
@@ -43,3 +44,12 @@ class Classification:
 
     def card_extra(self) -> dict:
         return {}
+
+    # ---- deploy: the metric the quantize gate, sensitivity and verify count ----
+    metric, metric_label = "top1", "top-1"
+    compare_schemes = False  # quantize measures the asked --scheme only
+    agreement = staticmethod(argmax_agreement)
+
+    def score(self, logits, labels) -> float:
+        """Top-1 of (N, K) logits against (N,) labels."""
+        return top1(logits, labels)

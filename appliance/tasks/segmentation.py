@@ -8,6 +8,7 @@ preprocessing grid of the edge device when evaluating.
 
 from __future__ import annotations
 
+from appliance.tasks.deploy_metrics import argmax_agreement, miou_of_maps
 from appliance.tasks.segmentation_figures import iou_figures, segmentation_quality
 from data_tools.segmentation import IGNORE_LABEL, IMAGE_KEY, MASK_KEY
 
@@ -77,3 +78,16 @@ class Segmentation:
 
     def card_extra(self) -> dict:
         return {"task": {"kind": self.kind, "ignore_label": self.ignore_label}}
+
+    # ---- deploy: the metric the quantize gate, sensitivity and verify count ----
+    metric, metric_label = "miou", "mIoU"
+    compare_schemes = True  # quantize measures symmetric and asymmetric activations side by side
+    agreement = staticmethod(argmax_agreement)  # per pixel on (N, K, H, W)
+    postprocess = "argmax over the K logits of each pixel: one class map per image, written as an 8-bit PNG"
+
+    def score(self, logits, masks) -> float:
+        """mIoU of (N, K, H, W) logits against (N, H, W) masks."""
+        return self.figures(logits.argmax(1), masks, logits.shape[1])["miou"]
+
+    def figures(self, class_maps, masks, num_classes: int) -> dict:
+        return miou_of_maps(class_maps, masks, num_classes, self.ignore_label)
