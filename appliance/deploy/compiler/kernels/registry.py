@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from appliance.deploy.compiler.kernels import simd_conv, simd_depthwise, x86_avx512, x86_vnni
+from appliance.deploy.compiler.kernels import arm_dotprod, simd_conv, simd_depthwise, x86_avx512, x86_vnni
 
 GROUPS = ("int8-depthwise", "int8", "float32")
 
@@ -33,7 +33,8 @@ class Kernel:
     compile.json and the log name the kernels of its group on this CPU (None: the vector unit);
     pixels: 16 pixels a vector (its write-back is vectorised already); blocked: it writes
     [N, C/16, H, W, 16]; handover: the blocked kernel the layout handover remakes it as, where it
-    feeds a depthwise kernel."""
+    feeds a depthwise kernel; make: an int8 blocked kernel's PrimFunc builder, its module's
+    conv2d_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, blocked_out=True)."""
 
     name: str
     group: str
@@ -44,6 +45,7 @@ class Kernel:
     pixels: bool = False
     blocked: bool = False
     handover: str | None = None
+    make: Callable | None = None
 
     @property
     def dtype(self) -> str:
@@ -56,7 +58,12 @@ KERNELS = (
            pixels=True, handover="vnni_conv2d_blocked_"),
     Kernel("vnni_conv2d_", "int8", ("avx512vnni",), x86_vnni.lower_conv2d, "x86-vnni", "AVX-512 VNNI",
            handover="vnni_conv2d_blocked_"),
-    Kernel("vnni_conv2d_blocked_", "int8", ("avx512vnni",), None, "x86-vnni", blocked=True),
+    Kernel("vnni_conv2d_blocked_", "int8", ("avx512vnni",), None, "x86-vnni", blocked=True,
+           make=x86_vnni.conv2d_kernel),
+    Kernel("sdot_conv2d_", "int8", ("dotprod",), arm_dotprod.lower_conv2d, "arm-dotprod", "ARMv8.2 dot product (sdot)",
+           handover="sdot_conv2d_blocked_"),
+    Kernel("sdot_conv2d_blocked_", "int8", ("dotprod",), None, "arm-dotprod", blocked=True,
+           make=arm_dotprod.conv2d_kernel),
     Kernel("depthwise_float32_", "float32", ("simd",), simd_depthwise.lower_fp32),
     Kernel("fp32_conv2d_pixels_", "float32", ("avx512",), x86_avx512.lower_fp32, pixels=True,
            handover="fp32_conv2d_blocked_"),

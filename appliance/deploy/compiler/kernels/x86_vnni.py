@@ -77,26 +77,34 @@ def pack_weights(wq: np.ndarray) -> np.ndarray:
         padded.reshape(op // LANES, LANES, cp // GROUP, GROUP, kh, kw).transpose(0, 2, 4, 5, 1, 3))
 
 
-def _rows(ow: int) -> int:
-    return next(r for r in (7, 4, 8, 6, 5, 3, 2, 1) if ow % r == 0)
+ROWS = (7, 4, 8, 6, 5, 3, 2, 1)  # pixels a register tile, by preference: 16 channels of a pixel are one zmm
+
+
+def _rows(ow: int, choices: tuple = ROWS) -> int:
+    return next(r for r in choices if ow % r == 0)
 
 
 def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, stride: tuple, dilation: tuple,
-                  blocked_out: bool = False):
+                  blocked_out: bool = False, dtype: str = "uint8", intrin: str | None = None, rows: tuple = ROWS):
     """The scheduled PrimFunc conv(data [n, c4, h, w, 4] u8, weights [o16, c4, kh, kw, 16, 4] s8) ->
     [n, o16 * 16, oh, ow] s32, for data already padded; blocked_out: -> [n, o16, oh, ow, 16], a
-    pixel's 16 sums one vector store (for a depthwise kernel after it, passes/layout_handover.py)."""
+    pixel's 16 sums one vector store (for a depthwise kernel after it, passes/layout_handover.py).
+    Other dot-product instructions of the same 16 x 4 shape reuse it (kernels/arm_dotprod.py: int8
+    data, `sdot`): `dtype` of the data, `intrin` the registered TensorIntrin of its 16x4 product,
+    `rows` the tile's pixels by preference (the first that divides the output width)."""
     from tvm import s_tir
     from tvm.script import tirx as T
 
     sh, sw = stride
     dh, dw = dilation
     oh, ow = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    intrin = intrin or register_intrinsic()
     if blocked_out:
-        return _blocked_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, (oh, ow)), (oh, ow)
+        return _blocked_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, (oh, ow), dtype, intrin,
+                               _rows(ow, rows)), (oh, ow)
 
     @T.prim_func(s_tir=True)
-    def conv(X: T.Buffer((n, c4, h, w, 4), "uint8"), Wp: T.Buffer((o16, c4, kh, kw, 16, 4), "int8"),
+    def conv(X: T.Buffer((n, c4, h, w, 4), dtype), Wp: T.Buffer((o16, c4, kh, kw, 16, 4), "int8"),
              Y: T.Buffer(shape64(n, o16 * 16, oh, ow), "int32")):
         T.func_attr({"tir.noalias": True})
         for b, ob, y, x, oi, cb, r, s, ci in T.grid(n, o16, oh, ow, 16, c4, kh, kw, 4):
@@ -108,11 +116,10 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
                     X[vb, vcb, vy * sh + vr * dh, vx * sw + vs * dw, vci], "int32") * T.cast(
                     Wp[vob, vcb, vr, vs, voi, vci], "int32")
 
-    intrin = register_intrinsic()
     sch = s_tir.Schedule(conv)
     block = sch.get_sblock("conv")
     b, ob, y, x, oi, cb, r, s, ci = sch.get_loops(block)
-    xo, xi = sch.split(x, [None, _rows(ow)])
+    xo, xi = sch.split(x, [None, _rows(ow, rows)])
     sch.reorder(b, ob, y, xo, cb, r, s, xi, oi, ci)
     tile = sch.cache_write(block, 0, "global")  # the intrinsic's accumulator is a global-scope buffer
     # the tile channels-last (a pixel's 16 sums: the intrinsic's vector), written out NCHW
@@ -129,14 +136,14 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
     return fusable(sch.mod["main"]), (oh, ow)
 
 
-def _blocked_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, out):
+def _blocked_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, out, dtype, intrin, rows):
     from tvm import s_tir
     from tvm.script import tirx as T
 
     (sh, sw), (dh, dw), (oh, ow) = stride, dilation, out
 
     @T.prim_func(s_tir=True)
-    def conv(X: T.Buffer((n, c4, h, w, 4), "uint8"), Wp: T.Buffer((o16, c4, kh, kw, 16, 4), "int8"),
+    def conv(X: T.Buffer((n, c4, h, w, 4), dtype), Wp: T.Buffer((o16, c4, kh, kw, 16, 4), "int8"),
              Y: T.Buffer(shape64(n, o16, oh, ow, 16), "int32")):
         T.func_attr({"tir.noalias": True})
         for b, ob, y, x, oi, cb, r, s, ci in T.grid(n, o16, oh, ow, 16, c4, kh, kw, 4):
@@ -148,11 +155,10 @@ def _blocked_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, out):
                     X[vb, vcb, vy * sh + vr * dh, vx * sw + vs * dw, vci], "int32") * T.cast(
                     Wp[vob, vcb, vr, vs, voi, vci], "int32")
 
-    intrin = register_intrinsic()
     sch = s_tir.Schedule(conv)
     block = sch.get_sblock("conv_blocked")
     b, ob, y, x, oi, cb, r, s, ci = sch.get_loops(block)
-    xo, xi = sch.split(x, [None, _rows(ow)])
+    xo, xi = sch.split(x, [None, rows])
     sch.reorder(b, ob, y, xo, cb, r, s, xi, oi, ci)
     tile = sch.cache_write(block, 0, "global")
     sch.reverse_compute_at(tile, xo)

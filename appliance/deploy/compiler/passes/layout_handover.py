@@ -25,7 +25,7 @@ import numpy as np
 
 from appliance.deploy.compiler.kernels import simd_conv, x86_vnni
 from appliance.deploy.compiler.kernels.common import GEOMETRY, LANES
-from appliance.deploy.compiler.kernels.registry import blocked_kernel, kernel_named, kernels_for
+from appliance.deploy.compiler.kernels.registry import BY_NAME, blocked_kernel, kernel_named, kernels_for
 from appliance.deploy.compiler.passes.rewrite import count_calls
 
 ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
@@ -230,12 +230,13 @@ def _emit(builder, mutator, plan, tile):
     sh, sw, dh, dw = plan["geometry"]
     packed = plan["weights"]
     data = mutator.visit_expr(plan["data"])
-    if plan["dtype"] == "int8":  # data [N, C/4, H, W, 4], weights x86_vnni's [O/16, C/4, KH, KW, 16, 4]
+    if plan["dtype"] == "int8":  # data [N, C/4, H, W, 4], weights x86_vnni's [O/16, C/4, KH, KW, 16, 4] (sdot's too)
         _, c4, h, w, _ = (int(d) for d in data.ty.shape)
         if plan["pixels"]:  # x86_vnni.pixels_kernel's [O/OT, C/4, OT, 4]
             packed = x86_vnni.pack_weights(np.ascontiguousarray(packed.transpose(0, 2, 1, 3)).reshape(o, c4 * 4, 1, 1))
         _, _, kh, kw, _, _ = packed.shape
-        func, _ = x86_vnni.conv2d_kernel(n, c4, h, w, o // LANES, kh, kw, (sh, sw), (dh, dw), blocked_out=True)
+        make = BY_NAME[plan["blocked"]].make  # the dot-product kernel's own: x86_vnni, arm_dotprod
+        func, _ = make(n, c4, h, w, o // LANES, kh, kw, (sh, sw), (dh, dw), blocked_out=True)
     else:  # data NCHW, weights simd_conv's [O/16, C, KH, KW, 16]
         _, c, h, w = (int(d) for d in data.ty.shape)
         if plan["pixels"]:  # x86_avx512's [O/OT, C, OT]
