@@ -7,6 +7,7 @@ It also runs the package's own `bin/run --selftest` (golden samples, gated) and 
 from __future__ import annotations
 
 import json
+import math
 import re
 import tarfile
 import tempfile
@@ -27,6 +28,7 @@ from appliance.deploy.tolerance import qdq_allowance
 from appliance.core.manifest import atomic_write_text, write_manifest
 from appliance.core.html_report import PALETTE, columns_svg, page
 from appliance.core.stage import read_result_json
+from data_tools.preprocessing import PREPROCESSING_KEYS
 
 VERIFY_JSON = "verify.json"
 
@@ -146,12 +148,37 @@ def read_model_info(root: Path, package: Path) -> dict:
     if not (isinstance(shape, list) and len(shape) == 4 and all(type(d) is int and 0 < d <= 1 << 16 for d in shape)
             and isinstance(inp.get("name"), str) and isinstance(info.get("preprocessing"), dict)):
         raise DataError(f"{what}: no valid input (name, shape [N, C, H, W] of positive sizes) and preprocessing")
+    problem = preprocessing_problem(info["preprocessing"], shape[1])
+    if problem:
+        raise DataError(f"{what}: preprocessing: {problem}")
     graph_input = onnx.load(str(root / "reference" / "model.onnx"), load_external_data=False).graph.input[0]
     reference = [d.dim_value or None for d in graph_input.type.tensor_type.shape.dim]
     if len(reference) != 4 or any(r is not None and r != d for r, d in zip(reference[1:], shape[1:])):
         said = ", ".join("N" if r is None else str(r) for r in reference)
         raise DataError(f"{what}: input shape {shape} is not the reference model's [{said}]")
     return info
+
+
+def preprocessing_problem(pre: dict, channels: int) -> str | None:
+    """What is wrong with model.json's preprocessing for an input of `channels` channels, or None."""
+    missing = [k for k in PREPROCESSING_KEYS if k not in pre]
+    if missing:
+        return f"missing {', '.join(missing)} (it needs {', '.join(PREPROCESSING_KEYS)})"
+    size, order = pre["image_size"], pre["channel_order"]
+    if type(size) is not int or not 0 < size <= 1 << 16:
+        return f"image_size {size!r} is not a whole number of pixels from 1 to {1 << 16}"
+    if order not in ("RGB", "L"):
+        return f"channel_order {order!r} is not \"RGB\" or \"L\""
+    if channels != (3 if order == "RGB" else 1):
+        return f"channel_order {order!r} does not give the input's {channels} channel(s)"
+    for key in ("mean", "std"):
+        value = pre[key]
+        if not (isinstance(value, list) and len(value) == channels
+                and all(type(v) in (int, float) and math.isfinite(v) for v in value)):
+            return f"{key} {str(value)[:60]} is not a list of {channels} finite numbers"
+    if not all(v > 0 for v in pre["std"]):
+        return f"std {pre['std']} has a value that is not positive"
+    return None
 
 
 def run_native(root: Path, x: np.ndarray, sysroot: str) -> tuple[np.ndarray, float]:

@@ -11,17 +11,25 @@ Unset or empty: does nothing. A malformed value is a ConfigError at start-up (`l
 
 APPLIANCE_TEST_SLOW_DECODE="SECONDS" makes every training sample's decode sleep that long (an
 expensive decode, for the profiler's data-wait test), on every attempt.
+
+APPLIANCE_TEST_TEARDOWN="DIR": a worker that finished writes DIR/rank-RANK.json just before it
+leaves: whether the process group is still there, its live Python threads other than the main one,
+its live child processes (DataLoader workers), for the teardown-order test.
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing
 import os
 import signal
+import threading
 
 from appliance.core.errors import ConfigError
 
 ENV = "APPLIANCE_TEST_FAULT"
 SLOW_DECODE_ENV = "APPLIANCE_TEST_SLOW_DECODE"
+TEARDOWN_ENV = "APPLIANCE_TEST_TEARDOWN"
 POINTS = ("step", "checkpoint-write", "nan-loss", "finished")
 
 _fault: tuple[str, int, int] | None = None
@@ -59,3 +67,18 @@ def slow_decode_seconds() -> float:
     if not 0 <= seconds < 60:
         raise ConfigError(f"{SLOW_DECODE_ENV}={spec!r} is not a number of seconds (a test hook: unset it)")
     return seconds
+
+
+def record_teardown(rank: str) -> None:
+    """What is still alive as a finished worker leaves (APPLIANCE_TEST_TEARDOWN only)."""
+    where = os.environ.get(TEARDOWN_ENV, "")
+    if not where:
+        return
+    import torch.distributed as dist  # lazy: heavy, and loaded already in a worker
+
+    state = {"process_group": dist.is_available() and dist.is_initialized(),
+             "threads": sorted(t.name for t in threading.enumerate()
+                               if t is not threading.main_thread() and t.is_alive()),
+             "children": sorted(p.pid for p in multiprocessing.active_children())}
+    with open(os.path.join(where, f"rank-{rank}.json"), "w") as f:
+        json.dump(state, f)

@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = cfg.run_dir
         try:
             train(cfg, args.resume)
+            faults.record_teardown(rank)  # a test hook: unset in production
             _exit_now(0)  # everything is written and the process group is gone: no teardown to abort in
         except OSError as err:
             if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not err.filename:

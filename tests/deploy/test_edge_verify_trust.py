@@ -113,7 +113,7 @@ def test_members_outside_the_package_or_unlisted_are_refused(member, edge_packag
     assert not (tmp_path / "escaped").exists()
 
 
-@pytest.mark.parametrize("change", ["shape", "bytes", "json"])
+@pytest.mark.parametrize("change", ["shape", "bytes", "json", "no-mean", "order"])
 def test_a_signed_model_json_that_is_wrong_is_one_line(change, edge_package, tmp_path):
     """A site's own signed package whose model.json another tool rewrote: one clean line, no traceback."""
     root = unpack(edge_package, tmp_path / "u")
@@ -123,6 +123,12 @@ def test_a_signed_model_json_that_is_wrong_is_one_line(change, edge_package, tmp
         (root / "model.json").write_text(json.dumps(info))
     elif change == "bytes":
         (root / "model.json").write_bytes(b'{"input": "\xff\xfe caf\xe9"}')
+    elif change == "no-mean":  # the preprocessing keys were a KeyError
+        del info["preprocessing"]["mean"], info["preprocessing"]["std"]
+        (root / "model.json").write_text(json.dumps(info))
+    elif change == "order":
+        info["preprocessing"]["channel_order"] = "L"
+        (root / "model.json").write_text(json.dumps(info))
     else:
         (root / "model.json").write_text("[" * 5000)
     package = repack(root, tmp_path / "p.tar", sign_with=default_key_path())
@@ -133,7 +139,11 @@ def test_a_signed_model_json_that_is_wrong_is_one_line(change, edge_package, tmp
     assert line == {
         "shape": f"appliance edge verify: error: {package}: model.json: input shape [1, 3, 32, 32] is not the "
                  "reference model's [N, 3, 16, 16]",
-        "bytes": f"appliance edge verify: error: {package}: model.json: not UTF-8 text (byte 11)"}[change]
+        "bytes": f"appliance edge verify: error: {package}: model.json: not UTF-8 text (byte 11)",
+        "no-mean": f"appliance edge verify: error: {package}: model.json: preprocessing: missing mean, std (it "
+                   "needs image_size, mean, std, channel_order)",
+        "order": f"appliance edge verify: error: {package}: model.json: preprocessing: channel_order 'L' does not "
+                 "give the input's 3 channel(s)"}[change]
 
 
 def test_the_gate_fails_with_exit_3_when_the_device_selftest_fails(edge_package, tmp_path):
@@ -147,3 +157,25 @@ def test_the_gate_fails_with_exit_3_when_the_device_selftest_fails(edge_package,
     assert one_line(proc, code=3) == (f"appliance edge verify: error: {package}: edge verification failed: the "
                                       "on-device self-test")
     assert "samples: top-1 agreement 1.0000" in proc.stdout and "FAIL" in proc.stdout
+
+
+def test_the_gate_fails_with_exit_3_when_the_edge_and_host_disagree(edge_package, tmp_path):
+    """The host's reference model negated (signed by the site): the device runs the real model under
+    qemu, its top-1 agrees with the host's on no sample, the route fails and so does the gate; the
+    on-device self-test, which compares with the package's own golden outputs, still passes."""
+    import onnx
+    from onnx import helper
+
+    root = unpack(edge_package, tmp_path / "u")
+    reference = onnx.load(str(root / "reference" / "model.onnx"))
+    output = reference.graph.output[0]
+    reference.graph.node.append(helper.make_node("Neg", [output.name], [output.name + "_negated"]))
+    output.name += "_negated"
+    onnx.save(reference, str(root / "reference" / "model.onnx"))
+    package = repack(root, tmp_path / "p.tar", sign_with=default_key_path())
+    proc = run_appliance("edge", "verify", str(package), "--bench-runs", "0", "--out", str(tmp_path / "report"))
+    assert one_line(proc, code=3) == (f"appliance edge verify: error: {package}: edge verification failed: native "
+                                      "runner (qemu-aarch64)")
+    assert "samples: top-1 agreement 0.0000 (need 1)" in proc.stdout and ": FAIL" in proc.stdout, proc.stdout
+    report = json.loads((tmp_path / "report" / "verify.json").read_text())  # written before the exit
+    assert report["passed"] is False and report["selftest"]["passed"] is True

@@ -9,7 +9,9 @@ import random
 import shlex
 import shutil
 import socket
+import signal
 import subprocess
+import time
 
 import pytest
 import torch
@@ -129,6 +131,42 @@ def test_killed_node_resumes_bit_identical(workdir, reference):
     resumed_from = max(s for s in range(1, step + 1) if s % 5 == 0 or s % STEPS_PER_EPOCH == 0)
     assert f"step-{resumed_from:08d} (step {resumed_from}" in proc.stdout, (step, proc.stdout[-2000:])
     _assert_identical(reference[0], _run_dirs(workdir, "killed"))
+
+
+def test_the_nodes_left_continue_when_one_node_is_killed_and_comes_back(workdir, reference):
+    """benchmarks/node_failure.py's real kill as a test: with --nnodes 1:2 --max-restarts 3, node 1's
+    whole process tree (launcher, agent, worker) gets SIGKILL after the first committed checkpoint, as a
+    machine losing power would, and is started again with the same command; node 0 keeps its own
+    launcher, re-rendezvouses, both finish with exit 0, bit-identical to the uninterrupted run."""
+    configs, dirs, port = _node_configs(workdir, "node-lost"), _run_dirs(workdir, "node-lost"), _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start(node):
+        cmd = appliance_cmd("train", str(configs[node]), "--nproc-per-node", "1", "--nnodes", "1:2", "--node-rank",
+                            str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "3")
+        return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+    nodes = [start(0), start(1)]
+    try:
+        committed = [d / "checkpoints" / "step-00000005" / "COMMITTED" for d in dirs]
+        deadline = time.time() + 120
+        while not all(c.is_file() for c in committed):
+            assert time.time() < deadline and all(p.poll() is None for p in nodes), "no checkpoint at step 5"
+            time.sleep(0.02)
+        os.killpg(nodes[1].pid, signal.SIGKILL)  # its worker follows (PR_SET_PDEATHSIG)
+        killed_log = nodes[1].communicate()[0]
+        assert nodes[1].returncode == -signal.SIGKILL and "trained 16 steps" not in killed_log
+        nodes[1] = start(1)
+        logs = [p.communicate(timeout=240)[0] for p in nodes]
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    assert "resumed from " in "".join(logs), logs[0][-2000:]
+    _assert_identical(reference[0], dirs)
 
 
 def test_damaged_part_on_one_node_makes_both_fall_back_together(workdir, reference):

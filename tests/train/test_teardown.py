@@ -1,0 +1,88 @@
+"""A finished run ends as finished (issue 31, item 5): short real 2-process CPU torchrun runs,
+repeated under load, end with exit 0 every time; each worker leaves with its process group
+destroyed, its DataLoader workers and Python threads joined; a worker that dies after the final
+model and manifest are committed is named, and the run still counts as finished."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from conftest import appliance_cmd
+from train_data import make_config
+
+ROUNDS = 5  # two runs at a time (each the other's load on a 2-core box): 10 runs, ~60 s
+STEPS = 2
+
+
+def _config(workdir, name):
+    # The smallest run the train tests use: 8x8 images, 2 steps, persistent loader workers (the
+    # processes and threads a success has to join), no checkpoint but the final one.
+    return make_config(workdir, name=name, train_records=64, val_records=8,
+                       train={"epochs": 1, "max_steps": STEPS}, data={"num_workers": 1},
+                       checkpoint={"every_steps": 100})
+
+
+def _start(config, teardown_dir, fault=""):
+    env = {**os.environ, "APPLIANCE_TEST_FAULT": fault, "APPLIANCE_TEST_TEARDOWN": str(teardown_dir),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(appliance_cmd("train", str(config), "--nproc-per-node", "2"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=config.parent, start_new_session=True)
+
+
+def _finish(proc, timeout=120):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None, "", f"did not finish in {timeout} s"
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("teardown")
+
+
+def _abnormal(status, err) -> bool:
+    return status != 0 or "warning: the run finished" in err or "SIGABRT" in err or "Traceback" in err
+
+
+def test_repeated_short_runs_all_end_as_finished_with_an_orderly_teardown(workdir):
+    abnormal, teardowns = [], []
+    for round_ in range(ROUNDS):
+        procs = []
+        for i in range(2):
+            name = f"r{round_}-{i}"
+            state = workdir / f"{name}-teardown"
+            state.mkdir()
+            procs.append((name, state, _start(_config(workdir, name), state)))
+        for name, state, proc in procs:
+            status, _, err = _finish(proc)
+            if _abnormal(status, err):
+                abnormal.append(f"{name}: exit {status}: {err[-1500:]}")
+            teardowns += [(name, json.loads(p.read_text())) for p in sorted(state.glob("rank-*.json"))]
+    print(f"teardown: {2 * ROUNDS} runs, {len(abnormal)} abnormal exits")
+    assert not abnormal, "\n".join(abnormal)
+    assert len(teardowns) == 2 * 2 * ROUNDS  # both ranks of every run reached the end of main()
+    for name, state in teardowns:
+        assert state == {"process_group": False, "threads": [], "children": []}, (name, state)
+
+
+def test_a_worker_dying_after_the_commit_is_named_and_the_run_counts_as_finished(workdir):
+    """A real late crash: rank 1 SIGABRTs itself after the model, the manifest and the finished
+    mark are committed (the SIGABRT a C++ destructor raised at interpreter teardown)."""
+    config = _config(workdir, "late")
+    run_dir = workdir / "runs" / "late"
+    state = workdir / "late-teardown"
+    state.mkdir()
+    status, out, err = _finish(_start(config, state, fault=f"finished:{STEPS}:1"))
+    assert status == 0, err[-3000:]
+    assert (f"appliance train: warning: the run finished (model and manifest committed), then a worker was killed "
+            f"by SIGABRT while shutting down; the results in {run_dir} are complete") in err.splitlines(), err[-3000:]
+    assert "quality gate passed" in out
+    assert (run_dir / "model").is_dir() and json.loads((run_dir / "manifest.json").read_text())
+    assert [p.name for p in state.iterdir()] == ["rank-0.json"]  # rank 1 died before leaving
