@@ -8,6 +8,8 @@ runtimes is the share of equal argmaxes over axis 1 either way: per image, or pe
 
 from __future__ import annotations
 
+from appliance.tasks.segmentation_figures import iou_figures
+
 
 def argmax_agreement(a, b) -> float:
     """Share of equal argmax over axis 1 (top-1 per image, or the class per pixel)."""
@@ -29,7 +31,5 @@ def confusion(predicted, masks, num_classes: int, ignore_label: int):
 
 def miou_of_maps(predicted, masks, num_classes: int, ignore_label: int) -> dict:
     """mIoU, pixel accuracy and per-class IoU of class maps (N, H, W) against masks (N, H, W)."""
-    from appliance.tasks.segmentation_figures import iou_figures
-
     f = iou_figures(confusion(predicted, masks, num_classes, ignore_label))
     return {"miou": f["miou"], "pixel_acc": f["pixel_acc"], "iou": list(f["iou"].values())}
