@@ -1,5 +1,6 @@
 import fcntl
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 INTEROP_PYTHON = ROOT / ".venv-interop" / "bin" / "python"
+
+
+def seeded_choice(options, what: str = "kill step"):
+    """One of options, drawn from APPLIANCE_TEST_SEED (or a fresh seed), printed so that a failure
+    names the seed that replays it (pytest shows a failing test's output)."""
+    seed = int(os.environ.get("APPLIANCE_TEST_SEED") or random.SystemRandom().randrange(2**32))
+    value = random.Random(seed).choice(list(options))
+    print(f"{what} {value} (APPLIANCE_TEST_SEED={seed} replays it)")
+    return value
 
 
 def appliance_cmd(*args: str) -> list[str]:

@@ -5,7 +5,6 @@ fall back together."""
 
 import json
 import os
-import random
 import shlex
 import shutil
 import socket
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import appliance_cmd, offline_cmd
+from conftest import appliance_cmd, offline_cmd, seeded_choice
 from train_data import make_config
 
 STEPS_PER_EPOCH = 8  # 256 records, 2 processes, batch 16
@@ -124,7 +123,7 @@ def test_each_node_holds_its_own_part_and_every_node_lists_all(reference):
 
 def test_killed_node_resumes_bit_identical(workdir, reference):
     # Off the checkpoint steps (every 5, epoch end 8): the work since the last one is redone.
-    step = random.Random().choice([s for s in range(6, TOTAL_STEPS - 1) if s % STEPS_PER_EPOCH and s % 5])
+    step = seeded_choice([s for s in range(6, TOTAL_STEPS - 1) if s % STEPS_PER_EPOCH and s % 5])
     proc = _two_nodes(workdir, _node_configs(workdir, "killed"), "--max-restarts", "1", fault=f"step:{step}:1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr, f"step {step}: no SIGKILL happened\n{proc.stderr[-3000:]}"

@@ -3,7 +3,6 @@ kills during a checkpoint write, two nodes over c10d, and the run directory a us
 
 import json
 import os
-import random
 import shlex
 import socket
 import subprocess
@@ -12,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import appliance_cmd, offline_cmd
+from conftest import appliance_cmd, offline_cmd, seeded_choice
 from train_data import make_config
 
 STEPS_PER_EPOCH = 8  # 256 records, 2 processes, batch 16
@@ -91,7 +90,7 @@ def test_offline_run_produces_the_run_directory(reference):
 def test_sigkill_mid_epoch_then_elastic_restart_is_bit_identical(workdir, reference):
     # A random step that is neither an epoch end nor a checkpoint step: work since the last
     # checkpoint is lost and must be redone identically.
-    step = random.Random().choice([s for s in range(6, TOTAL_STEPS - 1) if s % STEPS_PER_EPOCH and s % 5])
+    step = seeded_choice([s for s in range(6, TOTAL_STEPS - 1) if s % STEPS_PER_EPOCH and s % 5])
     config = make_config(workdir, name="killed", data={"num_workers": 1})
     proc = _train(config, "--max-restarts", "1", fault=f"step:{step}:1")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -189,7 +188,7 @@ def test_options_zero_accumulation_activation_checkpointing_resume_exactly(workd
                    checkpoint={"every_steps": 3, "keep_last": 1, "keep_best": 0})
     plain = make_config(workdir, name="options", **options)
     killed = make_config(workdir, name="options-killed", **options)
-    step = random.Random().choice([4, 5, 7])  # 4 steps per epoch: mid-epoch, off the checkpoint steps
+    step = seeded_choice([4, 5, 7])  # 4 steps per epoch: mid-epoch, off the checkpoint steps
     first = _train(plain)
     second = _train(killed, "--max-restarts", "1", fault=f"step:{step}:0")
     assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
