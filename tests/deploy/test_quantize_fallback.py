@@ -155,3 +155,43 @@ def test_pipeline_quantize_stage_falls_back_and_its_summary_names_the_path(tmp_p
                                         "float_layers": result.report["float_layers"]}
     assert f"float layers (minmax, per-channel); kept in float: {', '.join(result.report['float_layers'])}" \
         in format_summary(summary)
+
+
+def test_the_int8_error_unit_follows_float_layers_after_the_last_quantized_one():
+    from onnx import TensorProto, helper, numpy_helper
+
+    from appliance.deploy.compiler.passes.int8_arith import output_scale
+
+    w = np.array([[1.0, -2.0, 0.5], [0.25, 0.25, -3.0]], dtype=np.float32)  # (N=2, K=3), transB
+    inits = [numpy_helper.from_array(np.array(0.05, np.float32), "s"), numpy_helper.from_array(np.array(0, np.int8), "z"),
+             numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.zeros(2, np.float32), "b")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             helper.make_node("Relu", ["xd"], ["r"]),
+             helper.make_node("Gemm", ["r", "w", "b"], ["y"], transB=1)]
+
+    def model(nodes):
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+                                  [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, None)], inits)
+        return helper.make_model(graph)
+
+    assert output_scale(model(nodes[:2])) == pytest.approx(0.05)  # the output is dequantized: its step
+    assert output_scale(model(nodes)) == pytest.approx(0.05 * 3.5)  # carried through the float Gemm: |row|_1 max
+    assert output_scale(model([helper.make_node("Relu", ["x"], ["y"])])) is None  # no int8 upstream: FP32 bound
+    unknown = nodes[:2] + [helper.make_node("Erf", ["xd"], ["y"])]
+    assert output_scale(model(unknown)) is None  # no bound claimed through an op it does not know
+
+
+def test_a_mixed_model_whose_last_layer_stayed_float_compiles_and_passes_its_check(tmp_path, outlier):
+    from appliance.deploy.int8_builder import Int8Builder, Recipe
+
+    model, calib, _ = outlier
+    with Int8Builder(model, np.load(calib)["x"], "input") as builder:
+        last = [n.name for n in onnx.load(str(builder.prepared)).graph.node if n.op_type == "Gemm"]
+        mixed = builder.build(tmp_path / "mixed.onnx", Recipe(float_layers=tuple(last)))
+    graph = onnx.load(str(mixed)).graph
+    assert next(n for n in graph.node if graph.output[0].name in n.output).op_type == "Gemm"  # float last layer
+    proc = run_appliance("compile", str(mixed), "--target", "x86_64", "--out", str(tmp_path / "x86"))
+    assert proc.returncode == 0, proc.stderr
+    check = json.loads((tmp_path / "x86" / "compile.json").read_text())["check"]
+    assert check["passed"] and check["top1_agreement"] == 1.0, check

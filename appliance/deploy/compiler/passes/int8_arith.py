@@ -182,16 +182,113 @@ def classify_layers(mod, onnx_model) -> dict:
             "simulated_layers": [name for name, kind in zip(names, kinds) if kind == "simulated"]}
 
 
+# Ops whose output error is at most their (first) input's: they select, move, average or squash.
+_NON_EXPANSIVE = {"Relu", "Flatten", "Reshape", "Identity", "Dropout", "Squeeze", "Unsqueeze", "Transpose",
+                  "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Resize", "Clip", "LeakyRelu",
+                  "ReduceMean", "ReduceMax", "Tanh", "Softmax", "Sigmoid", "Cast", "Slice", "Gather", "Split",
+                  "Pad", "DepthToSpace", "SpaceToDepth", "Upsample"}
+
+
 def output_scale(onnx_model) -> float | None:
-    """The quantization step of the model's first output when a per-tensor DequantizeLinear makes it."""
+    """The error unit of the model's first output when int8 arithmetic reaches it: None for a model
+    with no QDQ upstream of the output (the FP32 tolerance applies).
+
+    Each dequantized activation may differ from onnxruntime's by a few of its quantization steps
+    (float rounding before a quantize). A DequantizeLinear producing the output gives its step (per
+    tensor; the largest of per-channel scales); float layers after the last quantized one (what
+    `--fallback` keeps in float) carry that error on, scaled by their gain: a Gemm, MatMul or Conv with
+    constant weights by the largest absolute row sum (the infinity norm, a bound on how far an error
+    of one unit per element moves an output), BatchNormalization and Mul/Div by a constant by the
+    largest factor; a sum of two tensors adds their errors; ops that select, average or squash
+    (_NON_EXPANSIVE) pass it on. An op outside these gives None: no bound is claimed."""
     from onnx import numpy_helper
 
-    name = onnx_model.graph.output[0].name
-    producer = next((n for n in onnx_model.graph.node if name in n.output), None)
-    if producer is None or producer.op_type != "DequantizeLinear":
-        return None
-    scale = next((t for t in onnx_model.graph.initializer if t.name == producer.input[1]), None)
-    if scale is None:
-        return None
-    value = numpy_helper.to_array(scale)
-    return float(value.reshape(())) if value.size == 1 else None
+    graph = onnx_model.graph
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            consts[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    err: dict[str, float | None] = {}
+    for node in graph.node:
+        value = _node_error(node, consts, err)
+        if node.op_type == "DequantizeLinear" and node.input[0] in consts and value is not None:
+            q, scale = consts[node.input[0]], consts.get(node.input[1])
+            zero = consts.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+            if scale is not None:  # a dequantized constant (weights): exact on both sides
+                axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+                shape = [1] * q.ndim
+                if scale.size > 1:
+                    shape[axis] = -1
+                z = 0 if zero is None else zero.astype(np.float64).reshape(shape)
+                consts[node.output[0]] = (q.astype(np.float64) - z) * scale.astype(np.float64).reshape(shape)
+                value = 0.0
+        for out in node.output:
+            err[out] = value
+    step = err.get(graph.output[0].name, 0.0) if graph.output else None
+    return float(step) if step else None
+
+
+def _node_error(node, consts, err) -> float | None:
+    """The error bound (in output units) of node's output given its inputs' (see output_scale)."""
+    def of(name):
+        return 0.0 if not name or name in consts or name not in err else err[name]
+
+    op, ins = node.op_type, list(node.input)
+    if op == "DequantizeLinear":
+        if ins[0] in consts:
+            return 0.0
+        scale = consts.get(ins[1])
+        return None if scale is None else float(np.abs(scale).max())
+    if op == "QuantizeLinear":
+        return of(ins[0])  # what its DequantizeLinear makes of it is counted there, in its own steps
+    if op == "Resize" and any(a.name == "mode" and a.s == b"cubic" for a in node.attribute):
+        e = of(ins[0])  # cubic weights sum to 1 in absolute value 1.25 per axis at most (a = -0.75)
+        return None if e is None else e * 1.5625
+    if op in _NON_EXPANSIVE:
+        return of(ins[0])
+    if op in ("Add", "Sub", "Concat", "Sum", "Max", "Min"):
+        errors = [of(n) for n in ins]
+        if any(e is None for e in errors):
+            return None
+        return max(errors) if op in ("Concat", "Max", "Min") else sum(errors)
+    if op in ("Mul", "Div") and len(ins) == 2 and (ins[0] in consts) != (ins[1] in consts):
+        data, c = (ins[1], consts[ins[0]]) if ins[0] in consts else (ins[0], consts[ins[1]])
+        e = of(data)
+        if e is None or c.size == 0 or (op == "Div" and not np.abs(c).min()):
+            return None
+        return e * float(np.abs(c).max() if op == "Mul" else 1 / np.abs(c).min())
+    if op == "BatchNormalization" and all(n in consts for n in ins[1:]):
+        eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        gain = np.abs(consts[ins[1]]) / np.sqrt(consts[ins[4]].astype(np.float64) + eps)
+        e = of(ins[0])
+        return None if e is None else e * float(gain.max())
+    return _linear_error(node, consts, of)
+
+
+def _linear_error(node, consts, of) -> float | None:
+    op, ins = node.op_type, list(node.input)
+    attrs = {a.name: a for a in node.attribute}
+    if op == "Conv" and len(ins) > 1 and ins[1] in consts:
+        w = consts[ins[1]]
+        e = of(ins[0])
+        return None if e is None else e * float(np.abs(w).reshape(w.shape[0], -1).sum(1).max())
+    if op == "Gemm" and len(ins) > 1:
+        data, weight, trans = ins[0], ins[1], "transB" in attrs and attrs["transB"].i
+        if ins[0] in consts and ins[1] not in consts:
+            data, weight, trans = ins[1], ins[0], not ("transA" in attrs and attrs["transA"].i)
+        elif weight not in consts:
+            return None
+        w = np.abs(consts[weight])
+        norm = (w.sum(1) if trans else w.sum(0)).max() * abs(attrs["alpha"].f if "alpha" in attrs else 1.0)
+        e = of(data)
+        return None if e is None else e * float(norm)
+    if op == "MatMul" and len(ins) == 2 and (ins[0] in consts) != (ins[1] in consts):
+        if ins[1] in consts:
+            w, data = np.abs(consts[ins[1]]), ins[0]
+            norm = w.sum(-2).max()  # x @ W: an output sums a column of W
+        else:
+            w, data = np.abs(consts[ins[0]]), ins[1]
+            norm = w.sum(-1).max()  # W @ x: an output sums a row of W
+        e = of(data)
+        return None if e is None else e * float(norm)
+    return None
