@@ -230,3 +230,38 @@ def test_label_outside_the_classes_is_one_clear_line(workdir):
     # The worker's line is the one line: no second "training failed", no torchrun stack.
     assert len(errors) == 1 and "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
     assert "internal error" not in proc.stderr
+
+
+def test_a_run_whose_every_checkpoint_is_set_aside_is_not_started_over(workdir, reference):
+    import shutil
+
+    run_dir, _ = reference
+    config = make_config(workdir, name="all-damaged", data={"num_workers": 1})
+    damaged = workdir / "runs" / "all-damaged"
+    shutil.copytree(run_dir / "checkpoints", damaged / "checkpoints")
+    steps = sorted(p.name for p in (damaged / "checkpoints").glob("step-*"))
+    assert steps
+    for name in steps:  # every checkpoint's weights damaged: none verifies
+        weights = damaged / "checkpoints" / name / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-64])
+    proc = _train(config, "--resume", "auto")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "no checkpoint verifies" in proc.stderr and "refusing to start over on top of them" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    left = sorted(p.name for p in (damaged / "checkpoints").iterdir())
+    assert not [n for n in left if n.startswith("step-")], left  # nothing trained or saved over them
+    assert len([n for n in left if n.startswith("damaged-step-")]) == len(steps), left  # all kept, set aside
+
+
+def test_the_per_node_lock_refuses_a_second_start_of_the_same_node(workdir):
+    from appliance.core.dirlock import directory_lock
+
+    config = make_config(workdir, name="node-locked", data={"num_workers": 1})
+    run_dir = workdir / "runs" / "node-locked"
+    with directory_lock(run_dir, "run directory", ".lock-node0"):  # node 0 of this run is running
+        proc = subprocess.run(appliance_cmd("train", str(config), "--nproc-per-node", "1", "--nnodes", "2",
+                                            "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29431"),
+                              capture_output=True, text=True, cwd=config.parent, timeout=120)
+    assert proc.returncode != 0 and "in use by another run" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
