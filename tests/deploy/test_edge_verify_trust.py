@@ -175,7 +175,7 @@ def test_the_gate_fails_with_exit_3_when_the_edge_and_host_disagree(edge_package
     package = repack(root, tmp_path / "p.tar", sign_with=default_key_path())
     proc = run_appliance("edge", "verify", str(package), "--bench-runs", "0", "--out", str(tmp_path / "report"))
     assert one_line(proc, code=3) == (f"appliance edge verify: error: {package}: edge verification failed: native "
-                                      "runner (qemu-aarch64)")
+                                      f"runner (qemu-aarch64) (see {tmp_path / 'report' / 'verify.json'})")
     assert "samples: top-1 agreement 0.0000 (need 1)" in proc.stdout and ": FAIL" in proc.stdout, proc.stdout
     report = json.loads((tmp_path / "report" / "verify.json").read_text())  # written before the exit
     assert report["passed"] is False and report["selftest"]["passed"] is True
