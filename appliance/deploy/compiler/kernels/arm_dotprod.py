@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 
 from appliance.deploy.compiler.kernels import x86_vnni
-from appliance.deploy.compiler.kernels.common import CONV, GEOMETRY, LANES, static_shape
+from appliance.deploy.compiler.kernels.common import GEOMETRY, LANES, plain_int8_conv
 from appliance.deploy.compiler.runtime import cpu_tensor_intrinsics
 
 INTRIN = "appliance_dot_16x4_sdot"
@@ -83,20 +83,12 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
 def lower_conv2d(builder, call, index, cpu, name):
     """An int8 x int8 -> int32 conv2d of groups 1 (what passes/int8_arith.py makes; padding
     explicit) on the sdot kernel; None for anything else. Exact: no shift, no compensation."""
-    import tvm
     from tvm import relax
 
-    if not isinstance(call.op, tvm.ir.Op) or call.op.name != CONV:
+    operands = plain_int8_conv(call)
+    if operands is None:
         return None
-    data, weight = call.args
-    attrs = call.attrs
-    shape = static_shape(data)
-    if (not isinstance(weight, tvm.ir.GenericConst) or shape is None or len(shape) != 4 or int(attrs.groups) != 1
-            or getattr(data.ty, "dtype", None) != "int8" or getattr(weight.ty, "dtype", None) != "int8"
-            or str(attrs.out_dtype) != "int32" or attrs.data_layout != "NCHW" or attrs.kernel_layout != "OIHW"
-            or attrs.out_layout != "NCHW" or any(int(p) for p in attrs.padding)):
-        return None
-    wq = weight.value.numpy()
+    data, attrs, shape, wq = operands
     n, c, h, w = shape
     o, _, kh, kw = wq.shape
     packed = x86_vnni.pack_weights(wq)

@@ -51,3 +51,22 @@ def static_shape(expr) -> list[int] | None:
         return [int(v) for v in shape]
     except (TypeError, ValueError):
         return None
+
+
+def plain_int8_conv(call):
+    """(data, attrs, static NCHW shape, int8 OIHW weights as numpy) of an int8 x int8 -> int32 conv2d
+    of groups 1 with constant weights, NCHW/OIHW layouts and explicit (zero) padding: what the
+    int8 dot-product kernels compute; None for any other call."""
+    import tvm  # late: kernels are imported where tvm is not loaded yet
+
+    if not isinstance(call.op, tvm.ir.Op) or call.op.name != CONV:
+        return None
+    data, weight = call.args
+    attrs = call.attrs
+    shape = static_shape(data)
+    if (not isinstance(weight, tvm.ir.GenericConst) or shape is None or len(shape) != 4 or int(attrs.groups) != 1
+            or getattr(data.ty, "dtype", None) != "int8" or getattr(weight.ty, "dtype", None) != "int8"
+            or str(attrs.out_dtype) != "int32" or attrs.data_layout != "NCHW" or attrs.kernel_layout != "OIHW"
+            or attrs.out_layout != "NCHW" or any(int(p) for p in attrs.padding)):
+        return None
+    return data, attrs, shape, weight.value.numpy()

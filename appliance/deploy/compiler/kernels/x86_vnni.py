@@ -34,7 +34,7 @@ import functools
 import numpy as np
 
 from appliance.deploy.compiler.kernels import x86_avx512
-from appliance.deploy.compiler.kernels.common import CONV, GEOMETRY, LANES, fusable, shape64, static_shape
+from appliance.deploy.compiler.kernels.common import GEOMETRY, LANES, fusable, plain_int8_conv, shape64
 from appliance.deploy.compiler.kernels.x86_avx512 import pixel_tile
 from appliance.deploy.compiler.runtime import cpu_tensor_intrinsics
 
@@ -248,20 +248,12 @@ def lower_conv2d(builder, call, index, cpu, name):
 
 
 def _vnni_conv(builder, call, index, name, pixels: bool):
-    import tvm
     from tvm import relax
 
-    if not isinstance(call.op, tvm.ir.Op) or call.op.name != CONV:
+    operands = plain_int8_conv(call)
+    if operands is None:
         return None
-    data, weight = call.args
-    attrs = call.attrs
-    shape = static_shape(data)
-    if (not isinstance(weight, tvm.ir.GenericConst) or shape is None or len(shape) != 4 or int(attrs.groups) != 1
-            or getattr(data.ty, "dtype", None) != "int8" or getattr(weight.ty, "dtype", None) != "int8"
-            or str(attrs.out_dtype) != "int32" or attrs.data_layout != "NCHW" or attrs.kernel_layout != "OIHW"
-            or attrs.out_layout != "NCHW" or any(int(p) for p in attrs.padding)):
-        return None
-    wq = weight.value.numpy()
+    data, attrs, shape, wq = operands
     n, c, h, w = shape
     o, _, kh, kw = wq.shape
     tile = pixel_tile(attrs, wq.shape, h * w, "avx512")  # VNNI CPUs have AVX-512
