@@ -72,7 +72,11 @@ def test_the_budget_kills_a_check_that_overruns_and_the_next_is_skipped(tmp_path
     assert proc.returncode == 1, proc.stdout + proc.stderr
     checks = report["checks"]
     assert list(checks) == ["train", "resume"]
-    assert checks["train"]["status"] == "timeout" and checks["train"]["seconds"] < 28
+    # Killed at its budget (18 s, the first check gets it all), not finished and not failed early. No upper
+    # bound on the kill's own time: a loaded box slows it, and a kill that missed the torchrun tree would
+    # hold the pipe for the 20000 steps (hours), which run_check's timeout turns into a failure anyway.
+    assert checks["train"]["status"] == "timeout" and checks["train"]["seconds"] >= 15, checks["train"]
+    assert "no result within its 18 s" in checks["train"]["summary"]
     assert checks["resume"]["status"] == "skip" and "budget" in checks["resume"]["summary"]
     assert "FAILED: train" in proc.stdout.strip().splitlines()[-1]
 
