@@ -99,25 +99,27 @@ def check_val_fraction(val_fraction: float) -> None:
         raise DataError(f"--val-fraction must be in [0, 1), not {val_fraction}")
 
 
-def _write_shards(images: list[tuple[Path, int]], classes: list[str], out: Path, prefix: str, shards: int,
-                  seed: int, progress: Callable[[int], None] | None) -> list[Path]:
-    images = list(images)
-    shards = max(1, min(shards, len(images)))
-    random.Random(seed).shuffle(images)
+def read_image(path: Path) -> tuple[bytes, str]:
+    """(the file's bytes, "jpeg" or "png" by its first bytes); anything else is one line naming it."""
+    encoded = path.read_bytes()
+    fmt = image_format(encoded[:8])
+    if fmt is None:
+        raise DataError(f"{path}: not a JPEG or PNG file (by its first bytes)")
+    return encoded, fmt
+
+
+def write_shards(items: list, out: Path, prefix: str, shards: int, seed: int,
+                 progress: Callable[[int], None] | None, encode: Callable[[object], bytes]) -> list[Path]:
+    """items shuffled by seed and dealt round-robin into `shards` TFRecord files (fewer for fewer
+    items), each record encode(item); each file indexed. On any error every file is removed."""
+    items = list(items)
+    shards = max(1, min(shards, len(items)))
+    random.Random(seed).shuffle(items)
     paths = [out / shard_name(prefix, s, shards) for s in range(shards)]
     writers = [TFRecordWriter(p) for p in paths]
     try:
-        for i, (path, label) in enumerate(images):
-            encoded = path.read_bytes()
-            fmt = image_format(encoded[:8])
-            if fmt is None:
-                raise DataError(f"{path}: not a JPEG or PNG file (by its first bytes)")
-            writers[i % shards].write(encode_example({
-                "image/encoded": encoded,
-                "image/format": fmt,
-                "image/class/label": label,
-                "image/class/text": classes[label],
-            }))
+        for i, item in enumerate(items):
+            writers[i % shards].write(encode(item))
             if progress:
                 progress(1)
     except BaseException:
@@ -129,6 +131,17 @@ def _write_shards(images: list[tuple[Path, int]], classes: list[str], out: Path,
     for p in paths:
         build_index(p)
     return paths
+
+
+def _write_shards(images: list[tuple[Path, int]], classes: list[str], out: Path, prefix: str, shards: int,
+                  seed: int, progress: Callable[[int], None] | None) -> list[Path]:
+    def encode(item: tuple[Path, int]) -> bytes:
+        path, label = item
+        encoded, fmt = read_image(path)
+        return encode_example({"image/encoded": encoded, "image/format": fmt, "image/class/label": label,
+                               "image/class/text": classes[label]})
+
+    return write_shards(images, out, prefix, shards, seed, progress, encode)
 
 
 @dataclass(frozen=True)

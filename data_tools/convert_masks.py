@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import random
 from pathlib import Path
 from typing import Callable
 
@@ -19,10 +18,8 @@ from PIL import Image, UnidentifiedImageError
 
 from appliance.core.errors import DataError
 from appliance.core.manifest import write_manifest
-from data_tools.convert import IMAGE_SUFFIXES, check_val_fraction, image_format, shard_name, split_images
-from data_tools.index import build_index
+from data_tools.convert import IMAGE_SUFFIXES, check_val_fraction, read_image, split_images, write_shards
 from data_tools.segmentation import IGNORE_LABEL, MaskProblem, decode_mask, encode_segmentation_example, mask_png
-from data_tools.tfrecord import TFRecordWriter
 
 MASK_SUFFIXES = (".png", ".bmp", ".tif", ".tiff", ".gif")
 
@@ -129,28 +126,10 @@ def _image_size(path: Path, encoded: bytes) -> tuple[int, int]:
 
 def _write_shards(pairs: list[tuple[Path, Path]], out: Path, prefix: str, shards: int, seed: int,
                   progress: Callable[[int], None] | None) -> list[Path]:
-    pairs = list(pairs)
-    shards = max(1, min(shards, len(pairs)))
-    random.Random(seed).shuffle(pairs)
-    paths = [out / shard_name(prefix, s, shards) for s in range(shards)]
-    writers = [TFRecordWriter(p) for p in paths]
-    try:
-        for i, (image, mask) in enumerate(pairs):
-            encoded = image.read_bytes()
-            fmt = image_format(encoded[:8])
-            if fmt is None:
-                raise DataError(f"{image}: not a JPEG or PNG file (by its first bytes)")
-            width, height = _image_size(image, encoded)
-            writers[i % shards].write(encode_segmentation_example(
-                encoded, fmt, height, width, _mask_bytes(mask), filename=image.stem))
-            if progress:
-                progress(1)
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
-    for w in writers:
-        w.close()
-    for p in paths:
-        build_index(p)
-    return paths
+    def encode(pair: tuple[Path, Path]) -> bytes:
+        image, mask = pair
+        encoded, fmt = read_image(image)
+        width, height = _image_size(image, encoded)
+        return encode_segmentation_example(encoded, fmt, height, width, _mask_bytes(mask), filename=image.stem)
+
+    return write_shards(pairs, out, prefix, shards, seed, progress, encode)

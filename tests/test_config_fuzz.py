@@ -163,3 +163,55 @@ def test_fuzzed_schemas_and_keys_for_data_check_are_accepted_or_one_line(base, t
         err = "\n".join(line for line in captured.err.splitlines() if not line.startswith("gate failed: "))
         assert_one_line_or_ok(0 if status in (0, 3) else status, err if status == 2 else "",
                               f"seed {SEED + 2} case {case}: {path.read_text()[:2000]} {flags}: {captured.err[-2000:]}")
+
+
+# Every verb that reads an input (not doctor, demo, `edge sysroot`, `bundle build`: they do a whole job
+# or reach a mirror), with a junk input and one fuzzed flag value: one line or success, never a traceback.
+FLAG_VERBS = (["data", "index"], ["data", "cat"], ["data", "convert"], ["data", "check"], ["data", "preview"],
+              ["train"], ["export"], ["quantize"], ["compile"], ["package"], ["edge", "verify"], ["pipeline"],
+              ["bundle", "audit"])
+
+
+def _options(verb: list[str]) -> list[str]:
+    import argparse
+
+    from appliance.cli import build_parser
+
+    parser = build_parser()
+    for word in verb:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    return [a.option_strings[-1] for a in parser._actions if a.option_strings and a.nargs != 0 and a.dest != "help"]
+
+
+def test_fuzzed_flags_of_every_verb_are_accepted_or_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a fuzzed relative --out lands here, not in the checkout
+    rng = np.random.default_rng(SEED + 3)
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\x00not a model, a config, a record or a tar\xff" * 8)
+    for case in range(len(FLAG_VERBS) * 8):
+        verb = FLAG_VERBS[case % len(FLAG_VERBS)]
+        options = _options(verb)
+        flags = []
+        if options:
+            value = strange_value(rng)
+            text = (json.dumps(value) if isinstance(value, (list, dict)) else str(value)).replace("\x00", "")
+            flags = [f"{rng.choice(options)}={text}"]  # a NUL cannot reach argv; "=" keeps "-1" a value
+        out = ["--out", str(tmp_path / f"out-{case}")] if "--out" in options and not flags[0].startswith("--out=") \
+            else []
+        argv = [*verb, str(junk), *out, *flags]
+        if verb == ["train"]:
+            argv.append("--dry-run")
+        if verb == ["data", "check"]:
+            argv.append("--no-progress")
+        try:
+            status = main(argv)
+        except SystemExit as exit_:  # argparse: one line too
+            status = 2 if exit_.code == 2 else exit_.code
+        captured = capsys.readouterr()
+        if verb == ["data", "check"] and status in (1, 3):  # damage found, the gate failed: a report, not an error
+            status = 0
+        what, lines = f"seed {SEED + 3} case {case}: appliance {' '.join(argv)}", captured.err.strip().splitlines()
+        assert "Traceback" not in captured.err and "internal error" not in captured.err, (what, captured.err[-2000:])
+        assert status == 0 or (status in (1, 2, 3) and len(lines) == 1 and lines[0].startswith("appliance ")), \
+            (what, status, captured.err[-2000:])

@@ -66,13 +66,19 @@ def test_cpu_reference_measures_training_through_appliance_train(tmp_path):
 
 def test_the_budget_kills_a_check_that_overruns_and_the_next_is_skipped(tmp_path):
     # 20000 steps cannot finish in the budget: the train check (and its torchrun tree) is killed,
-    # recorded as a timeout, and the resume check after it is skipped, not started.
+    # recorded as a timeout, and the resume check after it is skipped, not started. The budget counts
+    # from the start (the GPU probe, seconds of a loaded box, included): 30 s leaves the train check
+    # at least the 10 s a check needs to start at all.
     proc, report = run_check(tmp_path, "--cpu-reference", "--checks", "train,resume", "--precisions", "fp32",
-                             "--steps", "20000", "--batch", "8", "--image-size", "32", "--budget-s", "18")
+                             "--steps", "20000", "--batch", "8", "--image-size", "32", "--budget-s", "30")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     checks = report["checks"]
     assert list(checks) == ["train", "resume"]
-    assert checks["train"]["status"] == "timeout" and checks["train"]["seconds"] < 28
+    # Stopped at what the budget left it, not finished and not failed early. No upper bound on the kill's
+    # own time: a loaded box slows it, and a kill that missed the torchrun tree would hold the pipe for
+    # the 20000 steps (hours), which run_check's timeout turns into a failure anyway.
+    # (The check process stops its own run 3 s before its timeout and says so; else the parent kills it.)
+    assert checks["train"]["status"] == "timeout", checks["train"]
     assert checks["resume"]["status"] == "skip" and "budget" in checks["resume"]["summary"]
     assert "FAILED: train" in proc.stdout.strip().splitlines()[-1]
 

@@ -106,23 +106,29 @@ def test_export_of_nan_or_relabelled_weights_is_one_line(capsys, tmp_path, damag
     assert ("NaN or infinite" if damage == "nan" else "torch.int32 where the model has torch.float32") in line
 
 
-def test_a_checkpoint_with_nan_weights_is_set_aside_not_resumed(tmp_path):
-    from appliance.train.checkpoint import CheckpointManager
+@pytest.mark.parametrize("damage", ["nan", "relabelled"])
+def test_a_checkpoint_with_nan_or_relabelled_weights_is_set_aside_not_resumed(tmp_path, damage):
+    from appliance.core.manifest import sha256_file
+    from appliance.train.checkpoint import CHECKSUMS, CheckpointManager
 
-    manager = CheckpointManager(tmp_path / "checkpoints", keep_last=3)
     model = build_model("small_cnn", len(CLASSES), 1)
+    manager = CheckpointManager(tmp_path / "checkpoints", keep_last=3, model_state=model.state_dict())
     card = ModelCard("small_cnn", len(CLASSES), 1, 8, mean=(0.3,), std=(0.25,), channel_order="L")
     saved = []
     for step in (5, 10):
         saved.append(_save(manager, step, model, card))
-    # Step 10's weights become NaN and its checksums are rewritten to match: only the values tell.
-    from appliance.core.manifest import sha256_file
-    from appliance.train.checkpoint import CHECKSUMS
-
+    # Step 10's weights become NaN (or a float tensor says int32, the same bytes) and its checksums are
+    # rewritten to match: only the values or the dtypes tell.
     path = saved[-1]
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    next(iter(v for v in state.values() if v.is_floating_point())).fill_(float("nan"))
-    save_file(state, str(path / "model.safetensors"))
+    if damage == "nan":
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        first = next(k for k, v in state.items() if v.is_floating_point())
+        state[first].fill_(float("nan"))
+        save_file(state, str(path / "model.safetensors"))
+        expected = f"model.safetensors: {first} holds {state[first].numel()} NaN or infinite value(s)"
+    else:
+        first = relabel_first_float_tensor(path / "model.safetensors")
+        expected = f"model.safetensors: {first} is torch.int32 where the model has torch.float32"
     sums = (path / CHECKSUMS).read_text().splitlines()
     sums = [f"{sha256_file(path / 'model.safetensors')}  model.safetensors" if line.endswith("  model.safetensors")
             else line for line in sums]
@@ -130,8 +136,8 @@ def test_a_checkpoint_with_nan_weights_is_set_aside_not_resumed(tmp_path):
     lines = []
     manager.log = lines.append
     loaded = manager.load_latest()
-    assert loaded is not None and loaded.step == 5
-    assert any("model.safetensors:" in line and "NaN or infinite" in line for line in lines), lines
+    assert loaded is not None and loaded.step == 5  # the previous good checkpoint
+    assert any(f"checkpoint {path} skipped: {expected}" in line for line in lines), lines
     assert not path.exists()  # set aside under another name: never loaded again
 
 

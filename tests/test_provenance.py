@@ -97,3 +97,25 @@ def test_no_git_no_commit_and_outside_the_cli_the_process_argv(tmp_path):
     found = json.loads(proc.stdout)
     assert "git" not in found and found["appliance_version"] == __version__
     assert found["command"] == "-c" and found["cwd"] == str(tmp_path)
+
+
+def test_a_changed_output_stops_package_and_the_sysroot_in_one_line_naming_it(tmp_path):
+    """One check of a stage's outputs against its manifest (core.manifest.check_outputs) serves the
+    edge package (a compile directory) and the arm64 sysroot (its .debs directory)."""
+    from appliance.deploy.edge.sysroot import build_python_sysroot
+    from appliance.deploy.package import build_package
+
+    compiled, debs = tmp_path / "compiled", tmp_path / "debs"
+    for directory, name in ((compiled, "model.so"), (debs, "libc6_arm64.deb")):
+        directory.mkdir()
+        (directory / name).write_bytes(b"as made")
+        write_manifest(directory, "test", [], {}, outputs=[directory / name])
+        (directory / name).write_bytes(b"changed")
+    (compiled / "compile.json").write_text(json.dumps({"target": "aarch64-linux-gnu"}))
+    with pytest.raises(DataError) as err:
+        build_package(compiled, tmp_path / "pkg")
+    assert str(err.value) == f"{compiled}: changed since it was compiled: {compiled / 'model.so'}: sha256 mismatch"
+    with pytest.raises(DataError) as err:
+        build_python_sysroot(debs, tmp_path, tmp_path / "edge")
+    assert str(err.value) == f"{debs}: {debs / 'libc6_arm64.deb'}: sha256 mismatch"
+    assert not (tmp_path / "pkg").exists() and not (tmp_path / "edge").exists()

@@ -50,7 +50,10 @@ def audit(bundle: Path) -> AuditResult:
     try:
         tar = tarfile.open(bundle)
     except (OSError, tarfile.TarError) as err:
-        raise DataError(f"{bundle}: cannot read the bundle tar ({err})") from None
+        # tarfile's auto mode names every compression it tried, one per line: one reason is enough.
+        reason = ("not a tar file, plain or compressed" if isinstance(err, tarfile.ReadError)
+                  else err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split()))
+        raise DataError(f"{bundle}: cannot read the bundle tar ({reason})") from None
     with tar:
         first = tar.next()
         if first is None:

@@ -211,3 +211,11 @@ def verify_outputs(out_dir: str | os.PathLike) -> list[str]:
         elif sha256_file(p) != entry["sha256"]:
             problems.append(f"{p}: sha256 mismatch")
     return problems
+
+
+def check_outputs(out_dir: str | os.PathLike, why: str = "") -> None:
+    """A stage's directory whose every output still matches its manifest, else one line naming the
+    first that does not (after `{out_dir}: {why}: `, why saying what that means here)."""
+    problems = verify_outputs(out_dir)  # reads the manifest: its own problems are one line too
+    if problems:
+        raise DataError(f"{out_dir}: {why + ': ' if why else ''}{problems[0]}")

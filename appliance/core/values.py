@@ -100,6 +100,20 @@ def int_in(allowed: Range, what: str):
     return _flag(int, allowed, what)
 
 
+def _path_checked(check):
+    """An argparse type from check(text): a path the OS cannot even look at (a name too long, a
+    component past the length limit) is one line like any other refusal."""
+    def parse(text: str) -> str:
+        try:
+            return check(text)
+        except OSError as err:
+            shown = text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
+            raise argparse.ArgumentTypeError(f"{shown}: {err.strerror or err}") from None
+    parse.__name__, parse.__doc__ = check.__name__, check.__doc__
+    return parse
+
+
+@_path_checked
 def output_dir(text: str) -> str:
     """--out DIR: refused at parse time when it is an existing file or a directory we cannot write."""
     if "\0" in text:
@@ -113,6 +127,7 @@ def output_dir(text: str) -> str:
     return text
 
 
+@_path_checked
 def output_file(text: str) -> str:
     """--out FILE: refused at parse time when it is an existing directory (or not a regular file)
     or its directory is not writable, before the work that would write it."""

@@ -34,7 +34,7 @@ from appliance.deploy.edge.signing import CARRIED_PUB, sign_sums, site_key
 from appliance.assets.edge_runner import (RUNTIME_LIBS, build_runner, extract_runtime, find_carried, runner_inputs,
                                    runner_key, wheel_of)
 from appliance.core.errors import DataError, EnvironmentProblem
-from appliance.core.manifest import sha256_file, read_manifest, atomic_write_text, verify_outputs, write_manifest
+from appliance.core.manifest import sha256_file, read_manifest, atomic_write_text, check_outputs, write_manifest
 from appliance.core.progress import quiet
 from appliance.deploy.samples import check_input_shape, load_samples, synthetic_samples
 from appliance.deploy.tolerance import qdq_allowance
@@ -168,10 +168,7 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
     if not info["target"].startswith("aarch64"):
         raise DataError(f"{info_path}: compiled for {info['target']}, but edge packages are for aarch64 "
                         "(run `appliance compile --target aarch64`)")
-    read_manifest(compiled)
-    problems = verify_outputs(compiled)
-    if problems:
-        raise DataError(f"{compiled}: changed since it was compiled: {problems[0]}")
+    check_outputs(compiled, "changed since it was compiled")
     wheels = locked_wheels(Path(wheelhouse) if wheelhouse else default_wheelhouse())
     # The key before the build: a bad or missing one fails now, not after minutes of work.
     key, pub, key_id, key_made = site_key(key)

@@ -1,7 +1,7 @@
 """Loading checkpoints (appliance.train.checkpoint): the newest committed step every node holds
 verified, its files checked against SHA256SUMS and parsed without unpickling; a damaged one is
 moved aside and the one before it is used. CheckpointManager inherits this half; it relies on the
-manager's directory, rank and node attributes, `committed()`, `_warn` and `_move_aside`.
+manager's directory, rank, node and model_state attributes, `committed()`, `_warn` and `_move_aside`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from appliance.core.errors import EnvironmentProblem
 from appliance.core.manifest import sha256_file
-from appliance.models import nonfinite_weights
+from appliance.models import mismatched_weights, nonfinite_weights
 from appliance.train.checkpoint_files import (CHECKSUMS, COMMIT_MARKER, STEP_DIR, TRAINER_KEYS, Checkpoint,
                                               CheckpointDamaged, get_file, other_world, parse_json, parse_tensors,
                                               read_bytes, read_json, read_sums)
@@ -38,9 +38,11 @@ class CheckpointLoader:
             raise other_world(path, trainer["world_size"], self.world_size)
         rng = parse_json(f"rng-rank{self.rank}.json", get(f"rng-rank{self.rank}.json"), dict)
         model_state = parse_tensors("model.safetensors", get("model.safetensors"))
-        nonfinite = nonfinite_weights(model_state)  # never saved so (the NaN stop): changed after saving
-        if nonfinite:
-            raise CheckpointDamaged(f"model.safetensors: {nonfinite}")
+        # Never saved so (the NaN stop; the model's own dtypes): changed after saving, sums rewritten.
+        problem = nonfinite_weights(model_state) or (mismatched_weights(model_state, self.model_state)
+                                                      if self.model_state is not None else None)
+        if problem:
+            raise CheckpointDamaged(f"model.safetensors: {problem}")
         name = f"optimizer-rank{self.rank}" if trainer["optimizer_sharded"] else "optimizer"
         rest = parse_json(f"{name}.json", get(f"{name}.json"), dict)
         try:

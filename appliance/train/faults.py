@@ -7,10 +7,14 @@ follows runs clean. Points:
   checkpoint-write  SIGKILL with this rank's files written, the checkpoint not yet committed
   nan-loss          this rank's loss of that step becomes NaN (the non-finite loss guard)
   finished          SIGABRT once the run is finished and committed (STEP: the last step), a late crash
+  finished-hang     hang for ever at the same point, a late hang (the launcher kills it, reaper.py)
 Unset or empty: does nothing. A malformed value is a ConfigError at start-up (`load()`).
 
 APPLIANCE_TEST_SLOW_DECODE="SECONDS" makes every training sample's decode sleep that long (an
 expensive decode, for the profiler's data-wait test), on every attempt.
+
+APPLIANCE_TEST_LATE_HANG_S="SECONDS": how long the launcher waits for a finished run's processes to
+leave before it kills them (default LATE_HANG_S), for the late-hang test.
 
 APPLIANCE_TEST_TEARDOWN="DIR": a worker that finished writes DIR/rank-RANK.json just before it
 leaves: whether the process group is still there, its live Python threads other than the main one,
@@ -24,13 +28,16 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 
 from appliance.core.errors import ConfigError
 
 ENV = "APPLIANCE_TEST_FAULT"
 SLOW_DECODE_ENV = "APPLIANCE_TEST_SLOW_DECODE"
 TEARDOWN_ENV = "APPLIANCE_TEST_TEARDOWN"
-POINTS = ("step", "checkpoint-write", "nan-loss", "finished")
+POINTS = ("step", "checkpoint-write", "nan-loss", "finished", "finished-hang")
+LATE_HANG_ENV = "APPLIANCE_TEST_LATE_HANG_S"
+LATE_HANG_S = 120.0  # after the finished mark, the run's processes get this long to leave
 
 _fault: tuple[str, int, int] | None = None
 
@@ -56,6 +63,22 @@ def armed(point: str, step: int, rank: int) -> bool:
 def maybe_die(point: str, step: int, rank: int, sig: int = signal.SIGKILL) -> None:
     if armed(point, step, rank):
         os.kill(os.getpid(), sig)
+    if point == "finished" and armed("finished-hang", step, rank):
+        while True:  # what the launcher's late-hang watchdog is for
+            time.sleep(3600)
+
+
+def late_hang_seconds() -> float:
+    """How long the launcher lets a finished run's processes take to leave: LATE_HANG_S, or the
+    test hook APPLIANCE_TEST_LATE_HANG_S (seconds) so a test need not wait two minutes."""
+    spec = os.environ.get(LATE_HANG_ENV, "")
+    try:
+        seconds = float(spec or LATE_HANG_S)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= 3600:
+        raise ConfigError(f"{LATE_HANG_ENV}={spec!r} is not a number of seconds up to 3600 (a test hook: unset it)")
+    return seconds
 
 
 def slow_decode_seconds() -> float:

@@ -24,7 +24,7 @@ from appliance.core.errors import ApplianceError, ConfigError, DataError
 from appliance.core.manifest import atomic_write_text
 from appliance.core.progress import quiet
 from appliance.tasks import task_for
-from appliance.train import worker_error
+from appliance.train import faults, reaper, worker_error
 from appliance.train.preflight import interface_address, network_env, split_endpoint
 from appliance.train.config import check_data_report, load_config
 from data_tools.index import build_index, read_index_file
@@ -102,8 +102,13 @@ def launch_env(cmd: list[str], nproc: int, network: dict[str, str] | None = None
     return env
 
 
-def _run_torchrun(cmd: list[str], env: dict, pass_fds=()) -> tuple[int, str]:
-    """Run torchrun to its end, even when we are signalled: (exit status, signal name or "")."""
+def _run_torchrun(cmd: list[str], env: dict, pass_fds=(), finished: Path | None = None,
+                  marker: tuple[str, str] | None = None) -> tuple[int, str, list[str]]:
+    """Run torchrun to its end, even when we are signalled: (exit status, signal name or "", the
+    processes of the run killed for hanging after `finished` appeared or for outliving torchrun).
+    marker: (NAME, VALUE) in the environment of every process of this run (reaper.py)."""
+    late_hang_s = faults.late_hang_seconds()  # a malformed test hook is one line before anything starts
+    reaper.become_subreaper()
     proc = subprocess.Popen(cmd, env=env, pass_fds=pass_fds)
     received = []
 
@@ -116,11 +121,17 @@ def _run_torchrun(cmd: list[str], env: dict, pass_fds=()) -> tuple[int, str]:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        returncode = proc.wait()
+        if finished is None or marker is None:
+            returncode, hung = proc.wait(), []
+        else:
+            hung = reaper.wait_finished(proc, finished, marker, late_hang_s)
+            returncode = proc.returncode
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return returncode, (received[0] if received else "")
+    if marker is not None:
+        hung += reaper.kill_run(marker)  # a loader worker stuck after its rank left holds our stdout
+    return returncode, (received[0] if received else ""), hung
 
 
 @dataclass(frozen=True)
@@ -273,17 +284,19 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
         if not quiet():
             print(f"appliance train: {printable}", file=sys.stderr, flush=True)
         error_file = cfg.run_dir / worker_error.FILE_NAME
-        returncode, stopped_by = _run_torchrun(cmd, {**os.environ, **env, worker_error.LAUNCHER_ENV: str(error_file)},
-                                               pass_fds=(lock.fd,))
+        marker = (worker_error.LAUNCHER_ENV, str(error_file))  # this run's processes carry it
+        returncode, stopped_by, hung = _run_torchrun(cmd, {**os.environ, **env, marker[0]: marker[1]},
+                                                     pass_fds=(lock.fd,), finished=finished, marker=marker)
     if stopped_by:
         raise Interrupted(f"stopped by {stopped_by}; the workers saved a checkpoint in "
                           f"{cfg.run_dir / 'checkpoints'}: run the same command to resume",
                           exit_code=128 + getattr(signal, stopped_by))
-    if returncode != 0 and finished.is_file() and not worker_error.read(cfg.run_dir):
+    if (returncode != 0 or hung) and finished.is_file() and not worker_error.read(cfg.run_dir):
         # Every rank had committed the model and the manifest: the run is done, whatever came after.
-        print(f"appliance train: warning: the run finished (model and manifest committed), then a worker "
-              f"{_exit_words(returncode)} while shutting down; the results in {cfg.run_dir} are complete",
-              file=sys.stderr, flush=True)
+        what = (f"{', '.join(hung)} hung while shutting down and {'was' if len(hung) == 1 else 'were'} killed"
+                if hung else f"a worker {_exit_words(returncode)} while shutting down")
+        print(f"appliance train: warning: the run finished (model and manifest committed), then {what}; "
+              f"the results in {cfg.run_dir} are complete", file=sys.stderr, flush=True)
         returncode = 0
     if returncode != 0:
         line = worker_error.read(cfg.run_dir)

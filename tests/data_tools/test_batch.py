@@ -4,7 +4,7 @@ same records, damage reports and strict errors as read_records)."""
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.core.errors import DataError
@@ -200,7 +200,7 @@ def datasets(draw):
     return records
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150)
 @given(datasets(), st.integers(1, 5), st.integers(0, 10 ** 6), st.sampled_from(["none", "flip", "cut"]))
 def test_property_rows_equal_decode_example_even_when_damaged(tmp_path_factory, records, batch, where, damage):
     path = tmp_path_factory.mktemp("batch") / "p.tfrecord"

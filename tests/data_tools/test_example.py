@@ -97,7 +97,7 @@ small_values = st.one_of(
 small_examples = st.dictionaries(st.sampled_from(["a", "b", "image/encoded"]), small_values, max_size=3)
 
 
-@settings(max_examples=150, deadline=2000)
+@settings(max_examples=150)
 @given(st.lists(small_examples, min_size=1, max_size=8), st.sampled_from([None, ["a"], ["b", "image/encoded"]]))
 def test_sequences_of_records_decode_like_protobuf(dicts, keys):
     for d in dicts:

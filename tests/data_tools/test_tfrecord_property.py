@@ -4,7 +4,7 @@ every record the mutation did not touch (and nothing that was not written)."""
 import gzip
 import os
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from data_tools.tfrecord import frame, read_records
@@ -60,7 +60,7 @@ def is_subsequence(small, big):
     return all(any(x == y for y in it) for x in small)
 
 
-@settings(max_examples=200, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200)
 @given(mutated_files())
 def test_mutations_never_lose_an_untouched_record(tmp_path_factory, case):
     records, mutated, hit = case
@@ -81,7 +81,7 @@ def test_mutations_never_lose_an_untouched_record(tmp_path_factory, case):
     assert [(d.start, d.end, d.reason) for d in gz_damage] == [(d.start, d.end, d.reason) for d in damage]
 
 
-@settings(max_examples=50, deadline=2000)
+@settings(max_examples=50)
 @given(st.binary(min_size=0, max_size=5000))
 def test_arbitrary_bytes_never_crash(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("junk") / "j.tfrecord"

@@ -129,13 +129,14 @@ def test_tuning_aarch64_over_rpc_under_qemu(tmp_path, exported, val_npz):
 
 def test_unreachable_rpc_server_is_one_line(tmp_path, exported):
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
-    start = time.monotonic()
     proc = run_appliance("compile", str(exported / "model.onnx"), "--target", "aarch64", "--out", str(tmp_path / "o"),
                          "--tune", "2", "--rpc", address)
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert f"--rpc {address}: cannot reach a TVM RPC server" in proc.stderr
     assert "python3 -m tvm.exec.rpc_server --host 0.0.0.0 --port 9090" in proc.stderr
-    assert time.monotonic() - start < 120 and not (tmp_path / "o" / "model.so").exists()
+    # The plain socket's refusal, at once: TVM's own connect would retry for a minute and say something else
+    # (a bound on seconds would flake on a loaded box; the reason proves which path answered).
+    assert "(Connection refused)" in proc.stderr and not (tmp_path / "o" / "model.so").exists()
     proc = run_appliance("compile", str(exported / "model.onnx"), "--target", "aarch64", "--out", str(tmp_path / "o"),
                          "--rpc", address)
     assert proc.returncode != 0 and "add --tune N" in proc.stderr

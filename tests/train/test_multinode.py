@@ -31,11 +31,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _node_configs(workdir, name, shared=False):
-    """One config per node, differing only in [run] out_dir (or the same file, for a shared directory)."""
+def _node_configs(workdir, name):
+    """One config per node, differing only in [run] out_dir (a shared directory: test_resume.py's two nodes)."""
     base = make_config(workdir, name=name, **OPTIONS)
-    if shared:
-        return [base, base]
     text = base.read_text()
     assert 'out_dir = "runs"' in text
     configs = []
@@ -192,19 +190,6 @@ def test_damaged_part_on_one_node_makes_both_fall_back_together(workdir, referen
     assert (other / "checkpoints" / f"damaged-{newest.name}").is_dir()
     assert (holder / "checkpoints" / f"partial-{newest.name}").is_dir()
     _assert_identical(reference[0], dirs)
-
-
-def test_shared_directory_is_detected_and_behaves_as_one_machine(workdir):
-    configs = _node_configs(workdir, "shared", shared=True)
-    proc = _two_nodes(workdir, configs)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "a shared filesystem was detected" in proc.stdout, proc.stdout[-2000:]
-    run_dir = workdir / "runs" / "shared"
-    assert json.loads((run_dir / "manifest.json").read_text())["params"]["checkpoint_storage"] == "shared"
-    newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
-    assert json.loads((newest / "COMMITTED").read_text())["storage"] == "shared"
-    assert {"model.safetensors", "optimizer-rank0.safetensors", "optimizer-rank1.safetensors"} <= {
-        p.name for p in newest.iterdir()}
 
 
 def test_nnodes_min_max_reaches_torchrun_as_an_elastic_range(tmp_path):

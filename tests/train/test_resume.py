@@ -156,6 +156,15 @@ def test_two_nodes_over_c10d_match_one_node(workdir, reference):
                           timeout=240, cwd=workdir, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_identical(reference[0], workdir / "runs" / "two-nodes")
+    # One run directory for both nodes: the shared filesystem is detected and the run behaves as one
+    # machine (this was test_multinode's shared-directory run, a second two-node run of its own).
+    run_dir = workdir / "runs" / "two-nodes"
+    assert "a shared filesystem was detected" in proc.stdout, proc.stdout[-2000:]
+    assert json.loads((run_dir / "manifest.json").read_text())["params"]["checkpoint_storage"] == "shared"
+    newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    assert json.loads((newest / "COMMITTED").read_text())["storage"] == "shared"
+    assert {"model.safetensors", "optimizer.safetensors", "rng-rank0.json", "rng-rank1.json"} <= {
+        p.name for p in newest.iterdir()}  # every rank's part in the one directory
 
 
 def test_damaged_newest_checkpoint_falls_back_and_still_ends_bit_identical(workdir, reference):

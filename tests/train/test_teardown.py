@@ -27,7 +27,7 @@ def _config(workdir, name):
 
 def _start(config, teardown_dir, fault=""):
     env = {**os.environ, "APPLIANCE_TEST_FAULT": fault, "APPLIANCE_TEST_TEARDOWN": str(teardown_dir),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "APPLIANCE_TEST_LATE_HANG_S": "10"}
     return subprocess.Popen(appliance_cmd("train", str(config), "--nproc-per-node", "2"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=config.parent, start_new_session=True)
 
@@ -96,3 +96,26 @@ def test_a_worker_dying_after_the_commit_is_named_and_the_run_counts_as_finished
     assert "quality gate passed" in out
     assert (run_dir / "model").is_dir() and json.loads((run_dir / "manifest.json").read_text())
     assert [p.name for p in state.iterdir()] == ["rank-0.json"]  # rank 1 died before leaving
+
+
+def test_a_worker_hanging_after_the_commit_is_killed_named_and_the_run_counts_as_finished(workdir):
+    """A real late hang: rank 1 never leaves after the model, the manifest and the finished mark are
+    committed (the hang issue 31 saw). The launcher gives the run's processes the late-hang time to
+    leave, then kills every one of them and names the one that hung; nothing of the run outlives it."""
+    config = _config(workdir, "hang")
+    run_dir = workdir / "runs" / "hang"
+    state = workdir / "hang-teardown"
+    state.mkdir()
+    proc = _start(config, state, fault=f"finished-hang:{STEPS}:1")
+    status, out, err = _finish(proc, timeout=300)
+    assert status == 0, err[-3000:]
+    warnings = [line for line in err.splitlines() if line.startswith("appliance train: warning:")]
+    assert len(warnings) == 1, err[-3000:]
+    prefix = "appliance train: warning: the run finished (model and manifest committed), then rank 1 (pid "
+    assert warnings[0].startswith(prefix), warnings
+    assert warnings[0].endswith(f") hung while shutting down and was killed; the results in {run_dir} are complete")
+    pid = int(warnings[0][len(prefix):].split(")", 1)[0])
+    assert not os.path.exists(f"/proc/{pid}"), "the hung worker outlived the launcher"
+    assert "quality gate passed" in out
+    assert (run_dir / "model").is_dir() and json.loads((run_dir / "manifest.json").read_text())
+    assert [p.name for p in state.iterdir()] == ["rank-0.json"]  # rank 1 never left

@@ -20,7 +20,7 @@ from pathlib import Path
 from appliance import beside_venv
 from appliance.deploy.edge.qemu import find_qemu, run_counting_samples
 from appliance.core.errors import DataError, EnvironmentProblem
-from appliance.core.manifest import write_manifest, read_manifest, verify_outputs
+from appliance.core.manifest import check_outputs, write_manifest
 
 PACKAGES = ("python3.11", "libstdc++6")  # numpy's and TVM's wheels expect the system libstdc++
 MIRROR, SUITE = "http://deb.debian.org/debian", "bookworm"
@@ -87,10 +87,7 @@ def build_python_sysroot(debs_dir, package_root: Path, into: Path) -> tuple[Path
     if not (debs_dir / "manifest.json").is_file():
         raise EnvironmentProblem(f"{debs_dir}: no arm64 sysroot .debs (run `appliance edge sysroot --out {debs_dir}` "
                                  "on a connected host, or pass --sysroot-debs)")
-    read_manifest(debs_dir)
-    problems = verify_outputs(debs_dir)
-    if problems:
-        raise DataError(f"{debs_dir}: {problems[0]}")
+    check_outputs(debs_dir)
     if shutil.which("dpkg") is None:
         raise EnvironmentProblem("dpkg: not found (needed to extract the arm64 .debs)")
     sysroot, site = into / "sysroot", into / "site"
