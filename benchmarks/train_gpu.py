@@ -1,6 +1,6 @@
 """`appliance train`'s step path against a bare PyTorch loop, side by side in one process (issue 27).
 
-    .venv/bin/python benchmarks/train_gpu.py [--cases cpu-tiny] [--rounds 7] [--steps 40] [--out DIR]
+    .venv/bin/python benchmarks/train_gpu.py [--cases cpu-tiny] [--rounds 7] [--steps 40] [--threads N] [--out DIR]
     .venv/bin/python benchmarks/train_gpu.py --cases resnet18-b64-bf16,resnet50-b256-fp32 ...   # on a GPU
 
 Both sides train the same model (appliance.models.build_model), batch, image size, precision and
@@ -239,9 +239,15 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=40, help="steps per round and side")
     parser.add_argument("--out", default="benchmarks/out/train_gpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for both sides; default: "
+                        "1 without a GPU (on a shared box, OpenMP's spinning threads made one round 20x another), "
+                        "torch's own choice with one")
     args = parser.parse_args(argv)
     import torch
     import torch.distributed as dist
+
+    if args.threads or not torch.cuda.is_available():
+        torch.set_num_threads(args.threads or 1)
 
     cases = args.cases.split(",") if args.cases else (
         ["resnet18-b64-fp32", "resnet18-b64-bf16", "resnet50-b256-fp32", "resnet50-b256-bf16"]
@@ -261,6 +267,7 @@ def main(argv=None) -> int:
                   f"{statistics.median(result['bare_ms_per_step']):.3f} ms/step; target <= "
                   f"{result['target_ratio_at_most']}: {'met' if result['met'] else 'NOT met'}", flush=True)
     (out / "train_gpu.json").write_text(json.dumps({"results": results, "torch": torch.__version__,
+                                                    "threads": torch.get_num_threads(),
                                                     "command": " ".join(sys.argv)}, indent=2) + "\n")
     (out / "train_gpu.html").write_text(html(results))
     print(f"wrote {out / 'train_gpu.json'} and {out / 'train_gpu.html'}")
