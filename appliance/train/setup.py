@@ -22,7 +22,7 @@ from appliance.tasks import task_for
 from appliance.train import data, faults, worker_error
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report
-from appliance.train.ddp import build_training_model, match_layout, pick_precision, set_tf32
+from appliance.train.ddp import build_training_model, match_layout, pick_precision, set_tf32, use_compile
 from appliance.train.determinism import set_determinism, set_rng_state
 from appliance.train.optimizer import build_optimizer, build_scheduler
 from appliance.train.step import Normalise
@@ -67,6 +67,7 @@ class Run:
     onnx_graph: Path | None = None
     init_report: dict | None = None
     tf32: bool = False
+    compiled: bool = False  # [train] compile, as resolved for this device
     profiler: Any = None
     total_steps: int = 0
     step: int = 0
@@ -118,6 +119,7 @@ def build(run: Run) -> Run:
     run.model, run.raw_model, run.init_report, run.memory_format = build_training_model(cfg, device, log, run.world)
     run.ddp = run.model is not run.raw_model
     run.trainable = [p for p in run.raw_model.parameters() if p.requires_grad]
+    run.compiled = use_compile(cfg.train.compile, device)
     run.normalise = Normalise(cfg.data.mean, cfg.data.std, cfg.data.channels, device)
     run.optimizer = build_optimizer(cfg, run.raw_model, fused=True)
     run.scheduler = build_scheduler(cfg, run.optimizer, run.total_steps)
