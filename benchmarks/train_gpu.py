@@ -14,8 +14,8 @@ bare loop's, and the median of the ratios is the figure. On a CPU with a tiny mo
 dominates, so the ratio is the product's host overhead per step (target <= 1.1, judged on the wall
 clock; the process's CPU-time ratio is recorded beside it, since on a shared box the wall clock also
 counts other jobs); on a GPU the figures are images per second (target: ours >= 0.85x the bare
-loop). Both sides run on one torch thread without a GPU (--threads), and `--compile on` compiles
-both models ([train] compile for ours).
+loop). Both sides run on one torch thread without a GPU (--threads); `--compile on` compiles
+both models ([train] compile for ours), `--compile compare` only ours (against the eager bare loop).
 
 Writes DIR/train_gpu.json and DIR/train_gpu.html (per-round ratios plotted).
 """
@@ -166,7 +166,8 @@ def measure_case(work: Path, name: str, rounds: int, steps: int, compile_mode: s
     from appliance.train.setup import build, printer, start_processes
 
     arch, batch, size, precision, channels, classes = CASES[name]
-    cfg = load_config(write_case(work, name, arch, batch, size, precision, channels, classes, compile_mode))
+    ours_compile = "on" if compile_mode in ("on", "compare") else "off"
+    cfg = load_config(write_case(work, name, arch, batch, size, precision, channels, classes, ours_compile))
     os.chdir(work)
     run = build(start_processes(cfg, printer([])))
     run.profiler = profiling.OFF
@@ -179,7 +180,7 @@ def measure_case(work: Path, name: str, rounds: int, steps: int, compile_mode: s
     ours.writer = SummaryWriter(str(cfg.run_dir / "tb"))
     run.model.train()
     model = build_model(arch, classes, channels).to(device, memory_format=run.memory_format)
-    if run.compiled:  # both sides compiled, or neither
+    if compile_mode == "on":  # both sides compiled; "compare": ours compiled against the eager bare loop
         model.compile()
     optimizer = build_optimizer(cfg, model, fused=True)  # the same optimizer, parameter groups and fusion
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -207,7 +208,7 @@ def measure_case(work: Path, name: str, rounds: int, steps: int, compile_mode: s
             "ours_ms_per_step": [round(t * 1000, 4) for t in ours_s],
             "bare_ms_per_step": [round(t * 1000, 4) for t in bare_s],
             "ratios": [round(x, 4) for x in ratios], "median_ratio": round(median, 4),
-            "compile": run.compiled, "threads": torch.get_num_threads(),
+            "compile": compile_mode, "threads": torch.get_num_threads(),
             # This process's CPU time per step, ours over bare, per round: on a shared CPU box the wall
             # clock also counts the time other jobs hold the cores; the process clock does not.
             "cpu_time_ratios": [round(x, 4) for x in cpu_ratios],
@@ -253,8 +254,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=40, help="steps per round and side")
     parser.add_argument("--out", default="benchmarks/out/train_gpu")
-    parser.add_argument("--compile", choices=("off", "on"), default="off",
-                        help="[train] compile for ours, and torch.compile of the bare loop's model with on")
+    parser.add_argument("--compile", choices=("off", "on", "compare"), default="off",
+                        help="on: [train] compile for ours and torch.compile of the bare loop's model; compare: "
+                        "ours compiled against the eager bare loop (does compiling win?)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for both sides; default: "
                         "1 without a GPU (on a shared box, OpenMP's spinning threads made one round 20x another), "
                         "torch's own choice with one")

@@ -101,7 +101,7 @@ class TrainSection:
     grad_accum: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 1
     precision: str = "auto"
     grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # 0 disables clipping
-    compile: str = "auto"  # torch.compile the model: "on", "off", "auto" (off: no device measured it winning yet)
+    compile: str = "auto"  # torch.compile the model: "on", "off", "auto" (off so far: see ddp.use_compile)
     # The quality gate on the trained model (appliance/train/quality.py); they judge, not train.
     # (ranges checked by quality.check_thresholds, which names them as the gate's)
     min_val_acc: float = 0.0

@@ -88,9 +88,11 @@ def memory_format_for(model: nn.Module, device: torch.device) -> torch.memory_fo
 
 
 def use_compile(requested: str, device: torch.device) -> bool:
-    """[train] compile: "on" and "off" as said; "auto" is off on every device so far: on a CPU
-    compiling measured slower than eager (benchmarks/README.md, issue 27) and costs minutes of start-up,
-    and no GPU run has measured it winning yet (benchmarks/train_gpu.py --compile on measures it)."""
+    """[train] compile: "on" and "off" as said; "auto" is off on every device so far. On a CPU a
+    compiled tiny model's steps measured 0.74x eager, but its compile took 20 s (cached) to 3 min
+    (cold) of start-up on the 2-core box, recompiles for evaluation, and needs a C++ compiler at run
+    time: a loss for short runs and tests (benchmarks/README.md, issue 27). No GPU run has measured
+    it yet (benchmarks/train_gpu.py --compile compare measures it)."""
     return requested == "on"
 
 
