@@ -27,7 +27,8 @@ class Guard:
 
     Each step's loss is kept as it is (`note`: no device work per step); `agree()` (a few device
     operations, one collective and one read) says whether any rank's was not finite since the
-    start, at which step first and on which rank. The components call it before anything is written, so a NaN never reaches a checkpoint or the final model.
+    start, at which step first and on which rank. The components call it before anything is
+    written, so a NaN never reaches a checkpoint or the final model.
 
     The stop signal is host state. One process stops at the next step boundary. Several agree on
     it through a small all-reduce started each step and read LAG steps later (every rank reads the
@@ -158,7 +159,8 @@ class TrainWindow:
             counts[1] = torch.maximum(counts[1], kept.max())
             counts[3] += (~finite).sum()
             if self.clip > 0:
-                counts[2] += (finite & (norms > self.clip)).sum()  # clip_grad_norm_ scales the gradients down exactly then
+                # clip_grad_norm_ scales the gradients down exactly then
+                counts[2] += (finite & (norms > self.clip)).sum()
         if self._hits:
             hits = torch.stack(self._hits).to(counts).view(-1, 2).sum(0)
             counts[4:6] += hits
@@ -213,7 +215,8 @@ def train_step(run, batches, window: TrainWindow) -> torch.Tensor:
     """One optimizer step over grad_accum micro-batches; the step's loss (a device scalar).
 
     `run` is the loop's Run (setup.py): model (DDP-wrapped or not), its trainable parameters (listed
-    once), optimizer, scaler, scheduler, sampler, autocast, profiler, device. Nothing here reads a value back from the device."""
+    once), optimizer, scaler, scheduler, sampler, autocast, profiler, device. Nothing here reads a
+    value back from the device."""
     cfg, phase = run.cfg, run.profiler.phase
     accum = cfg.train.grad_accum
     step_loss = None

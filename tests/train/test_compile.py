@@ -1,6 +1,7 @@
 """[train] compile (issue 27): torch.compile of the model, off unless asked ("auto" is off: on a
-CPU its compile costs more start-up than a short run's steps save, and no GPU has measured it yet); a compiled model keeps its
-state_dict form, trains, and resumes exactly; the run's manifest and training hash record it."""
+CPU its compile costs more start-up than a short run's steps save, and no GPU has measured it yet);
+a compiled model keeps its state_dict form, trains, and resumes exactly; the run's manifest and
+training hash record it."""
 
 import json
 
