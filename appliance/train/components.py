@@ -61,13 +61,13 @@ class MetricsLog:
 
     def __init__(self, run, writer, bar):
         self.run, self.writer, self.bar = run, writer, bar
-        self.window = TrainWindow(run.device)
+        self.window = TrainWindow(run.device, run.cfg.train.grad_clip)
 
     def due(self, step: int) -> bool:
         return step % self.run.cfg.run.log_every == 0 or step == self.run.total_steps
 
     def new_window(self) -> None:
-        self.window = TrainWindow(self.run.device)
+        self.window = TrainWindow(self.run.device, self.run.cfg.train.grad_clip)
 
     def write(self, step: int) -> None:
         """The window's figures (a collective; the only read of them), then a new window."""

@@ -28,6 +28,7 @@ from data_tools.labels import MAX_CLASSES
 from data_tools.check.gate import require_passing_report
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+COMPILE_MODES = ("auto", "on", "off")  # [train] compile: torch.compile of the model (appliance/train/ddp.py)
 OPTIMIZERS = ("sgd", "adamw")
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's
 MONITORED = ("val_loss", "val_acc")  # what an evaluation records, so what [checkpoint] monitor may name
@@ -100,6 +101,7 @@ class TrainSection:
     grad_accum: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 1
     precision: str = "auto"
     grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # 0 disables clipping
+    compile: str = "auto"  # torch.compile the model: "on", "off", "auto" (off so far: see ddp.use_compile)
     # The quality gate on the trained model (appliance/train/quality.py); they judge, not train.
     # (ranges checked by quality.check_thresholds, which names them as the gate's)
     min_val_acc: float = 0.0
@@ -204,6 +206,8 @@ class Config:
             d.pop("task")  # classification's hashes stay those of runs made before [task] existed
         d["run"] = {"seed": self.run.seed, "deterministic": self.run.deterministic}
         d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps", *GATE_KEYS)}
+        if d["train"]["compile"] != "on":  # compiled kernels round differently; "auto" and "off" run eager,
+            d["train"].pop("compile")  # and runs made before the key existed keep their hashes
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict:
@@ -235,6 +239,8 @@ def _check_values(cfg: Config, source: str) -> None:
         bad("[optimizer] name", f"{cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.train.precision not in PRECISIONS:
         bad("[train] precision", f"{cfg.train.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if cfg.train.compile not in COMPILE_MODES:
+        bad("[train] compile", f"{cfg.train.compile!r} is not one of {', '.join(COMPILE_MODES)}")
     if cfg.checkpoint.monitor not in MONITORED:
         bad("[checkpoint] monitor", f"{cfg.checkpoint.monitor!r} is not one of {', '.join(MONITORED)} "
             "(what an evaluation records)")

@@ -87,9 +87,20 @@ def memory_format_for(model: nn.Module, device: torch.device) -> torch.memory_fo
     return torch.contiguous_format
 
 
+def use_compile(requested: str, device: torch.device) -> bool:
+    """[train] compile: "on" and "off" as said; "auto" is off on every device so far. On a CPU a
+    compiled tiny model's steps measured 0.74x eager, but its compile took 20 s (cached) to 3 min
+    (cold) of start-up on the 2-core box, recompiles for evaluation, and needs a C++ compiler at run
+    time: a loss for short runs and tests (benchmarks/README.md, issue 27). No GPU run has measured
+    it yet (benchmarks/train_gpu.py --compile compare measures it)."""
+    return requested == "on"
+
+
 def build_training_model(cfg, device: torch.device, log=print, world: int = 2):
     """(the model to train: DDP-wrapped with more than one process, else the plain model; the plain
-    model for saving and loading state; the init report; its memory format)."""
+    model for saving and loading state; the init report; its memory format). With [train] compile the
+    plain model is compiled in place (Module.compile: its state_dict keys stay those of the eager
+    model, so checkpoints, resume and the saved model do not change form)."""
     model, report = prepare_model(cfg, log)
     if cfg.model.activation_checkpointing:
         # Trades compute for memory. The wrapper keeps state_dict keys unchanged. BatchNorm
@@ -99,6 +110,8 @@ def build_training_model(cfg, device: torch.device, log=print, world: int = 2):
         apply_activation_checkpointing(model, check_fn=_is_block)
     memory_format = memory_format_for(model, device)
     model.to(device, memory_format=memory_format)
+    if use_compile(cfg.train.compile, device):
+        model.compile()
     if world == 1:  # DDP would only add its hooks and buffer broadcasts
         return model, model, report, memory_format
     buckets = cfg.distributed

@@ -56,6 +56,15 @@ def resolve_nproc(value: str) -> int:
     return n
 
 
+def check_nproc_fits(nproc: int, gpus: int) -> None:
+    """One process per GPU: more processes than the GPUs this machine shows is a ConfigError (NCCL
+    refuses two ranks on one device, deep inside torchrun). Without a GPU (gpus == 0) the processes
+    train on the CPU with gloo, any number of them."""
+    if gpus and nproc > gpus:
+        raise ConfigError(f"--nproc-per-node {nproc} is more than the {gpus} GPU{'s' if gpus > 1 else ''} of this "
+                          f"machine (one process per GPU): use --nproc-per-node {gpus} or auto")
+
+
 def torchrun_command(config: str, *, nproc: int | str, nnodes: int = 1, node_rank: int | None = 0,
                      rdzv_endpoint: str = "", rdzv_id: str = "appliance", max_restarts: int = 0,
                      resume: str = "auto", python: str = sys.executable, local_addr: str = "",
@@ -254,10 +263,7 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     config = Path(spec.config)
     cfg = load_config(config)  # fail here, with one line, rather than in every worker
     nproc = resolve_nproc(spec.nproc_per_node)
-    gpus = gpu_count()
-    if gpus and nproc > gpus:  # NCCL refuses two ranks on one device, deep inside torchrun
-        raise ConfigError(f"--nproc-per-node {nproc} is more than the {gpus} GPU{'s' if gpus > 1 else ''} of this "
-                          f"machine (one process per GPU): use --nproc-per-node {gpus} or auto")
+    check_nproc_fits(nproc, gpu_count())  # before torchrun starts
     if spec.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
     check_nodes(spec)

@@ -3,6 +3,7 @@ checkpoints; and the resume that puts a checkpoint's every part back (loop.py ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ from appliance.tasks import task_for
 from appliance.train import data, faults, worker_error
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report
-from appliance.train.ddp import build_training_model, match_layout, pick_precision, set_tf32
+from appliance.train.ddp import build_training_model, match_layout, pick_precision, set_tf32, use_compile
 from appliance.train.determinism import set_determinism, set_rng_state
 from appliance.train.optimizer import build_optimizer, build_scheduler
 from appliance.train.step import Normalise
@@ -29,6 +30,9 @@ from appliance.train.step import Normalise
 INIT_REPORT = "init.json"  # how [model] init's weights matched the model
 STORAGE_WORDS = {"shared": "one directory shared by every node (a shared filesystem was detected)",
                  "per-node": "each node writes its own directory (no shared filesystem was detected)"}
+
+
+_NO_AUTOCAST = contextlib.nullcontext()
 
 
 @dataclass
@@ -44,6 +48,7 @@ class Run:
     model: nn.Module = None  # DDP-wrapped with more than one process
     task: Any = None  # appliance.tasks: the loss, what validation counts, the card's task entries
     raw_model: nn.Module = None
+    trainable: list = field(default_factory=list)  # raw_model's parameters with requires_grad, listed once
     ddp: bool = False
     memory_format: Any = torch.contiguous_format
     normalise: Any = None
@@ -62,6 +67,7 @@ class Run:
     onnx_graph: Path | None = None
     init_report: dict | None = None
     tf32: bool = False
+    compiled: bool = False  # [train] compile, as resolved for this device
     profiler: Any = None
     total_steps: int = 0
     step: int = 0
@@ -70,7 +76,9 @@ class Run:
     metrics: dict = field(default_factory=dict)
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+        if self.amp_dtype is None:  # fp32: nothing to switch, every step
+            return _NO_AUTOCAST
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
 
 def start_processes(cfg: Config, log_for_rank: Callable) -> Run:
@@ -110,6 +118,8 @@ def build(run: Run) -> Run:
 
     run.model, run.raw_model, run.init_report, run.memory_format = build_training_model(cfg, device, log, run.world)
     run.ddp = run.model is not run.raw_model
+    run.trainable = [p for p in run.raw_model.parameters() if p.requires_grad]
+    run.compiled = use_compile(cfg.train.compile, device)
     run.normalise = Normalise(cfg.data.mean, cfg.data.std, cfg.data.channels, device)
     run.optimizer = build_optimizer(cfg, run.raw_model, fused=True)
     run.scheduler = build_scheduler(cfg, run.optimizer, run.total_steps)

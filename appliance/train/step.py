@@ -19,13 +19,16 @@ from torch import nn
 
 from appliance.train import faults
 
+FOLD_EVERY = 64  # per-step device scalars kept before they are reduced (a bound on what is held)
+
 
 class Guard:
     """SIGTERM/SIGINT and non-finite losses, agreed by every rank without a read per step.
 
-    A non-finite step loss is noted on the device (`note`); `agree()` (one collective and one read)
-    says whether any rank saw one, at which step first and on which rank. The components call it
-    before anything is written, so a NaN never reaches a checkpoint or the final model.
+    Each step's loss is kept as it is (`note`: no device work per step); `agree()` (a few device
+    operations, one collective and one read) says whether any rank's was not finite since the
+    start, at which step first and on which rank. The components call it before anything is
+    written, so a NaN never reaches a checkpoint or the final model.
 
     The stop signal is host state. One process stops at the next step boundary. Several agree on
     it through a small all-reduce started each step and read LAG steps later (every rank reads the
@@ -39,6 +42,8 @@ class Guard:
         self.device, self.rank, self.world, self.horizon = device, rank, world, horizon + 1
         self.local = False
         self._first_bad = torch.zeros((), dtype=torch.int64, device=device)  # 0: every loss finite
+        self._losses: list[torch.Tensor] = []  # step losses not yet looked at, and their steps
+        self._steps: list[int] = []
         self._pending: list = []
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._set)
@@ -49,11 +54,25 @@ class Guard:
         self.local = True
 
     def note(self, step_loss: torch.Tensor, step: int) -> None:
-        """Remember the first step whose loss is not finite, as a code whose maximum over ranks is the
-        earliest such step (then the lowest rank): (horizon - step) * (world + 1) + (world - rank)."""
-        code = (self.horizon - step) * (self.world + 1) + (self.world - self.rank)
-        bad = ~torch.isfinite(step_loss.detach()) & (self._first_bad == 0)
-        self._first_bad = torch.where(bad, code, self._first_bad)
+        """Keep the step's loss (a reference, no device work); `agree()` looks at the kept ones."""
+        self._losses.append(step_loss.detach())
+        self._steps.append(step)
+        if len(self._losses) >= FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Remember the first kept step whose loss is not finite, as a code whose maximum over ranks is
+        the earliest such step (then the lowest rank): (horizon - step) * (world + 1) + (world - rank).
+        A few device operations for many steps; no read."""
+        if not self._losses:
+            return
+        losses = torch.stack(self._losses)
+        steps = torch.tensor(self._steps, dtype=torch.int64).to(self.device, non_blocking=True)
+        codes = (self.horizon - steps) * (self.world + 1) + (self.world - self.rank)
+        first = torch.where(~torch.isfinite(losses), codes, 0).max()  # the earliest step has the largest code
+        self._first_bad = torch.where(self._first_bad == 0, first, self._first_bad)
+        self._losses.clear()
+        self._steps.clear()
 
     def stop_requested(self) -> bool:
         """Called at every step boundary, the same on every rank; no wait for the step in flight."""
@@ -78,6 +97,7 @@ class Guard:
 
     def agree(self) -> tuple[bool, int, int]:
         """(stop, the first step whose loss was not finite or -1, its rank or -1): a collective."""
+        self._fold()
         flags = torch.stack([torch.tensor(int(self.local), dtype=torch.int64, device=self.device), self._first_bad])
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -98,37 +118,62 @@ class TrainWindow:
     """Counts of one logging window, kept on the device so a step adds no host sync: gradient
     norms (before clipping), clipped steps, and top-1 hits of the training batches' own logits.
 
-    The gradients are already averaged across ranks, so the norm is the same on every rank;
-    the accuracy counts are summed across ranks when the window is logged."""
+    A step only keeps its device scalars (norm, loss, hits); they are reduced every FOLD_EVERY
+    steps and when the window is read, a few operations for many steps. The gradients are already
+    averaged across ranks, so the norm is the same on every rank; the accuracy counts are summed
+    across ranks when the window is logged."""
 
-    def __init__(self, device):
+    def __init__(self, device, clip: float = 0.0):
         # norm sum, max, clipped steps, steps with a non-finite norm, correct, seen, loss sum
         self.counts = torch.zeros(7, dtype=torch.float64, device=device)
+        self.clip = clip
         self.steps = 0
         self.data_wait = 0.0
         self.start = time.perf_counter()
+        self._norms: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []
+        self._hits: list[torch.Tensor] = []  # correct, then labelled, per micro-batch
 
     def count_predictions(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        labelled = labels < logits.shape[1]  # segmentation's ignored pixels are no prediction to count
-        self.counts[4] += ((logits.detach().argmax(1) == labels) & labelled).sum()
-        self.counts[5] += labelled.sum()
+        # A label past the logits (segmentation's ignored pixels) equals no argmax: no prediction to count.
+        self._hits.append((logits.detach().argmax(1) == labels).sum())
+        self._hits.append((labels < logits.shape[1]).sum())
 
     def count_loss(self, step_loss: torch.Tensor) -> None:
-        self.counts[6] += step_loss.detach()
+        self._losses.append(step_loss.detach())
+        if len(self._losses) >= FOLD_EVERY:
+            self._fold()
 
-    def count_step(self, grad_norm: torch.Tensor, clip: float) -> None:
-        norm = grad_norm.detach().to(self.counts)
+    def count_step(self, grad_norm: torch.Tensor) -> None:
         self.steps += 1
-        finite = torch.isfinite(norm)  # not finite: an fp16 step the scaler skips (or a divergence)
-        self.counts[0] += torch.where(finite, norm, 0.0)
-        self.counts[1] = torch.maximum(self.counts[1], torch.where(finite, norm, 0.0))
-        self.counts[3] += ~finite
-        if clip > 0:
-            self.counts[2] += finite & (norm > clip)  # clip_grad_norm_ scales the gradients down exactly then
+        self._norms.append(grad_norm.detach())
+
+    def _fold(self) -> None:
+        """The kept scalars into the counts (device operations only)."""
+        counts = self.counts
+        if self._norms:
+            norms = torch.stack(self._norms).to(counts)
+            finite = torch.isfinite(norms)  # not finite: an fp16 step the scaler skips (or a divergence)
+            kept = torch.where(finite, norms, 0.0)
+            counts[0] += kept.sum()
+            counts[1] = torch.maximum(counts[1], kept.max())
+            counts[3] += (~finite).sum()
+            if self.clip > 0:
+                # clip_grad_norm_ scales the gradients down exactly then
+                counts[2] += (finite & (norms > self.clip)).sum()
+        if self._hits:
+            hits = torch.stack(self._hits).to(counts).view(-1, 2).sum(0)
+            counts[4:6] += hits
+        if self._losses:
+            counts[6] += torch.stack(self._losses).to(counts).sum()
+        self._norms.clear()
+        self._hits.clear()
+        self._losses.clear()
 
     def figures(self) -> dict:
         """grad_norm (mean over the window's steps with a finite norm), grad_norm_max, clipped_fraction,
         nonfinite_grad_steps, train_acc, loss_sum (over ranks); a collective and the window's one read."""
+        self._fold()
         summed = self.counts[4:].clone()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(summed)
@@ -169,11 +214,12 @@ class Normalise:
 def train_step(run, batches, window: TrainWindow) -> torch.Tensor:
     """One optimizer step over grad_accum micro-batches; the step's loss (a device scalar).
 
-    `run` is the loop's Run (loop.py): model (DDP-wrapped or not), raw_model, optimizer, scaler,
-    scheduler, sampler, autocast, profiler, device. Nothing here reads a value back from the device."""
+    `run` is the loop's Run (setup.py): model (DDP-wrapped or not), its trainable parameters (listed
+    once), optimizer, scaler, scheduler, sampler, autocast, profiler, device. Nothing here reads a
+    value back from the device."""
     cfg, phase = run.cfg, run.profiler.phase
     accum = cfg.train.grad_accum
-    step_loss = torch.zeros((), device=run.device)
+    step_loss = None
     for micro in range(accum):
         t0 = time.perf_counter()
         with phase("data_wait"):
@@ -188,22 +234,23 @@ def train_step(run, batches, window: TrainWindow) -> torch.Tensor:
             with phase("forward"):
                 with run.autocast():
                     logits = run.model(images)
-                    loss = run.criterion(logits, labels) / accum
+                    loss = run.criterion(logits, labels)
+                    loss = loss / accum if accum > 1 else loss  # x / 1 is x: one operation less per step
                 window.count_predictions(logits, labels)
                 if faults.armed("nan-loss", run.step + 1, run.rank):
                     loss = loss * float("nan")
             with phase("backward"):
                 run.scaler.scale(loss).backward()
-        step_loss += loss.detach()
+        step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
     with phase("optimizer"):
         scaler = run.scaler
         if cfg.train.grad_clip > 0:
             scaler.unscale_(run.optimizer)
-            grad_norm = nn.utils.clip_grad_norm_(run.raw_model.parameters(), cfg.train.grad_clip)
+            grad_norm = nn.utils.clip_grad_norm_(run.trainable, cfg.train.grad_clip)
         else:  # measured only: the gradients stay untouched (and scaled, with fp16)
-            grad_norm = nn.utils.get_total_norm([p.grad for p in run.raw_model.parameters() if p.grad is not None])
+            grad_norm = nn.utils.get_total_norm([p.grad for p in run.trainable if p.grad is not None])
             grad_norm = grad_norm / scaler._get_scale_async() if scaler.is_enabled() else grad_norm  # get_scale() reads
-        window.count_step(grad_norm, cfg.train.grad_clip)
+        window.count_step(grad_norm)
         scaler.step(run.optimizer)
         scaler.update()
         run.optimizer.zero_grad(set_to_none=True)

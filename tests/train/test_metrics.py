@@ -51,9 +51,9 @@ def test_train_window_leaves_out_non_finite_norms_and_counts_clipped_steps(tmp_p
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        window = TrainWindow(torch.device("cpu"))
+        window = TrainWindow(torch.device("cpu"), clip=1.0)
         for norm in (3.0, float("inf"), 0.5, 1.5):  # inf: an fp16 step the scaler skipped
-            window.count_step(torch.tensor(norm), clip=1.0)
+            window.count_step(torch.tensor(norm))
         window.count_predictions(torch.tensor([[2.0, 1.0], [0.0, 1.0], [5.0, 0.0]]), torch.tensor([0, 0, 0]))
         assert window.figures() == {"grad_norm": 5.0 / 3, "grad_norm_max": 3.0, "clipped_fraction": 0.5,
                                     "nonfinite_grad_steps": 1, "train_acc": 2 / 3, "loss_sum": 0.0}

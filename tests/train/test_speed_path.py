@@ -1,9 +1,11 @@
 """The loop's fast path on CPU tensors (issue 27): uint8 batches normalised on the device equal the
 one preprocessing definition bit for bit; the Guard finds the first non-finite step without a read
 per step; persistent loader workers still augment each epoch with that epoch's parameters; loaded
-optimizer state takes its parameter's memory layout; more processes than GPUs is one line."""
+optimizer state takes its parameter's memory layout; more processes than GPUs is one line
+(a pure function of the two numbers, and the CLI on this machine)."""
 
 import io
+import subprocess
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from appliance.train import data, launcher
 from appliance.train.config import load_config
 from appliance.train.ddp import match_layout
 from appliance.train.step import Guard, Normalise, to_device
+from conftest import appliance_cmd
 from train_data import make_config
 
 
@@ -62,6 +65,29 @@ def test_guard_names_the_first_non_finite_step_and_rank_only_when_asked():
     assert clean.stop_requested() and clean.agree() == (True, -1, -1)
 
 
+def test_guard_and_window_keep_step_scalars_across_folds():
+    """Past FOLD_EVERY steps the kept scalars are reduced: the first bad step, the sums and the
+    maximum come out as if every step had been added one by one."""
+    from appliance.train.step import FOLD_EVERY, TrainWindow
+
+    steps = 2 * FOLD_EVERY + 9
+    bad = {FOLD_EVERY + 5, FOLD_EVERY + 30, steps}  # the first bad step lies in the second fold
+    guard = Guard(torch.device("cpu"), rank=0, world=1, horizon=steps)
+    window = TrainWindow(torch.device("cpu"), clip=2.0)
+    norms = [0.5 + (i % 7) for i in range(steps)]
+    for step in range(1, steps + 1):
+        loss = torch.tensor(float("nan") if step in bad else 0.25)
+        guard.note(loss, step)
+        window.count_step(torch.tensor(norms[step - 1]))
+        window.count_predictions(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0]))
+        window.count_loss(torch.tensor(0.25))
+    assert guard.agree() == (False, FOLD_EVERY + 5, 0)
+    figures = window.figures()
+    assert figures["grad_norm"] == pytest.approx(sum(norms) / steps) and figures["grad_norm_max"] == max(norms)
+    assert figures["clipped_fraction"] == sum(n > 2.0 for n in norms) / steps
+    assert figures["train_acc"] == 0.5 and figures["loss_sum"] == 0.25 * steps
+
+
 def test_persistent_workers_augment_each_epoch_with_its_own_parameters(tmp_path):
     cfg = load_config(make_config(tmp_path, augment={"enabled": True}, data={"num_workers": 2}))
     loader, sampler = data.train_loader(cfg, 0, 1, torch.Generator(), pin=False)
@@ -100,13 +126,35 @@ def test_loaded_optimizer_state_takes_the_parameters_memory_layout():
         assert torch.equal(fresh.state[conv.weight][name], optimizer.state[conv.weight][name])
 
 
-def test_more_processes_than_gpus_is_one_line_before_torchrun(tmp_path, monkeypatch):
-    config = make_config(tmp_path)
-    monkeypatch.setattr(launcher, "gpu_count", lambda: 1)  # this box has none; the check reads the count
+@pytest.mark.parametrize("nproc,gpus,refused", [
+    (2, 1, "--nproc-per-node 2 is more than the 1 GPU of this machine (one process per GPU): "
+           "use --nproc-per-node 1 or auto"),
+    (5, 4, "--nproc-per-node 5 is more than the 4 GPUs of this machine (one process per GPU): "
+           "use --nproc-per-node 4 or auto"),
+    (1, 1, None), (4, 8, None), (8, 8, None),
+    (2, 0, None), (7, 0, None),  # no GPU: CPU processes with gloo, any number
+])
+def test_more_processes_than_gpus_is_refused_naming_both_numbers(nproc, gpus, refused):
+    if refused is None:
+        launcher.check_nproc_fits(nproc, gpus)
+        return
     with pytest.raises(ConfigError) as err:
-        launcher.launch_training(launcher.LaunchSpec(config=config, nproc_per_node="2"), dry_run=True)
-    assert str(err.value) == "--nproc-per-node 2 is more than the 1 GPU of this machine (one process per GPU): " \
-                             "use --nproc-per-node 1 or auto"
-    monkeypatch.setattr(launcher, "gpu_count", lambda: 0)  # CPU processes: any number
-    assert "--nproc-per-node 2" in launcher.launch_training(launcher.LaunchSpec(config=config, nproc_per_node="2"),
-                                                           dry_run=True)
+        launcher.check_nproc_fits(nproc, gpus)
+    assert str(err.value) == refused
+
+
+def test_the_cli_checks_processes_against_this_machines_gpus_before_torchrun(tmp_path):
+    """`appliance train --nproc-per-node 2 --dry-run`, nothing faked: on this CPU-only box two gloo
+    processes are accepted; on a one-GPU machine the same command is the one refusal line."""
+    config = make_config(tmp_path)
+    proc = subprocess.run(appliance_cmd("train", str(config), "--nproc-per-node", "2", "--dry-run"),
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    gpus = launcher.gpu_count()
+    if gpus == 0 or gpus >= 2:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "--nproc-per-node 2" in proc.stdout
+    else:
+        assert proc.returncode != 0
+        assert proc.stderr.strip().splitlines() == [
+            "appliance train: error: --nproc-per-node 2 is more than the 1 GPU of this machine (one process per "
+            "GPU): use --nproc-per-node 1 or auto"]

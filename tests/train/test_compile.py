@@ -1,0 +1,87 @@
+"""[train] compile (issue 27): torch.compile of the model, off unless asked ("auto" is off: on a
+CPU its compile costs more start-up than a short run's steps save, and no GPU has measured it yet);
+a compiled model keeps its state_dict form, trains, and resumes exactly; the run's manifest and
+training hash record it."""
+
+import json
+
+import pytest
+import torch
+
+from appliance.core.errors import ConfigError
+from appliance.train.config import load_config
+from appliance.train.ddp import build_training_model, use_compile
+from appliance.train.loop import write_run_manifest
+from appliance.train.optimizer import build_optimizer
+from train_data import make_config
+
+
+def test_compile_is_off_unless_asked_and_a_bad_value_is_one_line(tmp_path):
+    cfg = load_config(make_config(tmp_path))
+    assert cfg.train.compile == "auto"
+    assert not use_compile("auto", torch.device("cpu")) and not use_compile("off", torch.device("cpu"))
+    assert use_compile("on", torch.device("cpu"))
+    with pytest.raises(ConfigError) as err:
+        load_config(make_config(tmp_path, name="bad", train={"compile": "yes"}))
+    assert str(err.value).endswith("[train] compile 'yes' is not one of auto, on, off")
+
+
+def test_only_compile_on_changes_the_training_hash(tmp_path):
+    hashes = {mode: load_config(make_config(tmp_path, name=f"c-{mode}", train={"compile": mode})).training_hash()
+              for mode in ("auto", "off", "on")}
+    plain = load_config(make_config(tmp_path, name="c-plain")).training_hash()  # no key: a run made before it
+    assert hashes["auto"] == hashes["off"] == plain != hashes["on"]
+
+
+def _steps(model, optimizer, batches):
+    for images, labels in batches:
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_trains_and_resumes_exactly(tmp_path):
+    torch.manual_seed(0)
+    cfg = load_config(make_config(tmp_path, train={"compile": "on", "batch_size": 4}))
+    device = torch.device("cpu")
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 1, 8, 8, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(4)]
+
+    def fresh():
+        torch.manual_seed(0)
+        model = build_training_model(cfg, device, log=lambda *a, **k: None, world=1)[0]
+        return model, build_optimizer(cfg, model, fused=True)
+
+    straight, straight_opt = fresh()
+    eager = load_config(make_config(tmp_path, name="eager"))
+    torch.manual_seed(0)
+    eager_model = build_training_model(eager, device, log=lambda *a, **k: None, world=1)[0]
+    assert list(straight.state_dict()) == list(eager_model.state_dict())  # checkpoints keep their form
+    assert straight._compiled_call_impl is not None and eager_model._compiled_call_impl is None
+    _steps(straight, straight_opt, batches)
+
+    first, first_opt = fresh()
+    _steps(first, first_opt, batches[:2])
+    saved_model = {k: v.clone() for k, v in first.state_dict().items()}
+    saved_opt = first_opt.state_dict()
+    resumed, resumed_opt = fresh()
+    resumed.load_state_dict(saved_model)
+    resumed_opt.load_state_dict(saved_opt)
+    _steps(resumed, resumed_opt, batches[2:])
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name  # bit for bit, as an eager run resumes
+    eager_opt = build_optimizer(eager, eager_model, fused=True)
+    _steps(eager_model, eager_opt, batches)
+    for a, b in zip(straight.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # the same training, other rounding
+
+
+def test_the_run_manifest_says_whether_the_model_was_compiled(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(make_config(tmp_path))
+    (cfg.run_dir / "model").mkdir(parents=True)
+    (cfg.run_dir / "model" / "weights.bin").write_bytes(b"0")
+    for compiled in (True, False):
+        write_run_manifest(cfg, cfg.run_dir, 3, compiled=compiled)
+        assert json.loads((cfg.run_dir / "manifest.json").read_text())["params"]["compile"] is compiled
