@@ -97,3 +97,16 @@ def test_cpu_reference_profiles_a_run_through_appliance_train(tmp_path):
     assert profile["device"] == "cpu" and profile["activities"] == ["CPU"] and profile["profiled_steps"] == 8
     assert abs(sum(profile["share"].values()) - 1) < 1e-6
     assert "samples/s" in check["summary"] and "recommendations:" in check["summary"]
+
+
+def test_cpu_reference_runs_the_loader_benchmark_both_decodes(tmp_path):
+    """The loader check the GPU runs (benchmarks/loader.py, decode cpu against gpu), here on CPU tensors."""
+    proc, report = run_check(tmp_path, "--cpu-reference", "--checks", "loader")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check = report["checks"]["loader"]
+    assert check["status"] == "ok" and check["target"] is None  # the 8,000 img/s target is the GPU's
+    (case,) = check["results"]
+    assert case["case"] == "32px-1w" and case["device"] == "cpu"
+    assert case["cpu_img_per_s"] > 0 and case["gpu_img_per_s"] > 0 and len(case["ratios"]) == 1
+    bench = json.loads((tmp_path / "out" / "loader" / "loader.json").read_text())
+    assert bench["results"] == check["results"] and (tmp_path / "out" / "loader" / "loader.html").is_file()
