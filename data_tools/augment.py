@@ -70,14 +70,13 @@ def rgb_to_hsv(rgb: torch.Tensor) -> torch.Tensor:
     return torch.stack((h, s, maxc), dim=-3)
 
 
-_SECTOR_OFFSETS = torch.tensor([5.0, 3.0, 1.0]).view(3, 1, 1)
-
-
 def hsv_to_rgb(hsv: torch.Tensor) -> torch.Tensor:
     # The closed form f(n) = v - v*s*clamp(min(k, 4-k), 0, 1), k = (n + 6h) mod 6, for n = 5, 3, 1
-    # gives R, G, B in one broadcast instead of a six-way case split per pixel.
+    # gives R, G, B in one broadcast instead of a six-way case split per pixel. The offsets are
+    # numbers, not a tensor: on a GPU a constant copied from the host would wait for the device.
     h, s, v = hsv[..., 0:1, :, :], hsv[..., 1:2, :, :], hsv[..., 2:3, :, :]
-    k = (_SECTOR_OFFSETS.to(hsv.device) + h * 6.0).remainder_(6.0)
+    h6 = h * 6.0
+    k = torch.cat((h6 + 5.0, h6 + 3.0, h6 + 1.0), dim=-3).remainder_(6.0)
     return v - v * s * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0)
 
 

@@ -27,7 +27,7 @@ from torchvision.transforms.v2 import functional as F
 
 from appliance.core.errors import DataError
 from data_tools.augment import AugmentParams, TrainTransform, _as_uint8_tensor
-from data_tools.augment_batch import augment_batch
+from data_tools.augment_batch import augment_batch, normalisation
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 DEVICE_MODES = ("RGB", "L")  # PIL's modes of JPEGs that decode_jpeg decodes as PIL does (CMYK goes the CPU way)
@@ -141,12 +141,13 @@ class DeviceDecoder:
                  locate):
         self.device, self.size, self.transform, self.locate = device, [image_size, image_size], transform, locate
         self.mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
+        self.stats = None if transform is None or transform.mean is None else normalisation(transform, channels, device)
 
     def __call__(self, batch):
         encoded, labels = batch
         images = self.decode(encoded)
         if self.transform is not None:
-            return augment_batch(self.transform, images, encoded.params), labels
+            return augment_batch(self.transform, images, encoded.params, stats=self.stats), labels
         resized = [image if list(image.shape[-2:]) == self.size else F.resize(image, self.size, antialias=True)
                    for image in images]
         return torch.stack(resized), labels
