@@ -156,22 +156,32 @@ class DeviceDecoder:
         """Each sample's uint8 [C, H, W] pixels on the device: the JPEGs decoded in one call."""
         jpegs = [batch.data[a:b] for a, b in filter(None, batch.spans)]
         try:
-            decoded = iter(decode_jpeg(jpegs, mode=self.mode, device=self.device) if jpegs else [])
+            decoded = decode_jpeg(jpegs, mode=self.mode, device=self.device) if jpegs else []
         except RuntimeError:
-            self._name_the_bad_record(batch)
-            raise
+            decoded = self._one_by_one(batch)
+        decoded = iter(decoded)
         return [next(decoded) if pixels is None else pixels.to(self.device, non_blocking=True)
                 for pixels in batch.pixels]
 
-    def _name_the_bad_record(self, batch: EncodedBatch) -> None:
-        """A batch that failed to decode, one image at a time: the first that fails is named."""
+    def _one_by_one(self, batch: EncodedBatch) -> list[torch.Tensor]:
+        """A batch the device refused, one JPEG at a time: one the device cannot decode (a variant its
+        decoder lacks) is decoded on the CPU instead; one the CPU cannot decode either stops the run with
+        one line naming its file and record."""
+        images = []
         for span, index in zip(batch.spans, batch.indices):
             if span is None:
                 continue
+            data = batch.data[span[0]:span[1]]
             try:
-                decode_jpeg(batch.data[span[0]:span[1]], mode=self.mode, device=self.device)
+                images.append(decode_jpeg(data, mode=self.mode, device=self.device))
+                continue
+            except RuntimeError:
+                pass
+            try:
+                images.append(decode_jpeg(data, mode=self.mode, device="cpu").to(self.device))
             except RuntimeError as err:
                 file, number = self.locate(index)
                 # torchvision's message is "decode_jpeg, <source file:line>, <what is wrong>"
                 what = (str(err).strip().splitlines() or [type(err).__name__])[0].split(", ")[-1]
                 raise DataError(f"{file}: record {number}: undecodable JPEG ({what})") from None
+        return images

@@ -135,6 +135,30 @@ def test_a_damaged_jpeg_is_one_line_naming_its_record(tmp_path):
     assert "train-0.tfrecord: record 5: undecodable JPEG (" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_jpeg_the_device_refuses_is_decoded_on_the_cpu_instead(tmp_path, monkeypatch):
+    """nvJPEG lacks some JPEG variants: the batch is decoded one image at a time and the refused image on
+    the CPU. Here the device's refusal is played by a decode_jpeg that refuses record 4 on the device."""
+    cfg = load_config(_config(tmp_path))
+    expected = _epoch(cfg, "gpu")
+    refused = next(r for i, r in enumerate(_records(48, seed=1)) if i == 4)
+    real = device_decode.decode_jpeg
+    refusals = []
+
+    def device_refuses(data, mode, device="cpu"):
+        items = data if isinstance(data, list) else [data]
+        on_the_device = isinstance(device, torch.device)  # the decoder's device; its CPU fallback names "cpu"
+        if not on_the_device or not any(bytes(t.numpy()) in refused for t in items):
+            return real(data, mode=mode)
+        refusals.append(len(items))
+        raise RuntimeError("decode_jpeg, nvjpeg.cpp:1, unsupported JPEG variant")
+
+    monkeypatch.setattr(device_decode, "decode_jpeg", device_refuses)
+    got = _epoch(cfg, "gpu")
+    assert len(refusals) == 2 and refusals[0] > 1 and refusals[1] == 1  # the batch's JPEGs, then the one alone
+    for (a, la), (b, lb) in zip(expected, got):
+        assert torch.equal(la, lb) and torch.equal(a, b)
+
+
 def test_decode_setting(tmp_path):
     assert device_decode.decode_mode("auto", torch.device("cpu")) == "cpu"
     assert device_decode.decode_mode("gpu", torch.device("cpu")) == "gpu"  # the documented tensor path on the CPU
