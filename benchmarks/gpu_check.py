@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 CHECKS = ("doctor", "jpeg", "loader", "train", "speed", "resume", "ddp", "onnxruntime", "tensorrt", "profile")
 TIMEOUT_S = {"doctor": 90, "jpeg": 60, "loader": 120, "train": 240, "speed": 150, "profile": 90, "resume": 150,
              "ddp": 100, "onnxruntime": 120, "tensorrt": 180}
+DISTINCT_IMAGES = 1024  # per file written by write_data
 TRAIN_RECORDS_MAX = 8192  # the train check's data: one epoch of its steps (a restart of the loader per epoch is not what it measures)
 MIN_CHECK_S = 10  # a check that would get less than this is skipped: the budget is spent
 DEFAULT_BUDGET_S = 450  # < 8 minutes with the GPU probe and start-up
@@ -79,7 +80,8 @@ def last_line(proc: subprocess.CompletedProcess) -> str:
 
 def write_data(root: Path, size: int, train_records: int = 1024, val_records: int = 128) -> Path:
     """Learnable synthetic JPEG TFRecords: class c is a bright square in cell c of a 4x3 grid on a
-    smooth random background. Two train shards and one val file, made once per image size."""
+    smooth random background. Two train shards and one val file, made once per image size and count;
+    beyond DISTINCT_IMAGES per file the examples repeat (decoding costs the same, writing much less)."""
     import numpy as np
     from PIL import Image
 
@@ -94,7 +96,11 @@ def write_data(root: Path, size: int, train_records: int = 1024, val_records: in
     def examples(n: int, seed: int):
         rng = np.random.default_rng(seed)
         cell = size // 4
+        made = []
         for i in range(n):
+            if len(made) == DISTINCT_IMAGES:
+                yield made[i % DISTINCT_IMAGES]
+                continue
             label = int(rng.integers(0, NUM_CLASSES))
             small = rng.integers(0, 110, (8, 8, 3), dtype=np.uint8)
             img = np.asarray(Image.fromarray(small).resize((size, size), Image.BILINEAR)).copy()
@@ -103,8 +109,9 @@ def write_data(root: Path, size: int, train_records: int = 1024, val_records: in
                 label % 3] = 230
             buf = io.BytesIO()
             Image.fromarray(img).save(buf, format="JPEG", quality=90)
-            yield encode_example({"image/encoded": buf.getvalue(), "image/format": b"jpeg",
-                                  "image/class/label": label})
+            made.append(encode_example({"image/encoded": buf.getvalue(), "image/format": b"jpeg",
+                                        "image/class/label": label}))
+            yield made[-1]
 
     half = train_records // 2
     write_records(out / "train-0.tfrecord", examples(half, 1))
@@ -547,8 +554,10 @@ def _benchmark(ctx, script: str, args: list[str]) -> tuple[subprocess.CompletedP
 
 def check_loader(ctx) -> dict:
     """benchmarks/loader.py: the input pipeline alone, [data] decode cpu against gpu, 224 and 512 px."""
+    most = max(1, (os.cpu_count() or 2) - 1)  # 1 worker at 512 px would take this check's time alone
     args = (["--sizes", "32", "--workers", "1", "--rounds", "1", "--seconds", "0.2", "--records", "64"] if ctx.cpu
-            else ["--sizes", "224,512", "--rounds", "3", "--seconds", "1.5"])
+            else ["--sizes", "224,512", "--workers", ",".join(map(str, sorted({min(4, most), most}))),
+                  "--rounds", "3", "--seconds", "1.5", "--records", "1024"])
     proc, report, out = _benchmark(ctx, "loader.py", args)
     if report is None:
         return {"status": "fail", "summary": f"benchmarks/loader.py: {last_line(proc)}"}

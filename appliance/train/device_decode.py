@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import logging
 
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
@@ -29,6 +30,7 @@ from appliance.core.errors import DataError
 from data_tools.augment import AugmentParams, TrainTransform, _as_uint8_tensor
 from data_tools.augment_batch import augment_batch, normalisation
 
+log = logging.getLogger("data_tools.augment")  # the CPU path's logger: [augment] debug reads the same
 JPEG_MAGIC = b"\xff\xd8\xff"
 DEVICE_MODES = ("RGB", "L")  # PIL's modes of JPEGs that decode_jpeg decodes as PIL does (CMYK goes the CPU way)
 
@@ -98,6 +100,9 @@ class DeviceParams:
         sample.index = int(index)
         if self.transform is not None:
             sample.params = self.transform.sample_params(sample.height, sample.width, index, epoch)
+            if self.transform.debug:  # the CPU path's debug line (data_tools.augment), word for word
+                log.debug("augment seed=%d epoch=%d index=%d %s", self.transform.seed,
+                          self.transform.epoch if epoch is None else epoch, index, dataclasses.asdict(sample.params))
         return sample
 
 
