@@ -20,17 +20,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
-import logging
 
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 from appliance.core.errors import DataError
-from data_tools.augment import AugmentParams, TrainTransform, _as_uint8_tensor
+from data_tools.augment import AugmentParams, TrainTransform, _as_uint8_tensor, log  # log: [augment] debug's
 from data_tools.augment_batch import augment_batch, normalisation
 
-log = logging.getLogger("data_tools.augment")  # the CPU path's logger: [augment] debug reads the same
 JPEG_MAGIC = b"\xff\xd8\xff"
 DEVICE_MODES = ("RGB", "L")  # PIL's modes of JPEGs that decode_jpeg decodes as PIL does (CMYK goes the CPU way)
 
