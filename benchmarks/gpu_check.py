@@ -561,7 +561,8 @@ def check_loader(ctx) -> dict:
     proc, report, out = _benchmark(ctx, "loader.py", args)
     if report is None:
         return {"status": "fail", "summary": f"benchmarks/loader.py: {last_line(proc)}"}
-    cases = "; ".join(f"{r['case']} cpu {r['cpu_img_per_s']:.0f} gpu {r['gpu_img_per_s']:.0f} img/s"
+    cases = "; ".join(f"{r['case']} cpu {r['cpu_img_per_s']:.0f} gpu {r['gpu_img_per_s']:.0f} img/s (pixel "
+                      f"difference mean {r['pixel_diff_levels']['mean']}, max {r['pixel_diff_levels']['max']})"
                       for r in report["results"])
     target = report.get("gpu_224_target")
     verdict = "" if target is None else (f"; 224 px gpu decode {target['best']:.0f} img/s, target >= "

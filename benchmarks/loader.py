@@ -11,7 +11,8 @@ the device, normalised, as train_step gets it. The data set is real JPEG TFRecor
 (sources about 1.15x the output side, quality 90). Per (size, workers) the rounds alternate (cpu, gpu,
 gpu, cpu, ...); a round draws batches for `--seconds` from a fresh iterator of the persistent loader and
 ends with a device synchronisation; the figure is the median of the per-round ratios gpu/cpu of
-images per second. Writes DIR/loader.json and DIR/loader.html (img/s per case, per-round ratios).
+images per second; one batch of both is compared (the same samples; mean and max absolute pixel difference
+in levels of 255). Writes DIR/loader.json and DIR/loader.html (img/s per case, per-round ratios).
 """
 
 from __future__ import annotations
@@ -112,6 +113,16 @@ class Side:
             torch.cuda.synchronize()
         return images / (time.perf_counter() - start)
 
+    def first_batch(self, epoch: int):
+        """Epoch `epoch`'s first batch on the device, normalised (the same samples on both sides)."""
+        import torch
+
+        from appliance.train.step import to_device
+
+        self.sampler.set_epoch(epoch)
+        x, labels = next(iter(self.loader))
+        return to_device(x, labels, self.device, self.normalise, torch.contiguous_format)
+
     def close(self) -> None:
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is not None:
@@ -128,6 +139,7 @@ def measure(root: Path, size: int, workers: int, args, device) -> dict:
         for r in range(args.rounds):
             for d in (("cpu", "gpu") if r % 2 == 0 else ("gpu", "cpu")):
                 rates[d].append(sides[d].round(args.seconds))
+        diff = pixel_difference(sides, std=sides["cpu"].normalise.std)
     finally:
         for side in sides.values():
             side.close()
@@ -136,7 +148,17 @@ def measure(root: Path, size: int, workers: int, args, device) -> dict:
             "cpu_img_per_s": round(statistics.median(rates["cpu"]), 1),
             "gpu_img_per_s": round(statistics.median(rates["gpu"]), 1),
             "cpu_rounds": [round(x, 1) for x in rates["cpu"]], "gpu_rounds": [round(x, 1) for x in rates["gpu"]],
-            "ratios": [round(x, 3) for x in ratios], "median_ratio": round(statistics.median(ratios), 3)}
+            "ratios": [round(x, 3) for x in ratios], "median_ratio": round(statistics.median(ratios), 3),
+            "pixel_diff_levels": diff}
+
+
+def pixel_difference(sides: dict, std) -> dict:
+    """Mean and max absolute difference of one batch between the two decodes, in levels of 255."""
+    (a, la), (b, lb) = (sides[d].first_batch(10**6) for d in ("cpu", "gpu"))
+    if not bool((la == lb).all()):
+        raise SystemExit("loader: the two decodes drew different samples")  # the order is the contract
+    levels = ((a - b) * std * 255).abs()
+    return {"mean": round(levels.mean().item(), 4), "max": round(levels.max().item(), 3)}
 
 
 def html(report: dict) -> str:
@@ -152,14 +174,15 @@ def html(report: dict) -> str:
                         f'fill="{colour}"><title>{r["case"]} {key}: {r[key]}</title></rect>')
         bars.append(f'<text x="{40 + 70 * i}" y="{height - 12}" font-size="10">{r["case"]}</text>')
     rows = "".join(f"<tr><td>{r['case']}</td><td>{r['cpu_img_per_s']}</td><td>{r['gpu_img_per_s']}</td>"
-                   f"<td>{r['median_ratio']}</td><td>{r['ratios']}</td></tr>" for r in results)
+                   f"<td>{r['median_ratio']}</td><td>{r['ratios']}</td><td>{r['pixel_diff_levels']}</td></tr>"
+                   for r in results)
     return ("<!doctype html><meta charset='utf-8'><title>loader: cpu vs gpu decode</title>"
             f"<h1>The input pipeline alone (benchmarks/loader.py) on {report['device']}</h1>"
             f"<p>{report['command']}</p><p>grey: decode = cpu, green: decode = gpu "
             f"(on a machine without CUDA the tensor path runs on the CPU); images per second, median of rounds.</p>"
             f'<svg width="{width}" height="{height}">{"".join(bars)}</svg>'
             "<table border='1' cellpadding='4'><tr><th>case</th><th>cpu img/s</th><th>gpu img/s</th>"
-            "<th>median gpu/cpu</th><th>per-round ratios</th></tr>" + rows + "</table>")
+            "<th>median gpu/cpu</th><th>per-round ratios</th><th>pixel difference (levels)</th></tr>" + rows + "</table>")
 
 
 def main(argv=None) -> int:
@@ -192,7 +215,7 @@ def main(argv=None) -> int:
                 results.append(result)
                 print(f"{result['case']}: decode cpu {result['cpu_img_per_s']} img/s, gpu "
                       f"{result['gpu_img_per_s']} img/s on {device} (median gpu/cpu {result['median_ratio']}, "
-                      f"rounds {result['ratios']})", flush=True)
+                      f"rounds {result['ratios']}; pixel difference {result['pixel_diff_levels']})", flush=True)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     report = {"results": results, "device": torch.cuda.get_device_name() if cuda else "cpu",

@@ -68,6 +68,7 @@ def test_cpu_reference_measures_training_through_appliance_train(tmp_path):
     (case,) = loader["results"]
     assert case["case"] == "32px-1w" and case["device"] == "cpu"
     assert case["cpu_img_per_s"] > 0 and case["gpu_img_per_s"] > 0 and len(case["ratios"]) == 1
+    assert case["pixel_diff_levels"] == {"mean": 0.0, "max": 0.0}  # augmented, on CPU tensors: bit-identical
     bench = json.loads((tmp_path / "out" / "loader" / "loader.json").read_text())
     assert bench["results"] == loader["results"] and (tmp_path / "out" / "loader" / "loader.html").is_file()
 
