@@ -151,6 +151,9 @@ class DeviceDecoder:
         images = self.decode(encoded)
         if self.transform is not None:
             return augment_batch(self.transform, images, encoded.params, stats=self.stats), labels
+        if len({tuple(image.shape) for image in images}) == 1:  # one size (a resized data set): one resize call
+            batch = torch.stack(images)
+            return (batch if list(batch.shape[-2:]) == self.size else F.resize(batch, self.size, antialias=True)), labels
         resized = [image if list(image.shape[-2:]) == self.size else F.resize(image, self.size, antialias=True)
                    for image in images]
         return torch.stack(resized), labels

@@ -13,6 +13,8 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+from torchvision.io import decode_jpeg
+from torchvision.transforms.v2 import functional as F
 
 from appliance.core.errors import ConfigError, DataError
 from appliance.train import data, device_decode
@@ -124,6 +126,22 @@ def test_plain_batches_differ_from_pillows_resize_by_a_bounded_amount(tmp_path):
     assert 0 < diffs.mean() <= RESIZE_MEAN_LEVELS and diffs.max() <= RESIZE_MAX_LEVELS, (diffs.mean(), diffs.max())
     val = data.val_loader(cfg, 0, 1, torch.Generator(), pin=False, decode="gpu")
     assert sum(len(labels) for _, labels in val) == 20  # evaluation decodes the same way
+
+
+def test_a_batch_of_one_size_is_resized_in_one_call_as_image_by_image():
+    rng = np.random.default_rng(4)
+    jpegs = []
+    for _ in range(5):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (30, 22, 3), dtype=np.uint8)).save(buf, format="JPEG")
+        jpegs.append(buf.getvalue())
+    samples = [device_decode.Encoded(j, 30, 22, index=i) for i, j in enumerate(jpegs)]
+    batch, labels = device_decode.collate([(s, 0) for s in samples])
+    decoder = device_decode.DeviceDecoder(torch.device("cpu"), 16, 3, None, locate=None)
+    images, _ = decoder((batch, labels))
+    one_by_one = [F.resize(decode_jpeg(torch.frombuffer(bytearray(j), dtype=torch.uint8)), [16, 16], antialias=True)
+                  for j in jpegs]
+    assert torch.equal(images, torch.stack(one_by_one))
 
 
 def test_a_damaged_jpeg_is_one_line_naming_its_record(tmp_path):
