@@ -1,5 +1,6 @@
 """The GPU path, proven in one run: doctor, CUDA training (fp32/bf16/fp16), exact resume, NCCL DDP,
-onnxruntime-gpu, TensorRT and GPU JPEG decode, on one GPU box in under 8 minutes.
+onnxruntime-gpu, TensorRT, GPU JPEG decode, the input pipeline alone (benchmarks/loader.py) and the step
+path against a bare loop (benchmarks/train_gpu.py), on one GPU box in under 8 minutes.
 
     .venv/bin/python benchmarks/gpu_check.py --out DIR [--budget-s 420] [--checks doctor,train,...]
     .venv/bin/python benchmarks/gpu_check.py --cpu-reference --out DIR   # the training check on CPU
@@ -30,9 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CHECKS = ("doctor", "jpeg", "train", "resume", "ddp", "onnxruntime", "tensorrt", "profile")
-TIMEOUT_S = {"doctor": 90, "jpeg": 60, "train": 240, "profile": 90, "resume": 150, "ddp": 100, "onnxruntime": 120,
-             "tensorrt": 180}
+CHECKS = ("doctor", "jpeg", "loader", "train", "speed", "resume", "ddp", "onnxruntime", "tensorrt", "profile")
+TIMEOUT_S = {"doctor": 90, "jpeg": 60, "loader": 120, "train": 240, "speed": 150, "profile": 90, "resume": 150,
+             "ddp": 100, "onnxruntime": 120, "tensorrt": 180}
+DISTINCT_IMAGES = 1024  # per file written by write_data
+TRAIN_RECORDS_MAX = 8192  # the train check's data: one epoch of its steps (a restart of the loader per epoch is not what it measures)
 MIN_CHECK_S = 10  # a check that would get less than this is skipped: the budget is spent
 DEFAULT_BUDGET_S = 450  # < 8 minutes with the GPU probe and start-up
 NUM_CLASSES = 10
@@ -77,14 +80,15 @@ def last_line(proc: subprocess.CompletedProcess) -> str:
 
 def write_data(root: Path, size: int, train_records: int = 1024, val_records: int = 128) -> Path:
     """Learnable synthetic JPEG TFRecords: class c is a bright square in cell c of a 4x3 grid on a
-    smooth random background. Two train shards and one val file, made once per image size."""
+    smooth random background. Two train shards and one val file, made once per image size and count;
+    beyond DISTINCT_IMAGES per file the examples repeat (decoding costs the same, writing much less)."""
     import numpy as np
     from PIL import Image
 
     from data_tools.example import encode_example
     from data_tools.tfrecord import write_records
 
-    out = root / f"data-{size}"
+    out = root / f"data-{size}-{train_records}"
     if (out / "done").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -92,7 +96,11 @@ def write_data(root: Path, size: int, train_records: int = 1024, val_records: in
     def examples(n: int, seed: int):
         rng = np.random.default_rng(seed)
         cell = size // 4
+        made = []
         for i in range(n):
+            if len(made) == DISTINCT_IMAGES:
+                yield made[i % DISTINCT_IMAGES]
+                continue
             label = int(rng.integers(0, NUM_CLASSES))
             small = rng.integers(0, 110, (8, 8, 3), dtype=np.uint8)
             img = np.asarray(Image.fromarray(small).resize((size, size), Image.BILINEAR)).copy()
@@ -101,8 +109,9 @@ def write_data(root: Path, size: int, train_records: int = 1024, val_records: in
                 label % 3] = 230
             buf = io.BytesIO()
             Image.fromarray(img).save(buf, format="JPEG", quality=90)
-            yield encode_example({"image/encoded": buf.getvalue(), "image/format": b"jpeg",
-                                  "image/class/label": label})
+            made.append(encode_example({"image/encoded": buf.getvalue(), "image/format": b"jpeg",
+                                        "image/class/label": label}))
+            yield made[-1]
 
     half = train_records // 2
     write_records(out / "train-0.tfrecord", examples(half, 1))
@@ -188,9 +197,10 @@ def check_doctor(ctx) -> dict:
 
 
 def check_train(ctx) -> dict:
-    """Step rate and peak memory per (architecture, precision) with `appliance train`, and the ratios."""
+    """Step rate and peak memory per (architecture, precision) with `appliance train`, and the ratios; the
+    data set holds a whole run's samples (up to TRAIN_RECORDS_MAX), so no epoch restarts the loader."""
     size = ctx.args.image_size
-    data = write_data(ctx.work, size)
+    data = write_data(ctx.work, size, train_records=min(TRAIN_RECORDS_MAX, max(1024, ctx.args.steps * ctx.args.batch)))
     rows, failures = [], []
     for arch in ctx.args.archs:
         for precision in ctx.args.precisions:
@@ -533,8 +543,47 @@ def check_jpeg(ctx) -> dict:
             **results}
 
 
-CHECK_FUNCTIONS = {"doctor": check_doctor, "jpeg": check_jpeg, "train": check_train, "profile": check_profile,
-                   "resume": check_resume,
+def _benchmark(ctx, script: str, args: list[str]) -> tuple[subprocess.CompletedProcess, dict | None, Path]:
+    """benchmarks/<script> in its own process (this check's deadline), its JSON next to gpu_check.json."""
+    out = Path(ctx.args.logs).parent / Path(script).stem
+    proc = run_logged([sys.executable, str(ROOT / "benchmarks" / script), "--out", str(out), *args], ctx.log(),
+                      ctx.left(), env=ctx.env)
+    report = out / f"{Path(script).stem}.json"
+    return proc, (json.loads(report.read_text()) if proc.returncode in (0, 1) and report.exists() else None), out
+
+
+def check_loader(ctx) -> dict:
+    """benchmarks/loader.py: the input pipeline alone, [data] decode cpu against gpu, 224 and 512 px."""
+    most = max(1, (os.cpu_count() or 2) - 1)  # 1 worker at 512 px would take this check's time alone
+    args = (["--sizes", "32", "--workers", "1", "--rounds", "1", "--seconds", "0.2", "--records", "64"] if ctx.cpu
+            else ["--sizes", "224,512", "--workers", ",".join(map(str, sorted({min(4, most), most}))),
+                  "--rounds", "3", "--seconds", "1.5", "--records", "1024"])
+    proc, report, out = _benchmark(ctx, "loader.py", args)
+    if report is None:
+        return {"status": "fail", "summary": f"benchmarks/loader.py: {last_line(proc)}"}
+    cases = "; ".join(f"{r['case']} cpu {r['cpu_img_per_s']:.0f} gpu {r['gpu_img_per_s']:.0f} img/s (pixel "
+                      f"difference mean {r['pixel_diff_levels']['mean']}, max {r['pixel_diff_levels']['max']})"
+                      for r in report["results"])
+    target = report.get("gpu_224_target")
+    verdict = "" if target is None else (f"; 224 px gpu decode {target['best']:.0f} img/s, target >= "
+                                         f"{target['img_per_s_at_least']:.0f}: {'met' if target['met'] else 'NOT met'}")
+    return {"status": "ok" if target is None or target["met"] else "fail", "summary": cases + verdict,
+            "results": report["results"], "target": target, "html": str(out / "loader.html")}
+
+
+def check_speed(ctx) -> dict:
+    """benchmarks/train_gpu.py: `appliance train`'s step path against a bare loop, side by side."""
+    proc, report, out = _benchmark(ctx, "train_gpu.py", ["--rounds", "3", "--steps", "20"])
+    if report is None:
+        return {"status": "fail", "summary": f"benchmarks/train_gpu.py: {last_line(proc)}"}
+    rows = report["results"]
+    summary = "; ".join(f"{r['case']} ours/bare {r['median_ratio']} ({'met' if r['met'] else 'NOT met'})" for r in rows)
+    return {"status": "ok" if all(r["met"] for r in rows) else "fail", "summary": summary, "results": rows,
+            "html": str(out / "train_gpu.html")}
+
+
+CHECK_FUNCTIONS = {"doctor": check_doctor, "jpeg": check_jpeg, "loader": check_loader, "speed": check_speed,
+                   "train": check_train, "profile": check_profile, "resume": check_resume,
                    "ddp": check_ddp, "onnxruntime": check_onnxruntime, "tensorrt": check_tensorrt}
 
 
@@ -656,8 +705,8 @@ def parse_args(argv=None):
         parser.error(f"--precisions: unknown {', '.join(bad)} (known: fp32, bf16, fp16)")
     if cpu and "fp16" in args.precisions:
         parser.error("--precisions: fp16 needs CUDA (GradScaler); the CPU reference measures fp32 and bf16")
-    if cpu and set(args.checks) - {"train", "resume", "profile"}:
-        parser.error("--cpu-reference runs only the train (and resume, profile) checks")
+    if cpu and set(args.checks) - {"train", "resume", "profile", "loader"}:
+        parser.error("--cpu-reference runs only the train (and resume, profile, loader) checks")
     if args.budget_s <= 0:
         parser.error("--budget-s must be positive")
     for key in ("steps", "batch", "image_size"):

@@ -58,37 +58,37 @@ def _as_uint8_tensor(image) -> torch.Tensor:
 
 
 def rgb_to_hsv(rgb: torch.Tensor) -> torch.Tensor:
-    """CHW float RGB in [0, 1] -> CHW HSV with H in [0, 1) (fraction of the circle)."""
-    r, g, b = rgb.unbind(0)
-    minc, maxc = torch.aminmax(rgb, dim=0)
+    """[..., 3, H, W] float RGB in [0, 1] -> HSV with H in [0, 1) (fraction of the circle); one image or a batch."""
+    r, g, b = rgb.unbind(-3)
+    minc, maxc = torch.aminmax(rgb, dim=-3)
     delta = maxc - minc
     s = delta / maxc.clamp_min(1e-12)
     safe = delta.clamp_min(1e-12)
     h = torch.where(maxc == r, (g - b) / safe,
                     torch.where(maxc == g, 2.0 + (b - r) / safe, 4.0 + (r - g) / safe))
     h = torch.where(delta > 0, (h / 6.0).remainder_(1.0), torch.zeros_like(h))
-    return torch.stack((h, s, maxc))
-
-
-_SECTOR_OFFSETS = torch.tensor([5.0, 3.0, 1.0]).view(3, 1, 1)
+    return torch.stack((h, s, maxc), dim=-3)
 
 
 def hsv_to_rgb(hsv: torch.Tensor) -> torch.Tensor:
     # The closed form f(n) = v - v*s*clamp(min(k, 4-k), 0, 1), k = (n + 6h) mod 6, for n = 5, 3, 1
-    # gives R, G, B in one broadcast instead of a six-way case split per pixel.
-    h, s, v = hsv[0:1], hsv[1:2], hsv[2:3]
-    k = (_SECTOR_OFFSETS + h * 6.0).remainder_(6.0)
+    # gives R, G, B in one broadcast instead of a six-way case split per pixel. The offsets are
+    # numbers, not a tensor: on a GPU a constant copied from the host would wait for the device.
+    h, s, v = hsv[..., 0:1, :, :], hsv[..., 1:2, :, :], hsv[..., 2:3, :, :]
+    h6 = h * 6.0
+    k = torch.cat((h6 + 5.0, h6 + 3.0, h6 + 1.0), dim=-3).remainder_(6.0)
     return v - v * s * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0)
 
 
-def jitter_hsv(image: torch.Tensor, hue_shift: float, saturation_factor: float, value_factor: float) -> torch.Tensor:
-    """Exact HSV jitter on a CHW float image in [0, 1]; one channel images get V scaling only."""
-    if image.shape[0] == 1:
+def jitter_hsv(image: torch.Tensor, hue_shift, saturation_factor, value_factor) -> torch.Tensor:
+    """Exact HSV jitter on a [..., C, H, W] float image in [0, 1]; one channel images get V scaling only.
+    The factors are numbers, or for a batch [N, 1, 1] tensors (one per image)."""
+    if image.shape[-3] == 1:
         return (image * value_factor).clamp_(0.0, 1.0)
     hsv = rgb_to_hsv(image)
-    hsv[0] = (hsv[0] + hue_shift) % 1.0
-    hsv[1] = (hsv[1] * saturation_factor).clamp_(0.0, 1.0)
-    hsv[2] = (hsv[2] * value_factor).clamp_(0.0, 1.0)
+    hsv[..., 0, :, :] = (hsv[..., 0, :, :] + hue_shift) % 1.0
+    hsv[..., 1, :, :] = (hsv[..., 1, :, :] * saturation_factor).clamp_(0.0, 1.0)
+    hsv[..., 2, :, :] = (hsv[..., 2, :, :] * value_factor).clamp_(0.0, 1.0)
     return hsv_to_rgb(hsv)
 
 

@@ -47,8 +47,9 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
 
 
 def test_cpu_reference_measures_training_through_appliance_train(tmp_path):
+    # With the loader check (benchmarks/loader.py, decode cpu against gpu: here the tensor path on the CPU).
     proc, report = run_check(tmp_path, "--cpu-reference", "--precisions", "fp32", "--steps", "8", "--warmup", "3",
-                             "--batch", "8", "--image-size", "32")
+                             "--batch", "8", "--image-size", "32", "--checks", "train,loader")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("gpu_check: cpu-reference on CPU; checks train")
@@ -62,6 +63,14 @@ def test_cpu_reference_measures_training_through_appliance_train(tmp_path):
     assert run["peak_memory_mb"] > 0 and 0 <= run["data_wait_pct"] <= 100
     assert report["elapsed_s"] >= train["seconds"] > 0
     assert (tmp_path / "out" / "logs" / "train.log").read_text().count("$ ") == 1  # one `appliance train` run
+    loader = report["checks"]["loader"]
+    assert loader["status"] == "ok" and loader["target"] is None  # the 8,000 img/s target is the GPU's
+    (case,) = loader["results"]
+    assert case["case"] == "32px-1w" and case["device"] == "cpu"
+    assert case["cpu_img_per_s"] > 0 and case["gpu_img_per_s"] > 0 and len(case["ratios"]) == 1
+    assert case["pixel_diff_levels"] == {"mean": 0.0, "max": 0.0}  # augmented, on CPU tensors: bit-identical
+    bench = json.loads((tmp_path / "out" / "loader" / "loader.json").read_text())
+    assert bench["results"] == loader["results"] and (tmp_path / "out" / "loader" / "loader.html").is_file()
 
 
 def test_the_budget_kills_a_check_that_overruns_and_the_next_is_skipped(tmp_path):

@@ -29,6 +29,7 @@ from data_tools.check.gate import require_passing_report
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 COMPILE_MODES = ("auto", "on", "off")  # [train] compile: torch.compile of the model (appliance/train/ddp.py)
+DECODES = ("auto", "cpu", "gpu")  # [data] decode (appliance/train/device_decode.py)
 OPTIMIZERS = ("sgd", "adamw")
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's
 MONITORED = ("val_loss", "val_acc")  # what an evaluation records, so what [checkpoint] monitor may name
@@ -62,6 +63,7 @@ class DataSection:
     mean: tuple[float, ...] = (0.485, 0.456, 0.406)
     std: tuple[Annotated[float, POSITIVE], ...] = (0.229, 0.224, 0.225)
     num_workers: Annotated[int, Range(ge=0, le=MAX_WORKERS)] = 2
+    decode: str = "auto"  # where JPEGs are decoded and augmented: "cpu" (workers), "gpu" (device_decode.py), "auto"
     check_report: str = ""  # a data-check report.json whose gate must have passed
 
 
@@ -200,6 +202,8 @@ class Config:
         bucket_cap_mb = d.pop("distributed")["bucket_cap_mb"]
         if bucket_cap_mb != DEFAULT_BUCKET_CAP_MB:
             d["ddp_bucket_cap_mb"] = bucket_cap_mb
+        if d["data"]["decode"] == "auto":  # the hashes of runs made before [data] decode existed stay valid
+            d["data"].pop("decode")
         d["model"]["init"] = self.init_sha256  # the weights decide, not where the file lies
         d.pop("profile")  # measuring a run does not change it
         if self.task == TaskSection():
@@ -258,6 +262,11 @@ def _check_values(cfg: Config, source: str) -> None:
         bad("[data]", "needs `classes` (names) or `num_classes` >= 2")
     if cfg.data.classes and cfg.data.num_classes and len(cfg.data.classes) != cfg.data.num_classes:
         bad("[data] num_classes", f"is {cfg.data.num_classes} but `classes` names {len(cfg.data.classes)}")
+    if cfg.data.decode not in DECODES:
+        bad("[data] decode", f"{cfg.data.decode!r} is not one of {', '.join(DECODES)}")
+    if cfg.data.decode == "gpu" and cfg.task.kind != "classification":
+        bad("[data] decode", f'"gpu" decodes classification images; [task] kind {cfg.task.kind!r} decodes on the CPU '
+            '(use "auto" or "cpu")')
     if cfg.data.channels not in (1, 3):
         bad("[data] channels", f"must be 1 or 3, got {cfg.data.channels}")
     for key in ("mean", "std"):

@@ -14,7 +14,7 @@ import torch
 
 from appliance.core.errors import DataError
 from appliance.tasks import task_for
-from appliance.train import faults
+from appliance.train import device_decode, faults
 from data_tools.labels import label_problem
 from data_tools.preprocessing import preprocess_image
 from data_tools.dataset import TFRecordDataset, ShardedSampler
@@ -72,18 +72,21 @@ def decode_for_augmentation(encoded: bytes, channels: int):
         raise DataError(f"undecodable image ({type(err).__name__}: {err})") from None
 
 
-def _dataset(cfg, files, augment: bool = False, pixels: bool = False):
-    """pixels: uint8 samples, normalised on the device (without augmentation)."""
+def _dataset(cfg, files, augment: bool = False, pixels: bool = False, decode: str = "cpu"):
+    """pixels: uint8 samples, normalised on the device (without augmentation). decode "gpu": the
+    samples are device_decode.Encoded (a JPEG's bytes, its parameters), decoded by the training process."""
     samples = task_for(cfg.task).dataset(cfg, files, augment)
     if samples is not None:  # the task makes its own samples (segmentation: image and mask, normalised here)
         return samples
     if augment:
         transform = functools.partial(decode_for_augmentation, channels=cfg.data.channels)
-    elif pixels:
+    elif pixels or decode == "gpu":
         transform = functools.partial(decode_pixels, image_size=cfg.data.image_size, channels=cfg.data.channels)
     else:
         transform = functools.partial(decode_image, image_size=cfg.data.image_size, channels=cfg.data.channels,
                                       mean=cfg.data.mean, std=cfg.data.std)
+    if decode == "gpu":  # the CPU path's decode stays the fallback for what the device does not decode
+        transform = functools.partial(device_decode.encode_for_device, fallback=transform)
     slow = faults.slow_decode_seconds()
     if slow and files == cfg.data.train:
         transform = functools.partial(_slowed, transform, slow)
@@ -92,14 +95,21 @@ def _dataset(cfg, files, augment: bool = False, pixels: bool = False):
     dataset = TFRecordDataset(files, features={cfg.data.image_key: "bytes", cfg.data.label_key: "raw"},
                               image_key=cfg.data.image_key, label_key=cfg.data.label_key)
     dataset = CheckedSamples(dataset, cfg.data.label_key, cfg.num_classes, transform)
+    if decode == "gpu":  # every sample learns its index (and its augmentation's parameters)
+        return SeededAugmentation(dataset, device_decode.DeviceParams(train_transform(cfg) if augment else None))
     if augment:
-        a = cfg.augment
         # Seeded by (seed, epoch, sample index): a resumed run augments each sample as before.
-        dataset = SeededAugmentation(dataset, TrainTransform(
-            cfg.data.image_size, seed=cfg.run.seed, degrees=a.degrees, hue=a.hue, saturation=a.saturation,
-            value=a.value, scale=tuple(a.crop_scale), flip_probability=a.flip_probability,
-            mean=cfg.data.mean, std=cfg.data.std, debug=a.debug))
+        dataset = SeededAugmentation(dataset, train_transform(cfg))
     return dataset
+
+
+def train_transform(cfg) -> TrainTransform:
+    """The seeded training augmentation of [augment] (both decode paths draw its parameters)."""
+    a = cfg.augment
+    return TrainTransform(
+        cfg.data.image_size, seed=cfg.run.seed, degrees=a.degrees, hue=a.hue, saturation=a.saturation,
+        value=a.value, scale=tuple(a.crop_scale), flip_probability=a.flip_probability,
+        mean=cfg.data.mean, std=cfg.data.std, debug=a.debug)
 
 
 def _slowed(transform, seconds: float, encoded: bytes):
@@ -168,25 +178,38 @@ class _Epoched(torch.utils.data.Dataset):
         return self.dataset.transform(image, index, epoch), label
 
 
-def train_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):
+def train_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool, decode: str = "cpu",
+                 device: torch.device | None = None):
     """(DataLoader, ShardedSampler) for this rank's share of the training files; with pin (a GPU)
     the samples are uint8 pixels unless augmented (step.Normalise finishes them on the device).
+    decode "gpu" (device_decode.py): the batches are decoded and augmented on `device` as they are drawn.
 
     The sampler trims each epoch to a multiple of the process count so every rank runs the same
     number of steps (DDP needs that); which up-to-(processes - 1) samples are left out changes
     with the epoch's shuffle.
     """
-    dataset = _dataset(cfg, cfg.data.train, augment=cfg.augment.enabled, pixels=pin)
+    dataset = _dataset(cfg, cfg.data.train, augment=cfg.augment.enabled, pixels=pin, decode=decode)
     sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=True,
                              drop_last=True)
-    return _loader(cfg, _Epoched(dataset), _EpochIndices(sampler), generator, pin), sampler
+    finish = _device_decoder(cfg, dataset, device, cfg.augment.enabled)
+    return _loader(cfg, _Epoched(dataset), _EpochIndices(sampler), generator, pin, finish), sampler
 
 
-def val_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool):
+def val_loader(cfg, rank: int, world: int, generator: torch.Generator, pin: bool, decode: str = "cpu",
+               device: torch.device | None = None):
     """Every validation record exactly once across ranks (shares may differ by one; eval sums)."""
-    dataset = _dataset(cfg, cfg.data.val, pixels=pin)
+    dataset = _dataset(cfg, cfg.data.val, pixels=pin, decode=decode)
     sampler = ShardedSampler(len(dataset), rank=rank, world_size=world, seed=cfg.run.seed, shuffle=False)
-    return _loader(cfg, dataset, sampler, generator, pin)
+    return _loader(cfg, dataset, sampler, generator, pin, _device_decoder(cfg, dataset, device, False))
+
+
+def _device_decoder(cfg, dataset, device, augment: bool):
+    """The training process's half of decode "gpu" (None for the CPU path's datasets)."""
+    if not isinstance(dataset, SeededAugmentation) or not isinstance(dataset.transform, device_decode.DeviceParams):
+        return None
+    records = dataset.dataset.dataset  # SeededAugmentation(CheckedSamples(TFRecordDataset))
+    return device_decode.DeviceDecoder(device or torch.device("cpu"), cfg.data.image_size, cfg.data.channels,
+                                       dataset.transform.transform if augment else None, records.locate)
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -217,10 +240,23 @@ class _Loader(torch.utils.data.DataLoader):
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _loader(cfg, dataset, sampler, generator, pin):
+class _DecodingLoader(_Loader):
+    """decode "gpu": each batch the workers collate (device_decode.EncodedBatch) is decoded, resized or
+    augmented on the device by `finish` as the training process draws it."""
+
+    def __init__(self, *args, finish, **kwargs):
+        super().__init__(*args, collate_fn=device_decode.collate, **kwargs)
+        self.finish = finish
+
+    def __iter__(self):
+        return map(self.finish, super().__iter__())
+
+
+def _loader(cfg, dataset, sampler, generator, pin, finish=None):
     """Workers persist across epochs (starting them each epoch cost a third of a short epoch)."""
     workers = cfg.data.num_workers
-    return _Loader(
+    kind, extra = (_Loader, {}) if finish is None else (_DecodingLoader, {"finish": finish})
+    return kind(
         dataset, batch_size=cfg.train.batch_size, sampler=sampler, num_workers=workers, pin_memory=pin,
         generator=generator, prefetch_factor=4 if workers else None, persistent_workers=workers > 0,
-        worker_init_fn=_worker_ignores_stop_signals if workers else None)
+        worker_init_fn=_worker_ignores_stop_signals if workers else None, **extra)

@@ -23,6 +23,7 @@ from appliance.train import data, faults, worker_error
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report
 from appliance.train.ddp import build_training_model, match_layout, pick_precision, set_tf32, use_compile
+from appliance.train.device_decode import decode_mode
 from appliance.train.determinism import set_determinism, set_rng_state
 from appliance.train.optimizer import build_optimizer, build_scheduler
 from appliance.train.step import Normalise
@@ -52,6 +53,7 @@ class Run:
     ddp: bool = False
     memory_format: Any = torch.contiguous_format
     normalise: Any = None
+    decode: str = "cpu"  # where the JPEGs are decoded: "cpu" (loader workers) or "gpu" (device_decode.py)
     optimizer: Any = None
     local_optimizer: Any = None  # ZeRO: this rank's shard
     scheduler: Any = None
@@ -108,9 +110,16 @@ def build(run: Run) -> Run:
     # draws from the global RNG, whose stream the checkpoints capture mid-epoch.
     run.loader_generator = torch.Generator()
     pin = device.type == "cuda"
-    run.train_loader, run.sampler = data.train_loader(cfg, run.rank, run.world, run.loader_generator, pin=pin)
+    run.decode = decode_mode(cfg.data.decode, device) if cfg.task.kind == "classification" else "cpu"
+    if run.rank == 0 and run.decode == "gpu":
+        where = "nvJPEG through torchvision" if device.type == "cuda" else "no CUDA: tensor ops on the CPU"
+        log(f"data: [data] decode = {cfg.data.decode!r}: JPEGs decoded and augmented by the training process on "
+            f"{device} ({where})", flush=True)
+    run.train_loader, run.sampler = data.train_loader(cfg, run.rank, run.world, run.loader_generator, pin=pin,
+                                                      decode=run.decode, device=device)
     if cfg.data.val:
-        run.val_loader = data.val_loader(cfg, run.rank, run.world, run.loader_generator, pin=pin)
+        run.val_loader = data.val_loader(cfg, run.rank, run.world, run.loader_generator, pin=pin,
+                                         decode=run.decode, device=device)
     steps_per_epoch = len(run.train_loader) // cfg.train.grad_accum
     if steps_per_epoch < 1:
         raise ConfigError(f"{cfg.source}: [train] batch_size x grad_accum x processes is larger than the data")
