@@ -16,26 +16,27 @@ import math
 from pathlib import Path
 
 from appliance.core.errors import ConfigError, GateFailed
+from appliance.core.manifest import MANIFEST_NAME
 from appliance.core.stage import read_result_json
 from appliance.deploy import commands as deploy_commands
 from appliance.deploy.export import export_stage
 from appliance.deploy.qat import add_qat
 from appliance.deploy.quantize import QuantizeResult
-from appliance.train.stage import train_stage, write_train_config
+from appliance.train.stage import stage_config, train_stage
 
-QAT_RUN, QAT_EXPORT, QAT_CONFIG = "qat-run", "qat-export", "qat-config.toml"
+QAT_RUN, QAT_EXPORT = "qat-run", "qat-export"  # under the quantize stage's directory
 QAT_EPOCHS, QAT_LR_SCALE = 2, 0.1
 QAT_PARITY = 1e-2  # torch's and onnxruntime's int8 rounding may differ by one step at a tie
 
 
-def qat_sections(run_dir: Path, out_dir: Path, *, epochs: int, lr_scale: float) -> dict:
-    """The training sections of the QAT run of run_dir (from its manifest), writing to out_dir/qat-run."""
-    manifest = read_result_json(Path(run_dir) / "manifest.json")
+def qat_sections(run_dir: Path, *, epochs: int, lr_scale: float) -> dict:
+    """The training sections of the QAT run of run_dir, from its manifest (data, run name and place are
+    the caller's: appliance.train.stage.stage_config sets them)."""
+    manifest = read_result_json(Path(run_dir) / MANIFEST_NAME)
     config = manifest.get("params", {}).get("config")
     if not isinstance(config, dict) or "run" not in config:
         raise ConfigError(f"{run_dir}/manifest.json: not a finished training run (no params.config)")
     sections = {k: v for k, v in config.items() if isinstance(v, dict)}
-    sections["run"] = {**sections["run"], "name": QAT_RUN, "out_dir": str(Path(out_dir).resolve())}
     sections["model"] = {**sections.get("model", {}), "init": str(Path(run_dir).resolve()), "reset": []}
     optimizer = sections.setdefault("optimizer", {})
     optimizer["lr"] = float(optimizer.get("lr", 1e-3)) * lr_scale
@@ -53,9 +54,10 @@ def qat_after_gate(run_dir: Path, quantize_dir: Path, calib_files, val_files, *,
     if not (epochs >= 1 and math.isfinite(lr_scale) and lr_scale > 0):
         raise ConfigError(f"QAT needs epochs >= 1 and a positive lr scale (got {epochs}, {lr_scale})")
     quantize_dir = Path(quantize_dir)
-    config = quantize_dir / QAT_CONFIG
-    write_train_config(config, qat_sections(run_dir, quantize_dir, epochs=epochs, lr_scale=lr_scale),
-                       f"{run_dir} (quantization-aware fine-tuning)")
+    sections = qat_sections(run_dir, epochs=epochs, lr_scale=lr_scale)
+    data = sections.get("data", {})
+    config = stage_config(sections, Path(run_dir) / MANIFEST_NAME, (quantize_dir / QAT_RUN).resolve(),
+                          train_files=data.get("train", ()), val_files=data.get("val", ()), check_report=None)
     trained = train_stage(config, nproc_per_node=nproc_per_node)
     exported = export_stage(trained.model_dir, quantize_dir / QAT_EXPORT, opset=opset,
                             sample_files=list(val_files or calib_files), max_rel_error=QAT_PARITY)
