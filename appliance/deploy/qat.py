@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance.core.errors import DataError
-from appliance.core.manifest import write_manifest
+from appliance.core.manifest import read_manifest, write_manifest
 from appliance.deploy.accuracy_report import evaluate, write_reports
 from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
 from appliance.deploy.samples import check_input_shape, load_samples
@@ -122,7 +122,9 @@ def add_qat(quantize_dir: Path, qat_model: Path, val_files, calib_files, *, val_
                        "size_ratio": shipped.stat().st_size / report["fp32"]["bytes"],
                        "latency_ratio": qat["latency_ms_median"] / fp32["latency_ms_median"]})
     write_reports(quantize_dir, report)
-    write_manifest(quantize_dir, "quantize", [fp32_path, qat_model, *val.files],
-                   {"mode": "int8", "produced_by": report.get("produced_by"), "qat": True,
+    before = read_manifest(quantize_dir)  # PTQ's inputs and parameters, with QAT's added
+    inputs = list(dict.fromkeys([*(i["path"] for i in before["inputs"]), str(qat_model), *map(str, val.files)]))
+    write_manifest(quantize_dir, "quantize", inputs,
+                   {**before["params"], "produced_by": report.get("produced_by"), "qat": True,
                     "float_layers": report.get("float_layers", []), "gate_passed": report["gate_passed"]})
     return report

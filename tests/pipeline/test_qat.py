@@ -122,3 +122,51 @@ def test_qat_passes_where_ptq_and_fallback_fail(trained):
     assert "[qat]\nenabled = true" in qat_config and str(run.resolve()) in qat_config
     card = json.loads((out / "qat-run" / "model" / "model.json").read_text())
     assert "qat" in card["extra"]
+
+
+def test_pipeline_qat_keys_are_read_and_checked(tmp_path):
+    from appliance.core.errors import ConfigError
+    from appliance.pipeline.config import load_pipeline_config
+
+    for name in ("t.tfrecord", "v.tfrecord"):
+        (tmp_path / name).write_bytes(b"")
+    base = '[data]\ntrain = ["t.tfrecord"]\nval = ["v.tfrecord"]\nclasses = ["a", "b"]\n'
+    path = tmp_path / "pipeline.toml"
+    path.write_text(base)
+    assert load_pipeline_config(path).quantize.qat is False
+    path.write_text(base + "[quantize]\nqat = true\nqat_epochs = 3\n")
+    q = load_pipeline_config(path).quantize
+    assert q.qat is True and q.qat_epochs == 3 and q.qat_lr_scale == 0.1
+    path.write_text(base + "[quantize]\nqat_lr_scale = 0\n")
+    with pytest.raises(ConfigError, match=r"\[quantize\] qat_lr_scale"):
+        load_pipeline_config(path)
+
+
+def test_the_summary_names_qat_as_the_path(tmp_path):
+    from appliance.pipeline.summary import _path_html, format_summary
+
+    path = {"produced_by": "qat", "method": "minmax", "per_channel": True, "float_layers": [],
+            "qat": {"top1": 1.0, "top1_drop_points": 0.0, "passed": True}, "ptq_top1_drop_points": 33.3}
+    summary = {"accuracy": {}, "sizes_bytes": {}, "latency_ms": {}, "quantize_path": path, "artifacts": {},
+               "out_dir": str(tmp_path), "config": "p.toml", "ran": [], "seconds": 1}
+    assert "int8 made by                     qat" in format_summary(summary)
+    assert "<b>qat</b>" in _path_html(path) and "33.30" in _path_html(path)
+
+
+def test_a_killed_qat_run_resumes_bit_identical(tmp_path):
+    """The observers' ranges live in the checkpoints: killed mid-epoch and resumed equals uninterrupted."""
+    from safetensors.torch import load_file
+    from test_resume import _train
+
+    options = dict(qat={"enabled": True}, train={"epochs": 1}, checkpoint={"every_steps": 2})
+    plain = make_config(tmp_path, name="qat", train_records=128, **options)
+    killed = make_config(tmp_path, name="qat-killed", train_records=128, **options)
+    first = _train(plain)
+    second = _train(killed, "--max-restarts", "1", fault="step:3:0")  # 4 steps: resumes from step 2
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
+    assert "exitcode: -9" in second.stderr and "resumed from" in second.stdout
+    final = [load_file(tmp_path / "runs" / n / "model" / "model.safetensors") for n in ("qat", "qat-killed")]
+    assert any(k.endswith("input_quant.scale") for k in final[0])
+    assert final[0].keys() == final[1].keys()
+    for key in final[0]:
+        assert torch.equal(final[0][key], final[1][key]), f"{key} differs"
