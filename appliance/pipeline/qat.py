@@ -73,7 +73,7 @@ def qat_after_gate(run_dir: Path, quantize_dir: Path, calib_files, val_files, *,
 
 def quantize_command(args) -> int:
     """`appliance quantize`: PTQ and fallback (appliance.deploy.commands); with --qat RUN, QAT when they fail."""
-    if not args.qat:
+    if not args.qat or args.mode != "int8":
         return deploy_commands.quantize_command(args)
     try:
         return deploy_commands.quantize_command(args)
