@@ -165,6 +165,8 @@ STRING_IMPORTS = {
     ("data_tools.cli", "data_tools.preview"): "DATA_VERB_MODULES: `appliance data` sub-verbs, with importlib",
     ("appliance.deploy.cli", "appliance.deploy.commands"): "the handlers of the deploy verbs (numpy, onnx), imported "
                                                              "when their verb runs",
+    ("appliance.deploy.cli", "appliance.pipeline.qat"): "`quantize --qat` composes train, export and quantize; "
+                                                         "its handler is the pipeline's, imported when it runs",
     ("data_tools.cli", "data_tools.commands"): "the handlers of `data index/cat/convert` (numpy, PIL), imported when "
                                                "their verb runs",
     ("appliance.train.launcher", "appliance.train.agent"): "run as `python -m` under torchrun: a process",

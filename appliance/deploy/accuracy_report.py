@@ -64,9 +64,28 @@ def write_reports(out_dir: Path, report: dict) -> None:
 <table><tr><th></th><th>top-1</th><th>size</th><th>latency (median)</th><th>model</th></tr>
 <tr><td>FP32</td><td>{f['top1'] * 100:.2f}%</td><td>{f['bytes']:,} B</td><td>{f['latency_ms_median']:.3f} ms</td><td>{html.escape(f['model'])}</td></tr>
 <tr><td>{mode}</td><td>{q['top1'] * 100:.2f}%</td><td>{q['bytes']:,} B</td><td>{q['latency_ms_median']:.3f} ms</td><td>{html.escape(q['model'])}</td></tr>
-</table>{charts}{_fallback_html(report)}{_sensitivity_html(report.get("sensitivity"))}"""
+</table>{charts}{_qat_html(report)}{_fallback_html(report)}{_sensitivity_html(report.get("sensitivity"))}"""
     page_html = page(f"FP32 vs {mode}", "appliance quantize", "accuracy.json", report["gate_passed"], body)
     atomic_write_text(out_dir / "accuracy.html", page_html)
+
+
+def _qat_html(report: dict) -> str:
+    """FP32, PTQ (with fallback if it ran) and QAT side by side, once quantization-aware training ran."""
+    qat, ptq, f = report.get("qat"), report.get("ptq"), report["fp32"]
+    if not qat or not ptq:
+        return ""
+    ptq_name = f"PTQ ({ptq.get('produced_by') or 'ptq'})"
+    rows = [("FP32", f["top1"], 0.0, f["bytes"], f["latency_ms_median"]),
+            (ptq_name, ptq["top1"], ptq["top1_drop_points"], ptq["bytes"], ptq["latency_ms_median"]),
+            ("QAT", qat["top1"], qat["top1_drop_points"], qat["bytes"], qat["latency_ms_median"])]
+    table = "".join(f"<tr><td>{html.escape(name)}</td><td>{top1 * 100:.2f}%</td><td>{drop:.2f}</td><td>{size:,} B</td>"
+                    f"<td>{ms:.3f} ms</td></tr>" for name, top1, drop, size, ms in rows)
+    chart = bars_svg("Top-1 accuracy: FP32, PTQ, QAT", "%", [(name, top1 * 100) for name, top1, *_ in rows], "{:.2f}")
+    return (f"<h2>FP32, PTQ and QAT side by side</h2><p>The edge model is the {html.escape(report.get('produced_by', ''))}"
+            f" one. QAT: fine-tuned with fake quantization in {html.escape(str(qat.get('run_dir')))}, exported as QDQ "
+            f"with the scales training learnt; evaluated on the same {qat['validation_samples']} validation samples.</p>"
+            "<table><tr><th></th><th>top-1</th><th>drop (points)</th><th>size</th><th>latency (median)</th></tr>"
+            f"{table}</table>{chart}")
 
 
 def _fallback_html(report: dict) -> str:

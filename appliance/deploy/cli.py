@@ -69,8 +69,15 @@ def register_quantize(subparsers) -> None:
                    help="INT8: skip the per-layer sensitivity of a model that passes (fallback still measures it)")
     p.add_argument("--sensitivity-samples", type=values.positive_int, default=options.ERROR_SAMPLES, metavar="N",
                    help=f"validation samples the per-layer output error is measured on (default {options.ERROR_SAMPLES})")
+    p.add_argument("--qat", metavar="RUN_DIR",
+                   help="INT8 still over --max-drop after fallback: fine-tune this trained run with fake quantization "
+                   "(same launcher and checkpoints), export it as QDQ and ship it if it passes")
+    p.add_argument("--qat-epochs", type=values.positive_int, default=2, help="QAT epochs (default 2)")
+    p.add_argument("--qat-lr-scale", type=values.positive_float, default=0.1,
+                   help="QAT learning rate = the run's times this (default 0.1)")
     p.add_argument("--json", action="store_true", help="print the accuracy report as one JSON object on stdout")
-    p.set_defaults(func="appliance.deploy.commands:quantize_command")
+    # QAT composes train, export and quantize: its handler is the pipeline's (deploy may not import train).
+    p.set_defaults(func="appliance.pipeline.qat:quantize_command")
 
 
 def register_compile(subparsers) -> None:

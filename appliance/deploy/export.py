@@ -11,6 +11,7 @@ from appliance.core.errors import DataError
 from appliance.deploy.options import DEFAULT_MAX_REL_ERROR, OPSETS
 from appliance.models import CARD_NAME, WEIGHTS_NAME, ModelCard, load_trained_model
 from appliance.tasks import task_of_card
+from appliance.deploy.qat import fold_constant_quantization
 from appliance.deploy.onnx_model import load_onnx, ort_session, run_ort
 from data_tools.preprocessing import preprocessing_of
 from appliance.deploy.samples import load_samples, synthetic_samples
@@ -20,6 +21,10 @@ from appliance import __version__
 from appliance.core.stage import read_result_json
 
 EXPORTED_MODEL = "model.onnx"
+QAT_CARD_KEY = "qat"  # appliance.tasks.fake_quant.CARD_KEY: a card of a quantization-aware run
+# A QAT model's default parity bound: torch and onnxruntime may round a value exactly between two INT8
+# steps apart (one step of one activation), which the exact-float bound would call a failed export.
+QAT_MAX_REL_ERROR = 1e-2
 PARITY_JSON = "parity.json"
 
 
@@ -54,7 +59,16 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
         raise DataError(f"opset {problem}")
     model_dir = find_model_dir(model_path)
     card = ModelCard.from_json((model_dir / CARD_NAME).read_text(), str(model_dir / CARD_NAME))
-    model, card = load_trained_model(model_dir, build=task_of_card(card).build_model)  # the task's architectures
+    build = task_of_card(card).build_model  # the task's architectures
+    qat = QAT_CARD_KEY in card.extra
+    if qat and max_rel_error == DEFAULT_MAX_REL_ERROR:
+        max_rel_error = QAT_MAX_REL_ERROR
+    if qat:  # a quantization-aware run: its fake-quantized model, exported as QDQ
+        from appliance.tasks.fake_quant import insert_fake_quant  # late: torch, as above
+
+        def build(*args, _plain=build, **kwargs):
+            return insert_fake_quant(_plain(*args, **kwargs))
+    model, card = load_trained_model(model_dir, build=build)
     preprocessing = preprocessing_of(card)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +91,8 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
         torch.onnx.export(model, (example,), str(tmp), dynamo=False, input_names=["input"],
                           output_names=["logits"], dynamic_axes=dynamic, opset_version=opset)
     proto = onnx.load(str(tmp))
+    if qat:
+        fold_constant_quantization(proto)  # int8 weight initializers, as PTQ writes them
     proto = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
     proto.producer_name, proto.producer_version = "appliance export", _version()
     proto.doc_string = f"{card.architecture} exported from {model_dir.resolve()} by appliance export"

@@ -51,6 +51,9 @@ class QuantizeSection:
     max_drop: Annotated[float, Range(ge=0, le=100)] = 1.0  # top-1 points
     fallback: str = "auto"  # "auto": other calibrations, then sensitive layers in float; "none": stop at once
     max_float_layers: Annotated[int, COUNT] = 10
+    qat: bool = False  # INT8 still over max_drop after fallback: quantization-aware fine-tuning (appliance.pipeline.qat)
+    qat_epochs: Annotated[int, AT_LEAST_ONE] = 2
+    qat_lr_scale: Annotated[float, Range(gt=0, le=10)] = 0.1  # QAT lr = the training lr times this
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ from appliance.deploy.export import ExportResult, export_stage
 from appliance.deploy.package import PackageResult, package_stage
 from appliance.deploy.quantize import QuantizeResult, quantize_stage
 from appliance.deploy.verify import VerifyResult, verify_stage
+from appliance.core.errors import GateFailed
 from appliance.pipeline.config import PipelineConfig
+from appliance.pipeline.qat import qat_after_gate
 from appliance.train.launcher import TrainResult
 from appliance.train.quality import GATE_KEYS, GateResult, Thresholds, gate_stage
 from appliance.train.stage import stage_config, train_stage
@@ -129,9 +131,16 @@ class QuantizeStage(Stage):
 
     def action(self, out_dir: Path, res: Results) -> QuantizeResult:
         q = res.cfg.quantize
-        return quantize_stage(res.export.model, res.data("train"), res.data("val"), out_dir, mode=q.mode,
-                                     method=q.method, per_channel=q.per_channel, calib_samples=q.calib_samples,
-                                     max_drop=q.max_drop, fallback=q.fallback, max_float_layers=q.max_float_layers)
+        try:
+            return quantize_stage(res.export.model, res.data("train"), res.data("val"), out_dir, mode=q.mode,
+                                  method=q.method, per_channel=q.per_channel, calib_samples=q.calib_samples,
+                                  max_drop=q.max_drop, fallback=q.fallback, max_float_layers=q.max_float_layers)
+        except GateFailed:  # PTQ and fallback missed the gate: QAT next, if enabled
+            if not (q.qat and q.mode == "int8"):
+                raise
+        return qat_after_gate(res.train.run_dir, out_dir, res.data("train"), res.data("val"), epochs=q.qat_epochs,
+                              lr_scale=q.qat_lr_scale, nproc_per_node=res.cfg.pipeline.nproc_per_node,
+                              opset=res.cfg.export.opset)
 
 
 @dataclass

@@ -40,6 +40,9 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
         if q["mode"] == "int8":  # which path made the model the edge runs (fallback: which layers stayed float)
             summary["quantize_path"] = {"produced_by": q.get("produced_by", "ptq"), "method": q.get("method"),
                                         "per_channel": q.get("per_channel", False), "float_layers": q.get("float_layers", [])}
+            if "qat" in q:  # QAT ran: its figures next to PTQ's
+                summary["quantize_path"]["qat"] = {k: q["qat"][k] for k in ("top1", "top1_drop_points", "passed")}
+                summary["quantize_path"]["ptq_top1_drop_points"] = q["ptq"]["top1_drop_points"]
         summary["sizes_bytes"].update({"onnx_fp32": q["fp32"]["bytes"], f"onnx_{q['mode']}": q["quantized"]["bytes"]})
         summary["latency_ms"].update({"host_ort_fp32": q["fp32"]["latency_ms_median"],
                                       f"host_ort_{q['mode']}": q["quantized"]["latency_ms_median"]})
@@ -100,8 +103,9 @@ def format_summary(summary: dict) -> str:
     path = summary.get("quantize_path")
     if path:
         floats = f"; kept in float: {', '.join(path['float_layers'])}" if path["float_layers"] else ""
-        lines.append(f"  {'int8 made by':32s} {path['produced_by']} ({path['method']}"
-                     f"{', per-channel' if path['per_channel'] else ''}){floats}")
+        how = "" if path["produced_by"] == "qat" else (f" ({path['method']}"
+                                                       f"{', per-channel' if path['per_channel'] else ''})")
+        lines.append(f"  {'int8 made by':32s} {path['produced_by']}{how}{floats}")
     for name, path in summary["artifacts"].items():
         lines.append(f"  {name:32s} {path}")
     lines.append(f"  summary                          {Path(summary['out_dir']) / SUMMARY_JSON}")
@@ -125,13 +129,25 @@ def index_html(summary: dict, results: Results) -> str:
     tops = [(k.replace("_top1", ""), 100 * v) for k, v in summary["accuracy"].items()
             if k.endswith("_top1") and "drop" not in k and isinstance(v, (int, float))]
     body = (f"<p>{html.escape(summary['config'])}: {len(summary['ran'])} of {len(rows)} stages ran, "
-            f"{summary['seconds']} s.</p>"
+            f"{summary['seconds']} s.</p>" + _path_html(summary.get("quantize_path"))
             + (bars_svg("top-1 at each stage", "%", tops, "{:.2f}") if tops else "")
             + "<h2>Figures</h2><table>" + "".join(figures) + "</table>"
             + "<h2>Stages</h2><table><tr><th>stage</th><th>this run</th><th>reports</th><th>directory</th></tr>"
             + "".join(rows) + "</table>")
     gate = summary.get("quality_gate")
     return page("Pipeline", "appliance pipeline", SUMMARY_JSON, None if gate is None else bool(gate["passed"]), body)
+
+
+def _path_html(path: dict | None) -> str:
+    """Which path made the edge model: ptq, ptq+fallback (the float layers), or qat."""
+    if not path:
+        return ""
+    floats = f" keeping {len(path['float_layers'])} layers in float: " + ", ".join(
+        f"<code>{html.escape(n)}</code>" for n in path["float_layers"]) if path["float_layers"] else ""
+    qat = path.get("qat")
+    tried = (f" (QAT ran: drop {qat['top1_drop_points']:.2f} points against PTQ's "
+             f"{path['ptq_top1_drop_points']:.2f})" if qat else "")
+    return f"<p>INT8 edge model made by <b>{html.escape(path['produced_by'])}</b>{floats}{tried}.</p>"
 
 
 def _href(path: Path, out: Path) -> str:

@@ -166,6 +166,15 @@ class ProfileSection:
 
 
 @dataclass(frozen=True)
+class QatSection:
+    """Quantization-aware fine-tuning (appliance/tasks/fake_quant.py): BatchNorm folded, fake INT8 weights
+    and layer inputs; the exported model is QDQ with the scales training learnt. Start it from a trained
+    run ([model] init) with a lower lr and few epochs; `appliance quantize --qat RUN` writes such a config."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunSection
     data: DataSection
@@ -178,6 +187,7 @@ class Config:
     distributed: DistributedSection = field(default_factory=DistributedSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
     task: TaskSection = field(default_factory=TaskSection)
+    qat: QatSection = field(default_factory=QatSection)
     source: str = ""
     init_sha256: str = ""  # of [model] init's weights, hashed when the config is read: part of training_hash
 
@@ -208,6 +218,8 @@ class Config:
         d.pop("profile")  # measuring a run does not change it
         if self.task == TaskSection():
             d.pop("task")  # classification's hashes stay those of runs made before [task] existed
+        if self.qat == QatSection():
+            d.pop("qat")  # likewise for runs made before [qat] existed
         d["run"] = {"seed": self.run.seed, "deterministic": self.run.deterministic}
         d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps", *GATE_KEYS)}
         if d["train"]["compile"] != "on":  # compiled kernels round differently; "auto" and "off" run eager,
@@ -218,13 +230,15 @@ class Config:
         d = dataclasses.asdict(self)
         if self.task == TaskSection():
             d.pop("task")  # a classification run's manifest reads as before [task] existed
+        if self.qat == QatSection():
+            d.pop("qat")
         return d
 
 
 _SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
                   "schedule": ScheduleSection, "train": TrainSection, "checkpoint": CheckpointSection,
                   "augment": AugmentSection, "distributed": DistributedSection,
-                  "profile": ProfileSection, "task": TaskSection}
+                  "profile": ProfileSection, "task": TaskSection, "qat": QatSection}
 
 
 def _check_values(cfg: Config, source: str) -> None:

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from appliance.core.errors import ConfigError
 from appliance.models import ONNX_ARCHITECTURE, classifier_head
 from appliance.tasks import task_for
+from appliance.tasks.fake_quant import insert_fake_quant
 from appliance.train.config import DEFAULT_BUCKET_CAP_MB
 from appliance.train.init_weights import apply_init, resolve_init
 
@@ -75,6 +76,8 @@ def prepare_model(cfg, log=print) -> tuple[nn.Module, dict | None]:
             raise ConfigError(f"{cfg.source}: {err}") from None
     elif cfg.model.reset:
         raise ConfigError(f"{cfg.source}: [model] reset needs [model] init (without it every weight is fresh)")
+    if cfg.qat.enabled:  # after init: BatchNorm folds with the trained statistics
+        insert_fake_quant(model)
     freeze(model, cfg.model.frozen_prefixes, cfg.model.linear_probe, cfg.source, cfg.model.architecture)
     return model, report
 

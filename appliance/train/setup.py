@@ -19,6 +19,7 @@ from appliance.core.errors import ConfigError
 from appliance.core.manifest import atomic_write_text
 from appliance.models import ONNX_ARCHITECTURE, ONNX_GRAPH_NAME, ModelCard
 from appliance.tasks import task_for
+from appliance.tasks.fake_quant import CARD_KEY as QAT_CARD_KEY, CARD_VALUE as QAT_CARD_VALUE
 from appliance.train import data, faults, worker_error
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report
@@ -143,6 +144,8 @@ def build(run: Run) -> Run:
                          std=cfg.data.std, channel_order="RGB" if cfg.data.channels == 3 else "L",
                          class_names=cfg.data.classes, extra={"run": cfg.run.name, "made_by": "appliance train",
                                                                    **run.task.card_extra()})
+    if cfg.qat.enabled:  # export rebuilds the fake-quantized model from this
+        run.card.extra[QAT_CARD_KEY] = QAT_CARD_VALUE
     if cfg.model.architecture == ONNX_ARCHITECTURE:
         run.onnx_graph = Path(cfg.model.init)
         run.card.extra["onnx_graph"] = ONNX_GRAPH_NAME

@@ -195,3 +195,28 @@ def test_a_mixed_model_whose_last_layer_stayed_float_compiles_and_passes_its_che
     assert proc.returncode == 0, proc.stderr
     check = json.loads((tmp_path / "x86" / "compile.json").read_text())["check"]
     assert check["passed"] and check["top1_agreement"] == 1.0, check
+
+
+def test_the_mixed_model_packages_and_verifies_under_qemu(tmp_path, fallback_run, outlier):
+    """int8 and float layers in one aarch64 library: packaged and run under qemu-aarch64, agreeing with the host."""
+    _, out = fallback_run
+    _, _, val = outlier
+    assert json.loads((out / "accuracy.json").read_text())["float_layers"]
+    mixed = onnx.load(str(out / "model.int8.onnx"))  # the metadata export writes, which package and verify read
+    for key, value in (("appliance.preprocessing", {"image_size": 20, "mean": [0.2] * 3, "std": [0.3] * 3,
+                                                    "channel_order": "RGB"}),
+                       ("appliance.class_names", ["a", "b", "c", "d"])):
+        entry = mixed.metadata_props.add()
+        entry.key, entry.value = key, json.dumps(value)
+    onnx.save(mixed, str(tmp_path / "mixed.onnx"))
+    proc = run_appliance("compile", str(tmp_path / "mixed.onnx"), "--target", "aarch64", "--out", str(tmp_path / "arm"))
+    assert proc.returncode == 0, proc.stderr
+    layers = json.loads((tmp_path / "arm" / "compile.json").read_text())["layers"]
+    assert layers["int8"] >= 1 and layers["fp32"] >= 1, layers
+    proc = run_appliance("package", str(tmp_path / "arm"), "--out", str(tmp_path / "edge.tar"), "--samples", str(val))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_appliance("edge", "verify", str(tmp_path / "edge.tar"), "--samples", str(val), "--num-samples", "16",
+                         "--bench-runs", "0", "--out", str(tmp_path / "verify"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "verify" / "verify.json").read_text())
+    assert report["samples"] == 16, report
