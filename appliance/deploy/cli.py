@@ -45,10 +45,13 @@ def register_quantize(subparsers) -> None:
     p = subparsers.add_parser(
         "quantize", help="INT8 (static QDQ) or FP16 quantization with an accuracy report and gate",
         description="Quantize MODEL.onnx with calibration data, evaluate FP32 vs quantized on the "
-        "validation set (accuracy.json, accuracy.html) and exit 3 when top-1 drops more than --max-drop points.")
+        "validation set (accuracy.json, accuracy.html) and exit 3 when top-1 (mIoU for a segmentation model) "
+        "drops more than --max-drop points. A segmentation model is quantized with symmetric and asymmetric "
+        "activations, both reported, the better kept.")
     p.add_argument("model", metavar="MODEL.onnx")
     p.add_argument("--calib", required=True, nargs="+", metavar="DATA",
-                   help="calibration TFRecord files (image/encoded, image/class/label) or a .npz of tensors")
+                   help="calibration TFRecord files (image/encoded with image/class/label, or DeepLab's "
+                   "image/segmentation/class/encoded masks) or a .npz of tensors")
     p.add_argument("--val", nargs="+", metavar="DATA", help="labelled validation data (default: --calib)")
     p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
     p.add_argument("--mode", choices=["int8", "fp16"], default="int8")
@@ -59,7 +62,7 @@ def register_quantize(subparsers) -> None:
                    "(reduce_range: onnxruntime's faster x86 kernels without their AVX2 saturation)")
     p.add_argument("--calib-samples", type=values.positive_int, default=128)
     p.add_argument("--val-samples", type=values.positive_int, default=1000)
-    p.add_argument("--max-drop", type=values.non_negative_float, default=1.0, help="allowed top-1 drop in points (default 1.0)")
+    p.add_argument("--max-drop", type=values.non_negative_float, default=1.0, help="allowed drop in points of top-1, or of mIoU for a segmentation model (default 1.0)")
     p.add_argument("--fallback", choices=options.FALLBACKS, default="auto",
                    help="INT8 over --max-drop: auto (default) tries per-channel weights and the other calibrations, "
                    "then keeps the most sensitive layers in float; none: exit 3 at once")
