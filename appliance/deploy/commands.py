@@ -80,7 +80,8 @@ def compile_command(args) -> int:
         line += f"; vs onnxruntime on {c['samples']} samples: max abs diff {c['max_abs_diff']:.3g}"
         if c.get("max_quantized_units") is not None:
             line += f" ({c['max_quantized_units']:.2f} output steps)"
-        line += f", top-1 agreement {c['top1_agreement']:.4f}"
+        line += (f", pixel agreement {c['pixel_agreement']:.4f}" if "pixel_agreement" in c
+                 else f", top-1 agreement {c['top1_agreement']:.4f}")
     if info["tuned_tasks"]:
         line += f"; {info['tuned_tasks']} tasks tuned"
     if info.get("host_latency_ms") is not None:
