@@ -154,13 +154,16 @@ def register_edge(subparsers) -> None:
     p = verbs.add_parser(
         "verify", help="run the package under qemu-aarch64 and compare with host onnxruntime",
         description="Check the package's signature (the site key, or --pubkey) and SHA256SUMS, run its native runner under qemu-aarch64 on "
-        "samples and compare with onnxruntime on the host: top-1 agreement and max logit difference, gated "
+        "samples and compare with onnxruntime on the host: top-1 agreement (per pixel, with mIoU, for a segmentation "
+        "model) and max logit difference, gated "
         "(exit status 3 when the gate or the on-device self-test fails).")
     p.add_argument("package", metavar="edge-package.tar")
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="validation TFRecord files or a .npz of tensors (default: 16 seeded random images)")
     p.add_argument("--num-samples", type=values.positive_int, default=32)
-    p.add_argument("--min-agreement", type=values.fraction_float, default=1.0, help="required top-1 agreement (default 1.0)")
+    p.add_argument("--min-agreement", type=values.fraction_float,
+                   help="required top-1 agreement, or share of pixels whose class agrees for a segmentation model "
+                   "(default: 1.0 for classification, 0.995 for segmentation)")
     p.add_argument("--max-logit-diff", type=values.non_negative_float,
                    help="allowed max |edge - host| logit, times max(1, max |host logit|) "
                    "(default 1e-4; 1e-2 for FP16 models)")

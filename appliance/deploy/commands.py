@@ -110,8 +110,11 @@ def verify_command(args) -> int:
             print(json.dumps(report))
             return
         for route in report["routes"]:
-            print(f"{args.package}: {route['runner']}: {report['samples']} samples: top-1 agreement "
-                  f"{route['top1_agreement']:.4f} (need {args.min_agreement:g}), max logit diff "
+            what = "pixel agreement" if "pixel_agreement" in route else "top-1 agreement"
+            miou = (f", mIoU device {route['miou'] * 100:.2f}% / host {route['host_miou'] * 100:.2f}%"
+                    if "miou" in route else "")
+            print(f"{args.package}: {route['runner']}: {report['samples']} samples: {what} "
+                  f"{route['top1_agreement']:.4f} (need {report['min_agreement']:g}){miou}, max logit diff "
                   f"{route['max_logit_diff']:.3g} (allowed {route['allowed_logit_diff']:.3g}), "
                   f"{route['seconds']:.1f} s: {'PASS' if route['passed'] else 'FAIL'}")
         print(f"{args.package}: {selftest_line(report['selftest'])}")
