@@ -142,9 +142,20 @@ def write_selftest(root: Path, samples, reference: Path, precision: str, count: 
     if task is not None and task.kind == "segmentation":
         np.save(root / "selftest" / "masks.npy", host[chosen].argmax(1).astype(np.uint8))
         del entry["min_top1_agreement"], entry["min_top1_margin"]
-        entry.update({"masks": "selftest/masks.npy", "classes": int(host.shape[1]), "min_pixel_agreement": task.min_agreement,
-                      "min_pixel_margin": float(margin[chosen].min())})
+        entry.update({"masks": "selftest/masks.npy", "classes": int(host.shape[1]),
+                      "min_pixel_agreement": task.min_agreement, "min_pixel_margin": float(margin[chosen].min())})
     return entry
+
+
+def model_json(info: dict, task, selftest: dict, glibc_floor: str, glibcxx) -> dict:
+    """model.json: what bin/run, run.py and edge verify read. A segmentation model's "task" comes
+    before the model card (bin/run reads the first "task" key); classification's has none."""
+    seg = {"task": task_entry(task, selftest["classes"])} if task.kind == "segmentation" else {}
+    return {"made_by": "appliance package", "target": info["target"], "tvm_target": info["tvm_target"],
+            **seg, "input": info["input"], "precision": info.get("precision", "fp32"),
+            "glibc_floor": glibc_floor, "glibcxx_needed": glibcxx,
+            "preprocessing": info.get("preprocessing"), "selftest": selftest,
+            "class_names": info.get("class_names", []), "model_card": info.get("model_card")}
 
 
 def task_entry(task, num_classes: int) -> dict:
@@ -229,14 +240,8 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         task = task_of_metadata({"model_card": info.get("model_card")})
         selftest = write_selftest(root, samples, compiled / "model.onnx", info.get("precision", "fp32"), golden_count,
                                   task)
-        # A segmentation model's task comes before the model card (bin/run reads the first "task").
-        seg = {"task": task_entry(task, selftest["classes"])} if task.kind == "segmentation" else {}
-        model_info = {"made_by": "appliance package", "target": info["target"], "tvm_target": info["tvm_target"],
-                      **seg, "input": info["input"], "precision": info.get("precision", "fp32"),
-                      "glibc_floor": glibc_floor, "glibcxx_needed": glibcxx,
-                      "preprocessing": info.get("preprocessing"), "selftest": selftest,
-                      "class_names": info.get("class_names", []), "model_card": info.get("model_card")}
-        atomic_write_text(root / "model.json", json.dumps(model_info, indent=2) + "\n")
+        atomic_write_text(root / "model.json", json.dumps(model_json(info, task, selftest, glibc_floor, glibcxx),
+                                                          indent=2) + "\n")
         write_manifest(root, "package", [compiled / "model.so", info_path, compiled / "model.onnx", *shipped_wheels,
                                          *samples.files],
                        {"target": info["target"], "glibc_floor": glibc_floor, "elf_needs": elf_needs, "runner": runner,

@@ -30,10 +30,11 @@ from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
 from appliance.deploy.samples import check_input_shape, load_samples, synthetic_samples
 from appliance.deploy.tolerance import qdq_allowance
 from appliance.core.manifest import atomic_write_text, write_manifest
-from appliance.core.html_report import PALETTE, bars_svg, columns_svg, page
+from appliance.core.html_report import PALETTE, columns_svg, page
 from appliance.core.stage import read_result_json
 from data_tools.preprocessing import PREPROCESSING_KEYS
 from appliance.tasks import task_of_metadata
+from appliance.deploy.verify_pixels import check_class_maps, pixel_figures, segmentation_html
 
 VERIFY_JSON = "verify.json"
 
@@ -239,34 +240,11 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
                                            np.abs(edge.astype(np.float64) - host).reshape(len(host), -1).max(1)],
              "passed": bool(agreement >= min_agreement and diff <= allowed)}
     if task is not None and task.kind == "segmentation":
-        route["pixel_agreement"] = agreement
-        if labels is not None:
-            device, on_host = task.figures(edge.argmax(1), labels, edge.shape[1]), task.figures(host.argmax(1), labels, host.shape[1])
-            route.update({"miou": device["miou"], "host_miou": on_host["miou"], "pixel_acc": device["pixel_acc"],
-                          "host_pixel_acc": on_host["pixel_acc"]})
+        route.update(pixel_figures(edge, host, labels, task))
     elif labels is not None:  # the accuracy on ARM beside the host's on the same samples
         route.update({"top1": float((edge.argmax(1) == labels).mean()),
                       "host_top1": float((host.argmax(1) == labels).mean())})
     return route
-
-
-def check_class_maps(root: Path, edge: np.ndarray, package) -> dict:
-    """The runner's PNG class maps, decoded here: each must be the argmax of the logits it wrote."""
-    import numpy as np
-    from PIL import Image
-
-    for i, logits in enumerate(edge):
-        path = root / "verify-masks" / f"{i:04d}.png"
-        try:
-            with Image.open(path) as image:
-                mode, decoded = image.mode, np.asarray(image)
-        except (OSError, ValueError) as err:
-            raise DataError(f"{package}: bin/run's class map {path.name} is not a readable PNG ({err})") from None
-        if mode != "L" or not np.array_equal(decoded, logits.argmax(0)):
-            raise DataError(f"{package}: bin/run's class map {path.name} ({mode}, {decoded.shape}) is not the argmax "
-                            "of the logits it returned")
-    return {"written": int(len(edge)), "format": "PNG, 8-bit greyscale, one class id per pixel",
-            "equal_to_logits_argmax": True}
 
 
 def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=None,
@@ -345,27 +323,6 @@ def device_proof_html(report: dict) -> str:
         parts.append(f"<p>bin/run --bench under qemu-aarch64 (emulated: not the device's latency, not gated): "
                      f"{b['runs']} runs, median {b['median_ms']:.2f} ms, p90 {b['p90_ms']:.2f} ms, "
                      f"p99 {b['p99_ms']:.2f} ms, fluctuation {b['fluctuation']:.3f}</p>")
-    return "".join(parts)
-
-
-def segmentation_html(report: dict) -> str:
-    """Per route: pixel agreement and mIoU against the masks, device beside host; the class-map check."""
-    import html
-
-    if report.get("task") != "segmentation":
-        return ""
-    parts = [f"<h2>Segmentation: class per pixel, device vs host (gate: {report['min_agreement'] * 100:.1f}% "
-             "of the pixels agree)</h2>"]
-    for r in report["routes"]:
-        line = f"{html.escape(r['runner'])}: pixel agreement {r['pixel_agreement'] * 100:.3f}%"
-        if "miou" in r:
-            line += (f"; mIoU against the masks: device {r['miou'] * 100:.2f}%, host {r['host_miou'] * 100:.2f}% "
-                     f"(pixel accuracy {r['pixel_acc'] * 100:.2f}% / {r['host_pixel_acc'] * 100:.2f}%)")
-            parts.append(bars_svg(f"mIoU: {r['runner']}", "%", [("host (onnxruntime)", r["host_miou"] * 100),
-                                                                  ("device (qemu)", r["miou"] * 100)], "{:.2f}"))
-        if "class_maps" in r:
-            line += f"; {r['class_maps']['written']} PNG class maps decoded, each the argmax of its logits"
-        parts.insert(len(parts) - ("miou" in r), f"<p>{line}</p>")
     return "".join(parts)
 
 
