@@ -91,6 +91,7 @@ def test_int8_gate_counts_miou_points_and_reports_both_activation_schemes(seg_ex
     assert "Activation schemes" in html and "INT8 symmetric" in html and "<th>mIoU</th>" in html
 
 
+@pytest.mark.slow  # a TVM build (20-40 s here)
 def test_x86_build_is_checked_per_pixel_against_onnxruntime(seg_export, tmp_path):
     from appliance.deploy.compiler.driver import compile_model
 
@@ -135,6 +136,7 @@ def test_class_map_png_writer_round_trips_through_pil(tmp_path):
     assert np.array_equal(got.ravel(), ((i * 7 + i // 300) % 5).astype(np.uint8))
 
 
+@pytest.mark.slow  # a TVM build (20-40 s here)
 def test_edge_package_writes_class_maps_and_verify_compares_pixels_and_miou(seg_export, tmp_path):
     from PIL import Image
 
