@@ -178,3 +178,22 @@ def test_edge_package_writes_class_maps_and_verify_compares_pixels_and_miou(seg_
         with Image.open(line["mask"]) as image:
             assert (np.asarray(image) == host[i]).mean() >= 0.995
     assert len(lines) == 3
+
+
+def test_python_runner_writes_the_same_class_map_png(tmp_path, monkeypatch):
+    """python/run.py's writer (zlib-compressed, unlike bin/run's stored blocks) decodes to the argmax."""
+    import importlib.util
+
+    from PIL import Image
+
+    # run.py sets TVM_USE_RUNTIME_LIB when unset; set here, so that it is unset again after this test.
+    monkeypatch.setenv("TVM_USE_RUNTIME_LIB", "1")
+    spec = importlib.util.spec_from_file_location("edge_run", HEADER.parent / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    logits = np.random.default_rng(3).standard_normal((4, 5, 7)).astype(np.float32)
+    line = run.write_class_map(logits, 2, tmp_path / "masks")
+    assert line["mask"].endswith("0002.png") and (line["height"], line["width"]) == (5, 7)
+    assert sum(line["class_pixels"]) == 35
+    with Image.open(line["mask"]) as image:
+        assert image.mode == "L" and np.array_equal(np.asarray(image), logits.argmax(0))
