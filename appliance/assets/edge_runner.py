@@ -2,7 +2,7 @@
 
 zig keys its libc++ build by the path of its install, so the first build in every new venv spends
 1-2.5 minutes on it. The runner does not depend on the model, only on what `runner_inputs` hashes:
-runner.cc and the signature verifier it includes (signature.h, hashes.h), the tvm-ffi headers,
+runner.cc and the headers it includes (signature.h, hashes.h, class_map_png.h), the tvm-ffi headers,
 libtvm_runtime.so and libtvm_ffi.so from the edge wheels, the glibc floor, zig's version and the
 compile argv. `appliance bundle build` builds it once on the connected
 host into edge-runner/ (run + runner.json); the installer puts that folder next to the venv, and
@@ -27,7 +27,7 @@ from appliance.core.errors import EnvironmentProblem
 from appliance.core.manifest import sha256_file
 
 RUNNER_SOURCE = Path(__file__).resolve().parents[1] / "deploy" / "edge" / "runner.cc"
-RUNNER_HEADERS = ("signature.h", "hashes.h")  # beside runner.cc, included by it: the device-side verifier
+RUNNER_HEADERS = ("signature.h", "hashes.h", "class_map_png.h")  # beside runner.cc, included by it: the device-side verifier, the PNG writer
 RUNTIME_LIBS = {"apache_tvm-": "tvm/lib/libtvm_runtime.so", "apache_tvm_ffi-": "tvm_ffi/lib/libtvm_ffi.so"}
 HEADERS = "tvm_ffi/include"  # under the sdk folder extract_runtime fills
 DEFAULT_GLIBC_FLOOR = "2.28"

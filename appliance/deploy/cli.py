@@ -45,10 +45,13 @@ def register_quantize(subparsers) -> None:
     p = subparsers.add_parser(
         "quantize", help="INT8 (static QDQ) or FP16 quantization with an accuracy report and gate",
         description="Quantize MODEL.onnx with calibration data, evaluate FP32 vs quantized on the "
-        "validation set (accuracy.json, accuracy.html) and exit 3 when top-1 drops more than --max-drop points.")
+        "validation set (accuracy.json, accuracy.html) and exit 3 when top-1 (mIoU for a segmentation model) "
+        "drops more than --max-drop points. A segmentation model is quantized with symmetric and asymmetric "
+        "activations, both reported, the better kept.")
     p.add_argument("model", metavar="MODEL.onnx")
     p.add_argument("--calib", required=True, nargs="+", metavar="DATA",
-                   help="calibration TFRecord files (image/encoded, image/class/label) or a .npz of tensors")
+                   help="calibration TFRecord files (image/encoded with image/class/label, or DeepLab's "
+                   "image/segmentation/class/encoded masks) or a .npz of tensors")
     p.add_argument("--val", nargs="+", metavar="DATA", help="labelled validation data (default: --calib)")
     p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
     p.add_argument("--mode", choices=["int8", "fp16"], default="int8")
@@ -59,7 +62,7 @@ def register_quantize(subparsers) -> None:
                    "(reduce_range: onnxruntime's faster x86 kernels without their AVX2 saturation)")
     p.add_argument("--calib-samples", type=values.positive_int, default=128)
     p.add_argument("--val-samples", type=values.positive_int, default=1000)
-    p.add_argument("--max-drop", type=values.non_negative_float, default=1.0, help="allowed top-1 drop in points (default 1.0)")
+    p.add_argument("--max-drop", type=values.non_negative_float, default=1.0, help="allowed drop in points of top-1, or of mIoU for a segmentation model (default 1.0)")
     p.add_argument("--fallback", choices=options.FALLBACKS, default="auto",
                    help="INT8 over --max-drop: auto (default) tries per-channel weights and the other calibrations, "
                    "then keeps the most sensitive layers in float; none: exit 3 at once")
@@ -158,13 +161,16 @@ def register_edge(subparsers) -> None:
     p = verbs.add_parser(
         "verify", help="run the package under qemu-aarch64 and compare with host onnxruntime",
         description="Check the package's signature (the site key, or --pubkey) and SHA256SUMS, run its native runner under qemu-aarch64 on "
-        "samples and compare with onnxruntime on the host: top-1 agreement and max logit difference, gated "
+        "samples and compare with onnxruntime on the host: top-1 agreement (per pixel, with mIoU, for a segmentation "
+        "model) and max logit difference, gated "
         "(exit status 3 when the gate or the on-device self-test fails).")
     p.add_argument("package", metavar="edge-package.tar")
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="validation TFRecord files or a .npz of tensors (default: 16 seeded random images)")
     p.add_argument("--num-samples", type=values.positive_int, default=32)
-    p.add_argument("--min-agreement", type=values.fraction_float, default=1.0, help="required top-1 agreement (default 1.0)")
+    p.add_argument("--min-agreement", type=values.fraction_float,
+                   help="required top-1 agreement, or share of pixels whose class agrees for a segmentation model "
+                   "(default: 1.0 for classification, 0.995 for segmentation)")
     p.add_argument("--max-logit-diff", type=values.non_negative_float,
                    help="allowed max |edge - host| logit, times max(1, max |host logit|) "
                    "(default 1e-4; 1e-2 for FP16 models)")

@@ -31,8 +31,9 @@ def quantize_command(args) -> int:
     def show(result) -> None:  # before the gate: a failed model's figures are printed too
         report = result.report
         q, f = report["quantized"], report["fp32"]
-        line = (f"wrote {q['model']}: top-1 {f['top1'] * 100:.2f}% -> {q['top1'] * 100:.2f}% "
-                f"(drop {report['top1_drop_points']:.2f} points, allowed {args.max_drop:g}), agreement "
+        m, label = report.get("metric", "top1"), report.get("metric_label", "top-1")
+        line = (f"wrote {q['model']}: {label} {f[m] * 100:.2f}% -> {q[m] * 100:.2f}% "
+                f"(drop {report[f'{m}_drop_points']:.2f} points, allowed {args.max_drop:g}), agreement "
                 f"{report['prediction_agreement'] * 100:.2f}%, size x{report['size_ratio']:.2f}, latency "
                 f"x{report['latency_ratio']:.2f}; report {result.html}")
         if args.mode == "int8" and "produced_by" in report:
@@ -40,6 +41,11 @@ def quantize_command(args) -> int:
                      f"({report['method']}{', per-channel' * bool(report['per_channel'])})")
             if report.get("float_layers"):
                 line += f"; kept in float: {', '.join(report['float_layers'])}"
+            for row in report.get("schemes", []):  # segmentation: FP32 / INT8 symmetric / asymmetric
+                line += (f"\n{row['scheme']}: {label} {row[m] * 100:.2f}%, {row['bytes']:,} B, "
+                         f"host latency {row['latency_ms_median']:.3f} ms")
+            if "activation_scheme" in report:
+                line += f"\nkept: INT8 {report['activation_scheme']} activations"
         print(json.dumps(report) if args.json else line)
 
     quantize_stage(args.model, args.calib, args.val, args.out, mode=args.mode, method=args.method,
@@ -74,7 +80,8 @@ def compile_command(args) -> int:
         line += f"; vs onnxruntime on {c['samples']} samples: max abs diff {c['max_abs_diff']:.3g}"
         if c.get("max_quantized_units") is not None:
             line += f" ({c['max_quantized_units']:.2f} output steps)"
-        line += f", top-1 agreement {c['top1_agreement']:.4f}"
+        line += (f", pixel agreement {c['pixel_agreement']:.4f}" if "pixel_agreement" in c
+                 else f", top-1 agreement {c['top1_agreement']:.4f}")
     if info["tuned_tasks"]:
         line += f"; {info['tuned_tasks']} tasks tuned"
     if info.get("host_latency_ms") is not None:
@@ -103,8 +110,11 @@ def verify_command(args) -> int:
             print(json.dumps(report))
             return
         for route in report["routes"]:
-            print(f"{args.package}: {route['runner']}: {report['samples']} samples: top-1 agreement "
-                  f"{route['top1_agreement']:.4f} (need {args.min_agreement:g}), max logit diff "
+            what = "pixel agreement" if "pixel_agreement" in route else "top-1 agreement"
+            miou = (f", mIoU device {route['miou'] * 100:.2f}% / host {route['host_miou'] * 100:.2f}%"
+                    if "miou" in route else "")
+            print(f"{args.package}: {route['runner']}: {report['samples']} samples: {what} "
+                  f"{route['top1_agreement']:.4f} (need {report['min_agreement']:g}){miou}, max logit diff "
                   f"{route['max_logit_diff']:.3g} (allowed {route['allowed_logit_diff']:.3g}), "
                   f"{route['seconds']:.1f} s: {'PASS' if route['passed'] else 'FAIL'}")
         print(f"{args.package}: {selftest_line(report['selftest'])}")

@@ -38,7 +38,7 @@ class Attempt:
 def knob_recipes(first: Recipe) -> list[Recipe]:
     """Cheaper than float layers, cheapest first: per-channel weights, then the other calibrations."""
     out = [] if first.per_channel else [replace(first, per_channel=True)]
-    out += [Recipe(m, True) for m in METHODS if m != first.method]
+    out += [replace(first, method=m, per_channel=True) for m in METHODS if m != first.method]
     return out
 
 

@@ -36,13 +36,16 @@ class CalibrationSet:
 
 @dataclass(frozen=True)
 class Recipe:
-    """How one INT8 model is made: calibration method, weight scales, and the layers kept in float."""
+    """How one INT8 model is made: calibration method, weight scales, the layers kept in float, and
+    whether activations are quantized symmetrically (zero point 0; onnxruntime's ActivationSymmetric)."""
     method: str = "minmax"
     per_channel: bool = False
     float_layers: tuple[str, ...] = ()
+    symmetric_activations: bool = False
 
     def label(self) -> str:
         text = f"{self.method}{', per-channel' if self.per_channel else ''}"
+        text += ", symmetric activations" if self.symmetric_activations else ""
         return text + (f", {len(self.float_layers)} float layer{'s' * (len(self.float_layers) != 1)}"
                        if self.float_layers else "")
 
@@ -95,6 +98,8 @@ class Int8Builder:
         extra = {}
         if self._cache:  # one calibration per method, however many variants
             extra["calibration_cache_path"] = str(self.work / f"ranges-{recipe.method}.json")
+        if recipe.symmetric_activations:  # scales only: the calibrated ranges are the same either way
+            extra["extra_options"] = {"ActivationSymmetric": True}
         quantize_static(
             str(self.prepared), str(out_path), CalibrationSet(self.input_name, self.calib_x),
             quant_format=QuantFormat.QDQ, weight_type=QuantType.QInt8, per_channel=recipe.per_channel,

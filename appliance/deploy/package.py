@@ -41,6 +41,7 @@ from appliance.deploy.tolerance import qdq_allowance
 from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
 from data_tools import preprocessing
 from appliance.core.stage import read_result_json
+from appliance.tasks import task_of_metadata
 
 PACKAGE_RESULT_JSON = "package.json"
 
@@ -112,30 +113,56 @@ def golden_samples(compiled: Path, sample_files, preprocessing: dict, shape: lis
     return synthetic_samples(preprocessing, shape[1], count)
 
 
-def write_selftest(root: Path, samples, reference: Path, precision: str, count: int) -> dict:
-    """selftest/inputs.npy and the host's outputs for them; returns the model.json entry.
+def write_selftest(root: Path, samples, reference: Path, precision: str, count: int, task=None) -> dict:
+    """selftest/inputs.npy and the host's outputs for them; returns the model.json entry. A segmentation
+    model also gets the host's golden class maps, selftest/masks.npy (uint8 N x H x W), which the device's
+    class maps must match on the task's min_agreement of the pixels.
 
     Of the candidate samples, those whose top-1 logit leads the runner-up by more than twice the
-    allowed difference come first: on them, any output within tolerance has the same top-1, so
-    the device's agreement gate cannot trip on a near tie."""
+    allowed difference (at every pixel) come first: on them, any output within tolerance has the
+    same top-1, so the device's agreement gate cannot trip on a near tie."""
     import numpy as np
 
     host = run_ort(ort_session(reference, optimize=False), samples.x).astype(np.float32)
     tolerance = default_tolerance(precision)
     # A QDQ model's int8 build may differ from the float reference by the output steps compile allows.
     allowed = max(tolerance * max(1.0, float(np.abs(host).max())), qdq_allowance(reference))
-    top2 = np.sort(host, axis=1)[:, -2:] if host.shape[1] > 1 else np.zeros((len(host), 2), np.float32)
-    margin = top2[:, 1] - top2[:, 0]
+    top2 = np.sort(host, axis=1)[:, -2:] if host.shape[1] > 1 else np.zeros((len(host), 2, *host.shape[2:]), np.float32)
+    margin = (top2[:, 1] - top2[:, 0]).reshape(len(host), -1).min(1)  # a segmentation sample's closest pixel
     clear = [i for i in range(len(host)) if margin[i] > 2 * allowed]
     rest = sorted(set(range(len(host))) - set(clear), key=lambda i: -margin[i])
     chosen = sorted((clear + rest)[:count])
     (root / "selftest").mkdir()
     np.save(root / "selftest" / "inputs.npy", np.ascontiguousarray(samples.x[chosen], dtype=np.float32))
     np.save(root / "selftest" / "expected.npy", host[chosen])
-    return {"inputs": "selftest/inputs.npy", "expected": "selftest/expected.npy", "samples": len(chosen),
-            "source": samples.source, "files": [str(f) for f in samples.files], "reference": "onnxruntime (host)",
-            "tolerance": tolerance, "max_abs_diff": allowed, "min_top1_agreement": 1.0,
-            "min_top1_margin": float(margin[chosen].min())}
+    entry = {"inputs": "selftest/inputs.npy", "expected": "selftest/expected.npy", "samples": len(chosen),
+             "source": samples.source, "files": [str(f) for f in samples.files], "reference": "onnxruntime (host)",
+             "tolerance": tolerance, "max_abs_diff": allowed, "min_top1_agreement": 1.0,
+             "min_top1_margin": float(margin[chosen].min())}
+    if task is not None and task.kind == "segmentation":
+        np.save(root / "selftest" / "masks.npy", host[chosen].argmax(1).astype(np.uint8))
+        del entry["min_top1_agreement"], entry["min_top1_margin"]
+        entry.update({"masks": "selftest/masks.npy", "classes": int(host.shape[1]),
+                      "min_pixel_agreement": task.min_agreement, "min_pixel_margin": float(margin[chosen].min())})
+    return entry
+
+
+def model_json(info: dict, task, selftest: dict, glibc_floor: str, glibcxx) -> dict:
+    """model.json: what bin/run, run.py and edge verify read. A segmentation model's "task" comes
+    before the model card (bin/run reads the first "task" key); classification's has none."""
+    seg = {"task": task_entry(task, selftest["classes"])} if task.kind == "segmentation" else {}
+    return {"made_by": "appliance package", "target": info["target"], "tvm_target": info["tvm_target"],
+            **seg, "input": info["input"], "precision": info.get("precision", "fp32"),
+            "glibc_floor": glibc_floor, "glibcxx_needed": glibcxx,
+            "preprocessing": info.get("preprocessing"), "selftest": selftest,
+            "class_names": info.get("class_names", []), "model_card": info.get("model_card")}
+
+
+def task_entry(task, num_classes: int) -> dict:
+    """model.json's "task" of a segmentation model: what bin/run does with its (1, K, H, W) logits."""
+    return {"kind": task.kind, "ignore_label": task.ignore_label, "num_classes": num_classes,
+            "output": "logits [N, K, H, W]", "postprocess": task.postprocess,
+            "min_pixel_agreement": task.min_agreement}
 
 
 def python_runner_wheels(wheels: list[Path], into: Path) -> list[Path]:
@@ -207,13 +234,11 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
             shutil.copyfile(preprocessing.__file__, root / "python" / "preprocessing.py")
             shutil.copyfile(HERE / "edge" / "run.py", root / "python" / "run.py")
             shipped_wheels = python_runner_wheels(wheels, root / "wheels")
-        selftest = write_selftest(root, samples, compiled / "model.onnx", info.get("precision", "fp32"), golden_count)
-        model_info = {"made_by": "appliance package", "target": info["target"], "tvm_target": info["tvm_target"],
-                      "input": info["input"], "precision": info.get("precision", "fp32"),
-                      "glibc_floor": glibc_floor, "glibcxx_needed": glibcxx,
-                      "preprocessing": info.get("preprocessing"), "selftest": selftest,
-                      "class_names": info.get("class_names", []), "model_card": info.get("model_card")}
-        atomic_write_text(root / "model.json", json.dumps(model_info, indent=2) + "\n")
+        task = task_of_metadata({"model_card": info.get("model_card")})
+        selftest = write_selftest(root, samples, compiled / "model.onnx", info.get("precision", "fp32"), golden_count,
+                                  task)
+        atomic_write_text(root / "model.json", json.dumps(model_json(info, task, selftest, glibc_floor, glibcxx),
+                                                          indent=2) + "\n")
         write_manifest(root, "package", [compiled / "model.so", info_path, compiled / "model.onnx", *shipped_wheels,
                                          *samples.files],
                        {"target": info["target"], "glibc_floor": glibc_floor, "elf_needs": elf_needs, "runner": runner,

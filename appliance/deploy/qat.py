@@ -25,6 +25,7 @@ from appliance.deploy.accuracy_report import evaluate, write_reports
 from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
 from appliance.deploy.samples import check_input_shape, load_samples
 from appliance.core.stage import read_result_json
+from appliance.tasks import task_of_metadata
 
 QAT_MODEL = "model.qat.onnx"
 
@@ -99,25 +100,27 @@ def add_qat(quantize_dir: Path, qat_model: Path, val_files, calib_files, *, val_
     val = load_samples(list(val_files or calib_files), metadata(fp32_proto).get("preprocessing", {}),
                        limit=val_samples)
     check_input_shape(val, inp.shape, inp.name, qat_model)
-    fp32 = evaluate(ort_session(fp32_path), val.x, val.y)
-    qat = evaluate(ort_session(qat_model), val.x, val.y)
-    drop = (fp32["top1"] - qat["top1"]) * 100
+    task = task_of_metadata(metadata(fp32_proto))
+    m = task.metric  # top1, or miou for a segmentation model: the report's own keys
+    fp32 = evaluate(ort_session(fp32_path), val.x, val.y, task)
+    qat = evaluate(ort_session(qat_model), val.x, val.y, task)
+    drop = (fp32[m] - qat[m]) * 100
     local = quantize_dir / QAT_MODEL
     if qat_model.resolve() != local.resolve():
         shutil.copyfile(qat_model, local)
-    section = {"model": str(local), "top1": qat["top1"], "top1_drop_points": drop, "bytes": local.stat().st_size,
+    section = {"model": str(local), m: qat[m], f"{m}_drop_points": drop, "bytes": local.stat().st_size,
                "latency_ms_median": qat["latency_ms_median"], "passed": bool(drop <= report["max_drop_points"]),
                "prediction_agreement": float((fp32["predictions"] == qat["predictions"]).mean()),
                "run_dir": str(run_dir) if run_dir else None, "validation_samples": int(len(val.x))}
     report["qat"] = section
-    report["ptq"] = {k: report["quantized"][k] for k in ("model", "top1", "bytes", "latency_ms_median")}
-    report["ptq"].update({"top1_drop_points": report["top1_drop_points"], "produced_by": report.get("produced_by")})
+    report["ptq"] = {k: report["quantized"][k] for k in ("model", m, "bytes", "latency_ms_median")}
+    report["ptq"].update({f"{m}_drop_points": report[f"{m}_drop_points"], "produced_by": report.get("produced_by")})
     if not report["gate_passed"] and section["passed"]:
         shipped = Path(report["quantized"]["model"])
         shutil.copyfile(local, shipped)
-        report["quantized"].update({"top1": qat["top1"], "bytes": shipped.stat().st_size,
+        report["quantized"].update({m: qat[m], "bytes": shipped.stat().st_size,
                                     "latency_ms_median": qat["latency_ms_median"]})
-        report.update({"top1_drop_points": drop, "gate_passed": True, "produced_by": "qat",
+        report.update({f"{m}_drop_points": drop, "gate_passed": True, "produced_by": "qat",
                        "prediction_agreement": section["prediction_agreement"], "float_layers": [],
                        "size_ratio": shipped.stat().st_size / report["fp32"]["bytes"],
                        "latency_ratio": qat["latency_ms_median"] / fp32["latency_ms_median"]})

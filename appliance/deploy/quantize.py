@@ -13,7 +13,7 @@ into the report either way unless switched off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from appliance.core.errors import DataError, GateFailed
@@ -26,6 +26,7 @@ from appliance.deploy.options import FALLBACKS, MAX_FLOAT_LAYERS, SCHEMES
 from appliance.deploy.samples import check_input_shape, load_samples
 from appliance.deploy.sensitivity import ERROR_SAMPLES, measure_sensitivity
 from appliance.core.stage import read_result_json
+from appliance.tasks import task_of_metadata
 
 ACCURACY_JSON = "accuracy.json"
 ACCURACY_HTML = "accuracy.html"
@@ -44,12 +45,17 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
                    per_channel=False, scheme="s8s8", calib_samples=128, val_samples=1000, max_drop=1.0,
                    fallback="auto", max_float_layers=MAX_FLOAT_LAYERS, sensitivity=True,
                    sensitivity_samples=ERROR_SAMPLES) -> dict:
-    """Quantize, evaluate, write accuracy.json/.html and the manifest; the report says whether the gate passed."""
+    """Quantize, evaluate, write accuracy.json/.html and the manifest; the report says whether the gate passed.
+
+    The gate counts the model's task metric (its ONNX model card): top-1 points for classification,
+    mIoU points for segmentation, where the symmetric and asymmetric activation schemes are both
+    built and the better one is kept."""
     import onnx
 
     model_path, out_dir = Path(model_path), Path(out_dir)
     model = load_onnx(model_path)
     inp = image_input(model, model_path)
+    task = task_of_metadata(metadata(model))
     preprocessing = metadata(model).get("preprocessing", {})
     calib = load_samples(calib_files, preprocessing, limit=calib_samples)
     check_input_shape(calib, inp.shape, inp.name, model_path)
@@ -61,11 +67,11 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / f"model.{mode}.onnx"
     tmp = out_dir / f".model.{mode}.onnx.tmp"
-    fp32 = evaluate(ort_session(model_path), val.x, val.y)
+    fp32 = evaluate(ort_session(model_path), val.x, val.y, task)
     clamped, extra = 0, {}
     if mode == "int8":
         chosen, extra = _int8(model_path, tmp, calib.x, val, inp.name, fp32, scheme, Recipe(method, per_channel),
-                              max_drop, fallback, max_float_layers, sensitivity, sensitivity_samples)
+                              max_drop, fallback, max_float_layers, sensitivity, sensitivity_samples, task)
         method, per_channel = chosen.recipe.method, chosen.recipe.per_channel
     else:
         clamped = quantize_fp16(model, tmp)
@@ -76,12 +82,14 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     onnx.save(quantized, str(tmp))
     tmp.replace(out_path)
 
-    report = compare(model_path, out_path, fp32, evaluate(ort_session(out_path), val.x, val.y), mode, len(val.x),
-                     max_drop)
+    report = compare(model_path, out_path, fp32, evaluate(ort_session(out_path), val.x, val.y, task), mode,
+                     len(val.x), max_drop, task)
     report.update({"method": method if mode == "int8" else None, "per_channel": per_channel,
                    "format": f"QDQ {scheme.upper()}{' reduce_range' if scheme == 'u8s8' else ''}" if mode == "int8" else "float16, float32 inputs/outputs",
                    "calibration_samples": int(len(calib.x)), "fp16_clamped_weight_warnings": clamped,
                    "validation_source": "calibration data (no --val given)" if not val_files else "--val", **extra})
+    if mode == "int8" and task.compare_schemes:
+        report["activation_scheme"] = "symmetric" if chosen.recipe.symmetric_activations else "asymmetric"
     write_reports(out_dir, report)
     write_manifest(out_dir, "quantize", [model_path, *calib.files, *(val.files if val_files else [])],
                    {"mode": mode, "method": method, "per_channel": per_channel, "scheme": scheme, "calib_samples": calib_samples,
@@ -92,15 +100,18 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
 
 
 def _int8(model_path, out_path, calib_x, val, input_name, fp32, scheme, asked: Recipe, max_drop, fallback,
-          max_float_layers, sensitivity, sensitivity_samples) -> tuple[Attempt, dict]:
-    """(the attempt written to out_path, the report's INT8 sections: path taken, attempts, sensitivity)."""
+          max_float_layers, sensitivity, sensitivity_samples, task) -> tuple[Attempt, dict]:
+    """(the attempt written to out_path, the report's INT8 sections: path taken, attempts, sensitivity).
+
+    An Attempt's `top1` holds the task's metric (mIoU for segmentation); the report's rows name it."""
     candidate = out_path.with_name(".candidate.onnx")
+    metric = task.metric
 
     def attempt(recipe: Recipe, step: str) -> Attempt:
         builder.build(candidate, recipe)
-        result = evaluate(ort_session(candidate), val.x, val.y)
-        drop = (fp32["top1"] - result["top1"]) * 100
-        return Attempt(recipe, step, result["top1"], drop, drop <= max_drop, candidate.stat().st_size,
+        result = evaluate(ort_session(candidate), val.x, val.y, task)
+        drop = (fp32[metric] - result[metric]) * 100
+        return Attempt(recipe, step, result[metric], drop, drop <= max_drop, candidate.stat().st_size,
                        result["latency_ms_median"], result)
 
     def measure(recipe: Recipe) -> dict:
@@ -111,8 +122,12 @@ def _int8(model_path, out_path, calib_x, val, input_name, fp32, scheme, asked: R
 
     with Int8Builder(model_path, calib_x, input_name, scheme) as builder:
         try:
-            first = attempt(asked, "ptq")
-            chosen, attempts, sens = first, [first], None
+            first, schemes = attempt(asked, "ptq"), []
+            if task.compare_schemes:  # the source's table: FP32, INT8 symmetric, INT8 asymmetric side by side
+                symmetric = attempt(replace(asked, symmetric_activations=True), "ptq")
+                schemes = [symmetric, first]
+                first = max(schemes, key=lambda a: (a.top1, a is first))  # a tie keeps the default (asymmetric)
+            chosen, attempts, sens = first, schemes or [first], None
             if not first.passed and fallback == "auto":
                 chosen, attempts, sens = find_passing(first, attempt, measure, max_float_layers)
             elif sensitivity:
@@ -122,8 +137,10 @@ def _int8(model_path, out_path, calib_x, val, input_name, fp32, scheme, asked: R
             candidate.unlink(missing_ok=True)
     extra = {"produced_by": chosen.step if chosen.passed else "none (gate failed)",
              "fallback": {"mode": fallback, "max_float_layers": max_float_layers,
-                          "attempts": [a.row() for a in attempts]},
+                          "attempts": [_named(a.row(), metric) for a in attempts]},
              "float_layers": list(chosen.recipe.float_layers)}
+    if schemes:
+        extra["schemes"] = scheme_rows(fp32, schemes, model_path, metric)
     if chosen.recipe.float_layers:
         base = next(a for a in attempts if a.recipe == replace_floats(chosen.recipe))
         ranking = {r["layer"]: r for r in sens["ranking"]}
@@ -140,7 +157,23 @@ def _int8(model_path, out_path, calib_x, val, input_name, fp32, scheme, asked: R
 
 
 def replace_floats(recipe: Recipe) -> Recipe:
-    return Recipe(recipe.method, recipe.per_channel)
+    return replace(recipe, float_layers=())
+
+
+def _named(row: dict, metric: str) -> dict:
+    """An attempt's row with its metric under the metric's name (top1 stays top1)."""
+    return row if metric == "top1" else {k.replace("top1", metric): v for k, v in row.items()}
+
+
+def scheme_rows(fp32: dict, schemes: list[Attempt], model_path: Path, metric: str) -> list[dict]:
+    """FP32 and the all-INT8 model per activation scheme: metric, size, host latency (batch 1)."""
+    rows = [{"scheme": "FP32", metric: fp32[metric], "bytes": Path(model_path).stat().st_size,
+             "latency_ms_median": fp32["latency_ms_median"]}]
+    for a in schemes:
+        rows.append({"scheme": f"INT8 {'symmetric' if a.recipe.symmetric_activations else 'asymmetric'}",
+                     metric: a.top1, f"{metric}_drop_points": a.drop_points, "passed": a.passed, "bytes": a.bytes,
+                     "latency_ms_median": a.latency_ms_median, "recipe": a.recipe.label()})
+    return rows
 
 
 @dataclass(frozen=True)
@@ -172,9 +205,9 @@ def quantize_stage(model: Path, calib_files, val_files, out_dir: Path, *, mode: 
                    per_channel: bool, calib_samples: int, max_drop: float, scheme: str = "s8s8",
                    val_samples: int = 1_000_000, on_result=None, fallback: str = "auto",
                    max_float_layers: int = 10, **options) -> QuantizeResult:
-    """Quantize, then measure on val_files (default: calib_files); GateFailed when top-1 drops more than
-    max_drop points (after --fallback auto found no INT8 model within it). on_result(result) is called
-    before the gate is applied (the CLI prints it)."""
+    """Quantize, then measure on val_files (default: calib_files); GateFailed when the task's metric (top-1,
+    or mIoU for segmentation) drops more than max_drop points (after --fallback auto found no INT8 model
+    within it). on_result(result) is called before the gate is applied (the CLI prints it)."""
     quantize_model(model, list(calib_files), out_dir, val_files=list(val_files) if val_files else None, mode=mode,
                    method=method, per_channel=per_channel, scheme=scheme, calib_samples=calib_samples,
                    val_samples=val_samples, max_drop=max_drop, fallback=fallback, max_float_layers=max_float_layers,
@@ -183,6 +216,8 @@ def quantize_stage(model: Path, calib_files, val_files, out_dir: Path, *, mode: 
     if on_result is not None:
         on_result(result)
     if not result.gate_passed:
-        raise GateFailed(f"{result.model}: {mode} top-1 dropped {result.report['top1_drop_points']:.2f} points, "
+        metric = result.report.get("metric", "top1")
+        raise GateFailed(f"{result.model}: {mode} {result.report.get('metric_label', 'top-1')} dropped "
+                         f"{result.report[f'{metric}_drop_points']:.2f} points, "
                          f"more than --max-drop {max_drop:g} (see {result.html})")
     return result

@@ -2,7 +2,11 @@
 checksums, then run its native runner under qemu-aarch64 and compare its logits with the host's
 onnxruntime on the same samples, before the package leaves the building.
 It also runs the package's own `bin/run --selftest` (golden samples, gated) and `bin/run --bench`
-(latency under emulation: reported, never gated, since qemu says nothing about ARM speed)."""
+(latency under emulation: reported, never gated, since qemu says nothing about ARM speed).
+
+A segmentation package (model.json "task") is compared per pixel: the share of pixels whose class
+agrees between device and host (gate: the task's 0.995 unless --min-agreement), the mIoU of both
+against the samples' masks, and the runner's PNG class maps decoded and checked against its logits."""
 
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from appliance.core.manifest import atomic_write_text, write_manifest
 from appliance.core.html_report import PALETTE, columns_svg, page
 from appliance.core.stage import read_result_json
 from data_tools.preprocessing import PREPROCESSING_KEYS
+from appliance.tasks import task_of_metadata
+from appliance.deploy.verify_pixels import check_class_maps, pixel_figures, segmentation_html
 
 VERIFY_JSON = "verify.json"
 
@@ -42,8 +48,9 @@ def selftest_line(t: dict) -> str:
     if "error" in t:
         return f"bin/run --selftest (qemu-aarch64): {t['samples']} golden samples: {t['error']}: FAIL"
     diff = "nan" if t["max_abs_diff"] is None else f"{t['max_abs_diff']:.3g}"
-    return (f"bin/run --selftest (qemu-aarch64): {t['samples']} golden samples: top-1 agreement "
-            f"{t['top1_agreement']:.4f}, max logit diff {diff} (allowed {t['allowed_abs_diff']:.3g}): "
+    what = "pixel" if "pixel_agreement" in t else "top1"
+    return (f"bin/run --selftest (qemu-aarch64): {t['samples']} golden samples: {what.replace('1', '-1')} agreement "
+            f"{t[f'{what}_agreement']:.4f}, max logit diff {diff} (allowed {t['allowed_abs_diff']:.3g}): "
             f"{'PASS' if t['passed'] else 'FAIL'}")
 
 
@@ -182,7 +189,8 @@ def preprocessing_problem(pre: dict, channels: int) -> str | None:
 
 
 def run_native(root: Path, x: np.ndarray, sysroot: str) -> tuple[np.ndarray, float]:
-    """Logits from bin/run under qemu-aarch64 for the whole batch in one process."""
+    """Logits from bin/run under qemu-aarch64 for the whole batch in one process (a segmentation
+    model's class maps go to verify-masks/)."""
     import numpy as np
 
     qemu, sysroot = find_qemu(), check_sysroot(sysroot)
@@ -190,7 +198,8 @@ def run_native(root: Path, x: np.ndarray, sysroot: str) -> tuple[np.ndarray, flo
     start = time.perf_counter()
     returncode, stderr = run_counting_samples(
         [qemu, "-L", sysroot, str(root / "bin" / "run"), "--input", str(root / "verify-input.npy"),
-         "--output", str(root / "verify-output.npy"), "--top-k", "1"], len(x), "native runner")
+         "--output", str(root / "verify-output.npy"), "--top-k", "1", "--masks", str(root / "verify-masks")],
+        len(x), "native runner")
     seconds = time.perf_counter() - start
     if returncode != 0:
         tail = (stderr.strip().splitlines() or ["no output"])[-1]
@@ -214,7 +223,9 @@ def run_selftest_and_bench(root: Path, sysroot: str, bench_runs: int) -> tuple[d
 
 def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: float, package,
                       min_agreement: float, max_logit_diff: float, labels: np.ndarray | None = None,
-                      min_allowed: float = 0.0) -> dict:
+                      min_allowed: float = 0.0, task=None) -> dict:
+    """Agreement of the argmax over axis 1 (top-1 per sample, or the class per pixel of (N, K, H, W)
+    logits: then also `pixel_agreement` and the mIoU of both against the masks)."""
     import numpy as np
 
     if edge.shape != host.shape:
@@ -222,22 +233,27 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
     diff = float(np.abs(edge.astype(np.float64) - host).max())
     allowed = max(max_logit_diff * max(1.0, float(np.abs(host).max())), min_allowed)
     agreement = float((edge.argmax(1) == host.argmax(1)).mean())
-    return {"runner": runner, "seconds": round(seconds, 2), "top1_agreement": agreement, "max_logit_diff": diff,
-            "allowed_logit_diff": allowed,
-            "disagreeing_samples": [int(i) for i in np.flatnonzero(edge.argmax(1) != host.argmax(1))],
-            "max_logit_diff_per_sample": [float(v) for v in np.abs(edge.astype(np.float64) - host).max(1)],
-            "passed": bool(agreement >= min_agreement and diff <= allowed),
-            # With labelled samples, the accuracy on ARM beside the host's on the same samples.
-            **({"top1": float((edge.argmax(1) == labels).mean()), "host_top1": float((host.argmax(1) == labels).mean())}
-               if labels is not None else {})}
+    differs = (edge.argmax(1) != host.argmax(1)).reshape(len(host), -1).any(1)
+    route = {"runner": runner, "seconds": round(seconds, 2), "top1_agreement": agreement, "max_logit_diff": diff,
+             "allowed_logit_diff": allowed, "disagreeing_samples": [int(i) for i in np.flatnonzero(differs)],
+             "max_logit_diff_per_sample": [float(v) for v in
+                                           np.abs(edge.astype(np.float64) - host).reshape(len(host), -1).max(1)],
+             "passed": bool(agreement >= min_agreement and diff <= allowed)}
+    if task is not None and task.kind == "segmentation":
+        route.update(pixel_figures(edge, host, labels, task))
+    elif labels is not None:  # the accuracy on ARM beside the host's on the same samples
+        route.update({"top1": float((edge.argmax(1) == labels).mean()),
+                      "host_top1": float((host.argmax(1) == labels).mean())})
+    return route
 
 
-def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=1.0,
+def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=None,
                    max_logit_diff=None, sysroot=DEFAULT_SYSROOT, out_dir=None,
                    python=False, sysroot_debs=None, bench_runs=BENCH_RUNS, pubkey=None) -> dict:
     """Returns the report: `routes` (per runner: top1_agreement, max_logit_diff, passed, ...),
     `selftest` (bin/run --selftest --json), `bench` (bin/run --bench --json, emulated, or None)
-    and `passed` (every route and the self-test)."""
+    and `passed` (every route and the self-test). min_agreement None: the task's (1.0 for
+    classification's top-1, 0.995 of the pixels for segmentation)."""
     import numpy as np
 
     package = Path(package)
@@ -249,6 +265,9 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
             raise DataError(f"{package}: has no Python runner (packaged without --with-python); "
                             "verify it without --python, or repackage with --with-python")
         shape, preprocessing = info["input"]["shape"], info["preprocessing"]
+        task = task_of_metadata({"model_card": info.get("model_card")})
+        if min_agreement is None:
+            min_agreement = task.min_agreement
         min_allowed = 0.0
         if max_logit_diff is None:
             max_logit_diff = default_tolerance(info.get("precision", "fp32"))
@@ -261,7 +280,9 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         host = run_ort(ort_session(root / "reference" / "model.onnx", optimize=False), samples.x)
         edge, seconds = run_native(root, samples.x, sysroot)
         routes = [compare_with_host("native runner (qemu-aarch64)", edge, host, seconds, package,
-                                    min_agreement, max_logit_diff, samples.y, min_allowed)]
+                                    min_agreement, max_logit_diff, samples.y, min_allowed, task)]
+        if task.kind == "segmentation":
+            routes[0]["class_maps"] = check_class_maps(root, edge, package)
         selftest, bench = run_selftest_and_bench(root, sysroot, bench_runs)
         if python:
             debs = Path(sysroot_debs) if sysroot_debs else default_debs_dir()
@@ -272,8 +293,9 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
             routes.append(compare_with_host("Python runner (arm64 python3.11 under qemu-aarch64)",
                                             np.load(root / "verify-python.npy"), host,
                                             time.perf_counter() - start, package, min_agreement, max_logit_diff,
-                                            samples.y, min_allowed))
-    report = {"made_by": "appliance edge verify", "package": str(package.resolve()), "samples": int(len(host)),
+                                            samples.y, min_allowed, task))
+    seg = {"task": task.kind, "agreement": "per pixel"} if task.kind == "segmentation" else {}
+    report = {"made_by": "appliance edge verify", "package": str(package.resolve()), **seg, "samples": int(len(host)),
               "sample_source": samples.source, "min_agreement": min_agreement, "routes": routes,
               "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": bench,
               "signature": {"checked_with": str(pubkey)},
@@ -317,8 +339,9 @@ def verify_html(report: dict) -> str:
                                   r["max_logit_diff_per_sample"], r["allowed_logit_diff"], PALETTE[i % len(PALETTE)]))
     body = (f"<p>{html.escape(report['package'])}: {report['samples']} {report['sample_source']} samples, each "
             "run on the host with onnxruntime and inside the package under qemu-aarch64.</p>"
-            "<table><tr><th>runner</th><th>top-1 agreement</th><th>max logit difference</th><th>time</th><th></th></tr>"
-            + "".join(rows) + "</table>" + device_proof_html(report) + "".join(charts))
+            f"<table><tr><th>runner</th><th>{'pixel' if report.get('task') == 'segmentation' else 'top-1'} agreement"
+            "</th><th>max logit difference</th><th>time</th><th></th></tr>"
+            + "".join(rows) + "</table>" + segmentation_html(report) + device_proof_html(report) + "".join(charts))
     return page("Edge package vs host", "appliance edge verify", "verify.json", report["passed"], body)
 
 
@@ -340,7 +363,7 @@ class VerifyResult:
 
 
 def verify_stage(package, out_dir: Path | None = None, *, sample_files=None, num_samples: int = 32,
-                 min_agreement: float = 1.0, on_result=None, **options) -> VerifyResult:
+                 min_agreement: float | None = None, on_result=None, **options) -> VerifyResult:
     """`appliance edge verify` and the pipeline's verify stage: run the package (a package stage's result or
     a tar) under qemu on samples and compare with the host; GateFailed (exit 3) when a runner disagrees or
     the on-device self-test fails. With out_dir, verify.json, verify.html and a manifest go there.

@@ -64,9 +64,10 @@ def qat_after_gate(run_dir: Path, quantize_dir: Path, calib_files, val_files, *,
     add_qat(quantize_dir, exported.model, val_files, calib_files, run_dir=trained.run_dir)
     result = QuantizeResult.load(quantize_dir)
     if not result.gate_passed:
-        qat = result.report["qat"]
-        raise GateFailed(f"{result.model}: int8 top-1 dropped {result.report['top1_drop_points']:.2f} points after "
-                         f"PTQ and fallback, and {qat['top1_drop_points']:.2f} after QAT, more than --max-drop "
+        qat, m = result.report["qat"], result.report.get("metric", "top1")
+        label = result.report.get("metric_label", "top-1")
+        raise GateFailed(f"{result.model}: int8 {label} dropped {result.report[f'{m}_drop_points']:.2f} points after "
+                         f"PTQ and fallback, and {qat[f'{m}_drop_points']:.2f} after QAT, more than --max-drop "
                          f"{result.report['max_drop_points']:g} (see {result.html})")
     return result
 
@@ -81,7 +82,8 @@ def quantize_command(args) -> int:
         print(f"{failed}; trying quantization-aware fine-tuning of {args.qat}", flush=True)
     result = qat_after_gate(Path(args.qat), Path(args.out), args.calib, args.val, epochs=args.qat_epochs,
                             lr_scale=args.qat_lr_scale)
-    qat = result.report["qat"]
-    print(f"wrote {result.model}: QAT top-1 {qat['top1'] * 100:.2f}% (drop {qat['top1_drop_points']:.2f} points); "
+    qat, m = result.report["qat"], result.report.get("metric", "top1")
+    print(f"wrote {result.model}: QAT {result.report.get('metric_label', 'top-1')} {qat[m] * 100:.2f}% "
+          f"(drop {qat[f'{m}_drop_points']:.2f} points); "
           f"INT8 made by: {result.report['produced_by']}; report {result.html}")
     return 0

@@ -49,6 +49,8 @@ class Classification:
     metric, metric_label = "top1", "top-1"
     compare_schemes = False  # quantize measures the asked --scheme only
     agreement = staticmethod(argmax_agreement)
+    agreement_label = "top-1 agreement"
+    min_agreement = 1.0  # `edge verify`'s default: every sample's top-1 as on the host
 
     def score(self, logits, labels) -> float:
         """Top-1 of (N, K) logits against (N,) labels."""

@@ -14,6 +14,7 @@ import numpy as np
 from appliance.deploy.compiler.runtime import use_physical_cores
 from appliance.deploy.onnx_model import ort_session, run_ort
 from appliance.deploy.samples import check_input_shape, load_samples
+from appliance.tasks import task_of_metadata
 
 # Default check of a QDQ model: output quantization steps allowed. The float32 reference's rounding
 # moves values across quantization boundaries and deep nets carry that on (measured up to 7 steps on
@@ -26,7 +27,9 @@ def check_against_ort(library, model_path, shape, sample_files, meta, tolerance,
     """Run the host library through the Relax VM and onnxruntime on the same tensors.
 
     For a QDQ model (output_step: its output quantization step) QDQ_UNITS steps are allowed too:
-    a float rounding difference in one layer moves a value by one step, and later layers carry it."""
+    a float rounding difference in one layer moves a value by one step, and later layers carry it.
+    A segmentation model's (N, K, H, W) logits are compared per pixel too: its class maps must agree
+    on the task's min_agreement of the pixels (`pixel_agreement`)."""
     import tvm
     from tvm import relax
 
@@ -47,9 +50,15 @@ def check_against_ort(library, model_path, shape, sample_files, meta, tolerance,
     allowed = tolerance * max(1.0, float(np.abs(expected).max()))
     if output_step:
         allowed = max(allowed, QDQ_UNITS * output_step * (1 + 1e-5))
-    return {"samples": int(len(x)), "max_abs_diff": diff, "allowed": allowed,
-            "max_quantized_units": diff / output_step if output_step else None,
-            "top1_agreement": float((got.argmax(1) == expected.argmax(1)).mean()), "passed": diff <= allowed}
+    result = {"samples": int(len(x)), "max_abs_diff": diff, "allowed": allowed,
+              "max_quantized_units": diff / output_step if output_step else None,
+              "top1_agreement": float((got.argmax(1) == expected.argmax(1)).mean()), "passed": diff <= allowed}
+    task = task_of_metadata(meta)
+    if task.kind == "segmentation":
+        agreement = task.agreement(got, expected)
+        result.update({"task": task.kind, "pixel_agreement": agreement, "min_pixel_agreement": task.min_agreement,
+                       "passed": result["passed"] and agreement >= task.min_agreement})
+    return result
 
 
 def host_latency_ms(library, shape, budget_s: float = 3.0) -> float:

@@ -74,8 +74,11 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2) + "\n")
     _write_manifest(build, sample_files, shape, tolerance)
     if not cross and not info["check"]["passed"]:
-        raise DataError(f"{library}: TVM output differs from onnxruntime by {info['check']['max_abs_diff']:.3g} "
-                        f"(allowed {info['check']['allowed']:.3g}); see {out_dir / 'compile.json'}")
+        c = info["check"]
+        pixels = (f", class maps agree on {c['pixel_agreement'] * 100:.2f}% of the pixels (need "
+                  f"{c['min_pixel_agreement'] * 100:.1f}%)" if "pixel_agreement" in c else "")
+        raise DataError(f"{library}: TVM output differs from onnxruntime by {c['max_abs_diff']:.3g} "
+                        f"(allowed {c['allowed']:.3g}){pixels}; see {out_dir / 'compile.json'}")
     return info
 
 

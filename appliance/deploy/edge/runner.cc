@@ -5,7 +5,7 @@
 // lib/. It talks to them through the tvm-ffi C ABI only: zig links its own libc++, so no C++
 // exception or class of the TVM libraries (built with libstdc++) may cross into this program.
 //
-//   run --input tensor.npy [--top-k K] [--output logits.npy] [--model model.so]
+//   run --input tensor.npy [--top-k K] [--output logits.npy] [--masks DIR] [--model model.so]
 //   run --selftest [--json] [--model model.so]
 //   run --bench [--warmup N] [--runs N] [--threads N] [--json] [--max-fluctuation F] [--input tensor.npy]
 //   run --verify-signature FILE --signature FILE.minisig --pubkey KEY.pub
@@ -13,8 +13,12 @@
 // tensor.npy is float32, C order, shaped like the model input in model.json (N, C, H, W); a
 // batch larger than the compiled batch runs sample by sample. --input prints one JSON line per
 // sample with the top-k class indices and logits; --output writes all logits as float32 .npy.
+// A segmentation model (model.json "task": {"kind": "segmentation"}, logits (N, K, H, W)) writes
+// instead one class map per image, DIR/NNNN.png (8-bit greyscale, one class id per pixel; --masks,
+// default masks/), and prints per sample its path, size and pixels per class.
 // --selftest runs the golden inputs in selftest/ and compares with the host's outputs recorded
-// at packaging (exit 0 pass, 1 fail). --bench times the model (exit 1 when --max-fluctuation
+// at packaging (segmentation: per pixel against the host's golden class maps, selftest/masks.npy)
+// (exit 0 pass, 1 fail). --bench times the model (exit 1 when --max-fluctuation
 // is given and exceeded). --verify-signature checks a minisign signature of FILE with the
 // public key (signature.h): exit 0 and the trusted comment, or exit 1 and one line saying why;
 // install.sh runs it from the already-installed runner on a new package's SHA256SUMS.
@@ -35,6 +39,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "class_map_png.h"
 #include "signature.h"
 
 namespace {
@@ -102,9 +107,10 @@ std::string HeaderValue(const std::string& header, const std::string& key) {
   return header.substr(start, header.find_first_of(",}", start) - start);
 }
 
-// Reads a float32 little-endian C-order .npy (format 1.0-3.0), which is what numpy.save writes.
-Npy ReadNpy(const std::string& path) {
-  RequireFile(path, "input tensor");
+// Reads a float32 (or, with class_ids, uint8 class maps) little-endian C-order .npy (format 1.0-3.0),
+// which is what numpy.save writes; uint8 values are returned as floats.
+Npy ReadNpy(const std::string& path, bool class_ids = false) {
+  RequireFile(path, class_ids ? "golden class maps" : "input tensor");
   std::string bytes;
   if (!ReadFile(path, &bytes)) Fail(path + ": cannot read");
   if (bytes.size() < 10 || std::memcmp(bytes.data(), "\x93NUMPY", 6) != 0) Fail(path + ": not a .npy file");
@@ -124,7 +130,8 @@ Npy ReadNpy(const std::string& path) {
   if (bytes.size() < offset + header_len) Fail(path + ": .npy header cut short (file truncated)");
   std::string header = bytes.substr(offset, header_len);
   std::string descr = HeaderValue(header, "descr");
-  if (descr != "'<f4'")
+  size_t item = class_ids && descr == "'|u1'" ? 1 : 4;
+  if (descr != "'<f4'" && item != 1)
     Fail(path + ": dtype is " + (descr.empty() ? "missing" : descr) + ", the model needs float32 ('<f4')");
   if (HeaderValue(header, "fortran_order") != "False") Fail(path + ": Fortran-order data; save it in C order");
   std::string dims = HeaderValue(header, "shape");
@@ -148,11 +155,15 @@ Npy ReadNpy(const std::string& path) {
     count *= static_cast<uint64_t>(d);
   }
   uint64_t have = bytes.size() - offset - header_len;
-  if (have < count * sizeof(float))
-    Fail(path + ": truncated: header says shape " + dims + " (" + std::to_string(count * sizeof(float)) +
+  if (have < count * item)
+    Fail(path + ": truncated: header says shape " + dims + " (" + std::to_string(count * item) +
          " bytes), file holds " + std::to_string(have));
   npy.data.resize(count);
-  std::memcpy(npy.data.data(), bytes.data() + offset + header_len, count * sizeof(float));
+  const char* data = bytes.data() + offset + header_len;
+  if (item == 1)
+    for (uint64_t i = 0; i < count; ++i) npy.data[i] = static_cast<unsigned char>(data[i]);
+  else
+    std::memcpy(npy.data.data(), data, count * sizeof(float));
   return npy;
 }
 
@@ -180,7 +191,8 @@ void WriteNpy(const std::string& path, const std::vector<int64_t>& shape, const 
 struct ModelInfo {
   std::vector<int64_t> input_shape;  // as compiled; [0] is the batch
   double selftest_max_abs_diff = -1;
-  double selftest_min_agreement = 1.0;
+  double selftest_min_agreement = 1.0;  // of the top-1 per sample, or of the class per pixel
+  bool segmentation = false;            // "task": {"kind": "segmentation"}: logits (N, K, H, W), class maps out
 };
 
 size_t FindKey(const std::string& json, const std::string& key, size_t from = 0) {
@@ -214,8 +226,16 @@ ModelInfo ReadModelInfo(const std::string& path) {
   if (selftest != std::string::npos) {
     size_t diff = FindKey(json, "max_abs_diff", selftest);
     size_t agreement = FindKey(json, "min_top1_agreement", selftest);
+    if (agreement == std::string::npos) agreement = FindKey(json, "min_pixel_agreement", selftest);
     if (diff != std::string::npos) info.selftest_max_abs_diff = std::strtod(json.c_str() + diff, nullptr);
     if (agreement != std::string::npos) info.selftest_min_agreement = std::strtod(json.c_str() + agreement, nullptr);
+  }
+  // model.json's top-level "task" comes first in the file (the model card repeats it further down).
+  size_t task = FindKey(json, "task");
+  size_t kind = task == std::string::npos ? task : FindKey(json, "kind", task);
+  if (kind != std::string::npos) {
+    size_t start = json.find('"', kind), end = start == std::string::npos ? start : json.find('"', start + 1);
+    info.segmentation = end != std::string::npos && json.substr(start + 1, end - start - 1) == "segmentation";
   }
   return info;
 }
@@ -353,10 +373,12 @@ struct AlignedBuffer {
   ~AlignedBuffer() { std::free(data); }
 };
 
-// Runs the model on each sample of `batch`, returning (N, classes) logits; false + *error on a
-// TVM error (the caller decides whether that is a usage error or a failed self-test).
+// Runs the model on each sample of `batch`, returning its outputs (`classes` values per sample:
+// the class logits, or K*H*W of a segmentation model; *out_shape the output's shape, batch 1) or
+// false + *error on a TVM error (the caller decides whether that is a usage error or a failed self-test).
 bool RunBatch(const Model& model, const Npy& batch, std::vector<float>* logits, int64_t* classes,
-              std::string* error, const std::vector<int64_t>& sample_shape) {
+              std::string* error, const std::vector<int64_t>& sample_shape,
+              std::vector<int64_t>* out_shape = nullptr) {
   int64_t n = batch.shape[0];
   size_t sample_size = n == 0 ? 0 : batch.data.size() / n;
   AlignedBuffer buffer(sample_size);
@@ -381,6 +403,7 @@ bool RunBatch(const Model& model, const Npy& batch, std::vector<float>* logits, 
     }
     int64_t count = 1;
     for (int i = 0; i < t->ndim; ++i) count *= t->shape[i];
+    if (out_shape != nullptr) out_shape->assign(t->shape, t->shape + t->ndim);
     const float* out = reinterpret_cast<const float*>(static_cast<const char*>(t->data) + t->byte_offset);
     logits->insert(logits->end(), out, out + count);
     *classes = count;
@@ -424,10 +447,44 @@ std::string Num(double v, const char* format = "%.9g") {
   return buf;
 }
 
+// The class of each of `pixels` positions: argmax over the k logits at stride `pixels` (the first
+// of equal maxima, as numpy's argmax); pixels == 1 is one top-1 class.
+void ClassMap(const float* logits, int64_t k, int64_t pixels, std::vector<uint8_t>* map) {
+  map->assign(pixels, 0);
+  for (int64_t p = 0; p < pixels; ++p) {
+    int64_t best = 0;
+    for (int64_t c = 1; c < k; ++c)
+      if (logits[c * pixels + p] > logits[best * pixels + p]) best = c;
+    (*map)[p] = static_cast<uint8_t>(best);
+  }
+}
+
+// One segmentation sample: its class map written to masks/NNNN.png, and its JSON line.
+std::string WriteClassMap(const std::vector<float>& logits, const std::vector<int64_t>& shape, int64_t sample,
+                          const std::string& masks) {
+  if (shape.size() != 4) Fail("model.json says segmentation, but the model returns a rank-" +
+                              std::to_string(shape.size()) + " output, not logits (1, K, H, W)");
+  if (shape[1] > 256) Fail("the model has " + std::to_string(shape[1]) + " classes; an 8-bit class map holds 256");
+  std::vector<uint8_t> map;
+  ClassMap(logits.data(), shape[1], shape[2] * shape[3], &map);
+  char name[32];
+  std::snprintf(name, sizeof(name), "/%04lld.png", static_cast<long long>(sample));
+  std::string path = masks + name;
+  if (!classmap::Write(path, map, static_cast<uint32_t>(shape[2]), static_cast<uint32_t>(shape[3])))
+    Fail(path + ": cannot write the class map (does " + masks + " exist and is it writable?)");
+  std::vector<int64_t> counts(shape[1], 0);
+  for (uint8_t c : map) ++counts[c];
+  std::string line = "{\"sample\": " + std::to_string(sample) + ", \"mask\": \"" + JsonEscape(path) +
+                     "\", \"height\": " + std::to_string(shape[2]) + ", \"width\": " + std::to_string(shape[3]) +
+                     ", \"class_pixels\": [";
+  for (size_t c = 0; c < counts.size(); ++c) line += (c ? ", " : "") + std::to_string(counts[c]);
+  return line + "]}";
+}
+
 // ---- verbs ---------------------------------------------------------------------------------
 
-int Predict(const Model& model, const Npy& batch, const std::vector<int64_t>& sample_shape, const std::string& output,
-            int top_k) {
+int Predict(const Model& model, const ModelInfo& info, const Npy& batch, const std::vector<int64_t>& sample_shape,
+            const std::string& output, int top_k, const std::string& masks) {
   std::vector<float> logits;
   int64_t classes = 0;
   std::string error;
@@ -436,10 +493,17 @@ int Predict(const Model& model, const Npy& batch, const std::vector<int64_t>& sa
   Npy one{sample_shape, {}};
   size_t sample_size = batch.data.size() / n;
   std::vector<float> all;
+  std::vector<int64_t> out_shape;
+  if (info.segmentation) mkdir(masks.c_str(), 0755);  // an existing folder is fine; a failed write names it
   for (int64_t s = 0; s < n; ++s) {
     one.data.assign(batch.data.begin() + s * sample_size, batch.data.begin() + (s + 1) * sample_size);
-    if (!RunBatch(model, one, &logits, &classes, &error, sample_shape)) Fail(model.path + ": " + error);
+    if (!RunBatch(model, one, &logits, &classes, &error, sample_shape, &out_shape)) Fail(model.path + ": " + error);
     all.insert(all.end(), logits.begin(), logits.end());
+    if (info.segmentation) {
+      std::printf("%s\n", WriteClassMap(logits, out_shape, s, masks).c_str());
+      std::fflush(stdout);
+      continue;
+    }
     std::vector<int64_t> order(classes);
     for (int64_t i = 0; i < classes; ++i) order[i] = i;
     int64_t k = std::min<int64_t>(top_k, classes);
@@ -452,21 +516,39 @@ int Predict(const Model& model, const Npy& batch, const std::vector<int64_t>& sa
     std::printf("%s]}\n", line.c_str());
     std::fflush(stdout);
   }
-  if (!output.empty()) WriteNpy(output, {n, classes}, all);
+  std::vector<int64_t> shape{n, classes};
+  if (info.segmentation) {  // (N, K, H, W)
+    shape.assign(out_shape.begin(), out_shape.end());
+    shape[0] = n;
+  }
+  if (!output.empty()) WriteNpy(output, shape, all);
   return 0;
 }
 
-int SelfTest(const Model& model, const ModelInfo& info, const Npy& inputs, const Npy& expected,
+// Self-test of a classification model: top-1 per sample; of a segmentation model: the class per
+// pixel against the host's golden class maps (golden: N x H x W, or empty for classification).
+int SelfTest(const Model& model, const ModelInfo& info, const Npy& inputs, const Npy& expected, const Npy& golden,
              const std::vector<int64_t>& sample_shape, bool json) {
   std::vector<float> logits;
   int64_t classes = 0;
   std::string error;
   int64_t n = inputs.shape[0];
-  bool ran = RunBatch(model, inputs, &logits, &classes, &error, sample_shape);
-  if (ran && (expected.shape.size() != 2 || expected.shape[0] != n || expected.shape[1] != classes)) {
+  std::vector<int64_t> out_shape;
+  bool ran = RunBatch(model, inputs, &logits, &classes, &error, sample_shape, &out_shape);
+  int64_t per_sample = 1;
+  for (size_t i = 1; i < expected.shape.size(); ++i) per_sample *= expected.shape[i];
+  if (ran && (expected.shape.empty() || expected.shape[0] != n || per_sample != classes ||
+              (!info.segmentation && expected.shape.size() != 2))) {
     ran = false;
     error = "gives " + std::to_string(classes) + " outputs per sample, the packaged host outputs have " +
-            (expected.shape.size() == 2 ? std::to_string(expected.shape[1]) : std::string("another shape"));
+            (expected.shape.size() >= 2 ? std::to_string(per_sample) : std::string("another shape"));
+  }
+  // Positions per sample (H*W, or 1) and classes at each (K).
+  int64_t pixels = info.segmentation && out_shape.size() == 4 ? out_shape[2] * out_shape[3] : 1;
+  if (ran && info.segmentation && (out_shape.size() != 4 || golden.shape.size() != 3 || golden.shape[0] != n ||
+                                   golden.shape[1] * golden.shape[2] != pixels)) {
+    ran = false;
+    error = "gives no (1, K, H, W) logits matching the golden class maps selftest/masks.npy";
   }
   if (!ran) {  // e.g. another model's library: one line either way
     if (json)
@@ -476,30 +558,38 @@ int SelfTest(const Model& model, const ModelInfo& info, const Npy& inputs, const
       std::printf("selftest FAIL: %s: %s\n", model.path.c_str(), error.c_str());
     return 1;
   }
-  int agree = 0;
+  int64_t agree = 0;
   double max_diff = 0;
+  std::vector<uint8_t> map;
   for (int64_t s = 0; s < n; ++s) {
     const float* got = logits.data() + s * classes;
     const float* want = expected.data.data() + s * classes;
-    agree += ArgMax(got, classes) == ArgMax(want, classes);
+    if (info.segmentation) {
+      ClassMap(got, classes / pixels, pixels, &map);
+      for (int64_t p = 0; p < pixels; ++p) agree += map[p] == golden.data[s * pixels + p];
+    } else {
+      agree += ArgMax(got, classes) == ArgMax(want, classes);
+    }
     for (int64_t c = 0; c < classes; ++c) {
       double d = std::fabs(static_cast<double>(got[c]) - want[c]);
       if (std::isnan(d)) max_diff = NAN;  // and stays NaN: a failure
       else if (!std::isnan(max_diff) && d > max_diff) max_diff = d;
     }
   }
-  double agreement = static_cast<double>(agree) / n;
+  double agreement = static_cast<double>(agree) / (n * pixels);
+  const char* what = info.segmentation ? "pixel" : "top1";
   bool passed = agreement >= info.selftest_min_agreement && max_diff <= info.selftest_max_abs_diff;  // false for NaN
   if (json) {
-    std::printf("{\"passed\": %s, \"samples\": %lld, \"top1_agreement\": %s, \"min_top1_agreement\": %s, "
+    std::printf("{\"passed\": %s, \"samples\": %lld, \"%s_agreement\": %s, \"min_%s_agreement\": %s, "
                 "\"max_abs_diff\": %s, \"allowed_abs_diff\": %s}\n",
-                passed ? "true" : "false", static_cast<long long>(n), Num(agreement).c_str(),
+                passed ? "true" : "false", static_cast<long long>(n), what, Num(agreement).c_str(), what,
                 Num(info.selftest_min_agreement).c_str(), std::isnan(max_diff) ? "null" : Num(max_diff).c_str(),
                 Num(info.selftest_max_abs_diff).c_str());
   } else {
-    std::printf("selftest %s: %lld golden samples: top-1 agreement %.4f (need %g), max logit diff %.3g "
+    std::printf("selftest %s: %lld golden samples: %s agreement %.4f (need %g), max logit diff %.3g "
                 "(allowed %.3g)\n",
-                passed ? "PASS" : "FAIL", static_cast<long long>(n), agreement, info.selftest_min_agreement,
+                passed ? "PASS" : "FAIL", static_cast<long long>(n), info.segmentation ? "pixel" : "top-1", agreement,
+                info.selftest_min_agreement,
                 max_diff, info.selftest_max_abs_diff);
   }
   return passed ? 0 : 1;
@@ -564,7 +654,7 @@ int PositiveInt(const std::string& flag, const std::string& text, int minimum) {
 
 int main(int argc, char** argv) {
   std::string dir = PackageDir();
-  std::string input, output, model_path = dir + "/model.so", info_path = dir + "/model.json";
+  std::string input, output, masks = "masks", model_path = dir + "/model.so", info_path = dir + "/model.json";
   int top_k = 5, warmup = 10, runs = 100, threads = 0;
   bool selftest = false, bench = false, json = false;
   double max_fluctuation = -1;
@@ -577,6 +667,7 @@ int main(int argc, char** argv) {
     };
     if (arg == "--input") input = value();
     else if (arg == "--output") output = value();
+    else if (arg == "--masks") masks = value();
     else if (arg == "--model") model_path = value();
     else if (arg == "--info") info_path = value();
     else if (arg == "--top-k") top_k = PositiveInt(arg, value(), 1);
@@ -597,7 +688,7 @@ int main(int argc, char** argv) {
         Fail("--max-fluctuation: expected a finite number >= 0, got '" + text + "'");
     } else if (arg == "--help" || arg == "-h") {
       std::printf(
-          "usage: run --input tensor.npy [--top-k K] [--output logits.npy] [--model model.so]\n"
+          "usage: run --input tensor.npy [--top-k K] [--output logits.npy] [--masks DIR] [--model model.so]\n"
           "       run --selftest [--json]\n"
           "       run --bench [--warmup N] [--runs N] [--threads N] [--json] [--max-fluctuation F] [--input tensor.npy]\n"
           "       run --verify-signature FILE --signature FILE.minisig --pubkey KEY.pub\n");
@@ -630,14 +721,15 @@ int main(int argc, char** argv) {
     std::string inputs_path = dir + "/selftest/inputs.npy";
     Npy inputs = ReadNpy(inputs_path);
     Npy expected = ReadNpy(dir + "/selftest/expected.npy");
+    Npy golden = info.segmentation ? ReadNpy(dir + "/selftest/masks.npy", true) : Npy{};
     std::vector<int64_t> sample_shape = CheckShape(inputs, info, inputs_path);
     Model model = LoadModel(model_path);
-    return SelfTest(model, info, inputs, expected, sample_shape, json);
+    return SelfTest(model, info, inputs, expected, golden, sample_shape, json);
   }
   if (input.empty()) input = dir + "/selftest/inputs.npy";  // --bench on the golden samples
   Npy batch = ReadNpy(input);
   std::vector<int64_t> sample_shape = CheckShape(batch, info, input);
   Model model = LoadModel(model_path);
   if (bench) return Bench(model, batch, sample_shape, warmup, runs, threads, json, max_fluctuation);
-  return Predict(model, batch, sample_shape, output, top_k);
+  return Predict(model, info, batch, sample_shape, output, top_k, masks);
 }
