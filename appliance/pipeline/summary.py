@@ -41,9 +41,10 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
         accuracy.update(task.export_summary(results.export.parity["parity"]))
     if quantized is not None:
         q = quantized.report
-        accuracy[f"fp32_{m}"] = q["fp32"][m]
-        accuracy[f"{q['mode']}_{m}"] = q["quantized"][m]
-        accuracy[f"quantized_{m}_drop_points"] = q[f"{m}_drop_points"]
+        if m in q["fp32"]:  # a report made before quantize counted this task's metric has none of it
+            accuracy[f"fp32_{m}"] = q["fp32"][m]
+            accuracy[f"{q['mode']}_{m}"] = q["quantized"][m]
+            accuracy[f"quantized_{m}_drop_points"] = q[f"{m}_drop_points"]
         for row in q.get("schemes", []):  # segmentation: symmetric and asymmetric activations side by side
             if row["scheme"] != "FP32":
                 accuracy[f"{row['scheme'].lower().replace(' ', '_')}_{m}"] = row[m]
@@ -64,8 +65,9 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
             k: build.info.get(k) for k in ("int8_compute", "layers", "int8_kernels", "fp32_kernels", "tuned_tasks",
                                            "library_bytes", "host_latency_ms")}
         check = build.info.get("check") or {}
-        if task.kind != "classification" and task.agreement_key in check:
-            accuracy[f"compile_{target}_{task.agreement_key}_with_ort"] = check[task.agreement_key]
+        if task.kind != "classification" and "top1_agreement" in check:  # argmax per pixel, on (N, K, H, W)
+            accuracy[f"compile_{target}_{task.agreement_key}_with_ort"] = check.get(task.agreement_key,
+                                                                                   check["top1_agreement"])
     if results.package is not None:
         summary["sizes_bytes"]["edge_package"] = results.package.bytes
         summary["lineage"] = lineage(results.package.out_dir, results.check)

@@ -28,6 +28,9 @@ class Classification:
     def head_prefix(self, model, architecture: str) -> str:
         return classifier_head(model)
 
+    def check_options(self, num_classes: int) -> dict:
+        return {}  # the data check infers the label range as it always has
+
     def criterion(self):
         from torch import nn
 

@@ -61,6 +61,10 @@ class Segmentation:
         """The part fine-tuning starts fresh when the weights' classes differ (or have no head)."""
         return "head" if architecture == "unet_small" else "net.classifier"
 
+    def check_options(self, num_classes: int) -> dict:
+        """The data check's mask range: the config's classes (a stray id is out of range, not inferred in)."""
+        return {"num_classes": num_classes, "ignore_label": self.ignore_label} if num_classes else {}
+
     def criterion(self):
         import torch
         from torch import nn
