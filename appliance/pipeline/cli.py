@@ -46,7 +46,8 @@ def register(subparsers) -> None:
         "its mIoU at every stage.")
     d.add_argument("--out", type=Path, default=Path("appliance-demo"), help="output directory (default: %(default)s)")
     d.add_argument("--epochs", type=int, metavar="N",
-                   help="train for N epochs instead of the config's 12 (a quicker run; every stage still runs). "
+                   help="train for N epochs instead of the config's (12 for the digits, 10 for segmentation; a quicker run, "
+                   "every stage still runs). "
                    "Applies when the demo writes its pipeline.toml, which then says N")
     d.add_argument("--task", choices=("classification", "segmentation"), default="classification",
                    help="classification: the digits (default); segmentation: seeded inspection images, mIoU")
