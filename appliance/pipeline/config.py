@@ -20,7 +20,8 @@ from data_tools.check.gate import parse_fail_on
 from appliance.train.config import config_from_dict
 
 STAGES = ("check", "train", "gate", "export", "quantize", "compile", "package", "verify")  # in the order they run
-TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment", "distributed", "profile")
+TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment", "distributed",
+                  "profile", "task")
 
 
 @dataclass(frozen=True)

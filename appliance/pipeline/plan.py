@@ -19,6 +19,7 @@ from appliance.deploy.verify import VerifyResult, verify_stage
 from appliance.core.errors import GateFailed
 from appliance.pipeline.config import PipelineConfig
 from appliance.pipeline.qat import qat_after_gate
+from appliance.tasks import task_for
 from appliance.train.launcher import TrainResult
 from appliance.train.quality import GATE_KEYS, GateResult, Thresholds, gate_stage
 from appliance.train.stage import stage_config, train_stage
@@ -92,7 +93,8 @@ class CheckStage(Stage):
 
     def action(self, out_dir: Path, res: Results) -> CheckResult:
         files = [(p, "train") for p in res.cfg.train_files] + [(p, "val") for p in res.cfg.val_files]
-        return check_stage(files, out_dir, fail_on=res.cfg.check.fail_on)
+        options = {k: v for k, v in self.params.items() if k not in asdict(res.cfg.check)}  # the task's
+        return check_stage(files, out_dir, fail_on=res.cfg.check.fail_on, **options)
 
 
 class TrainStage(Stage):
@@ -191,7 +193,10 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
     out = cfg.out_dir
     stages: list[Stage] = []
     if cfg.check.enabled:
-        stages.append(CheckStage("check", out / "check", asdict(cfg.check), CheckResult))
+        data = cfg.training.get("data", {})
+        num_classes = data.get("num_classes") or len(data.get("classes", ()))
+        task_options = task_for(cfg.training.get("task")).check_options(num_classes)  # segmentation: mask range
+        stages.append(CheckStage("check", out / "check", {**asdict(cfg.check), **task_options}, CheckResult))
     stages.append(TrainStage("train", out / "train", train_params(cfg), TrainResult, resumable=True))
     thresholds = Thresholds.of(cfg.training.get("train", {}))
     stages.append(GateStage("gate", out / "gate", asdict(thresholds), GateResult))

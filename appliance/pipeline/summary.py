@@ -14,46 +14,63 @@ from appliance.core.manifest import read_manifest
 from appliance.core.stage import html_reports
 from appliance.pipeline.config import PipelineConfig
 from appliance.pipeline.plan import Results
+from appliance.tasks import task_for
 
 SUMMARY_JSON = "summary.json"
 INDEX_HTML = "index.html"
 
 
 def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds: float) -> dict:
-    """Accuracy at each stage, sizes, latencies, where every artifact is, and the lineage."""
+    """Accuracy at each stage, sizes, latencies, where every artifact is, and the lineage. The task
+    (appliance/tasks/) names the figures: top-1 for classification, mIoU for segmentation."""
+    task = pipeline_task(cfg, results)
+    m = task.metric
     summary = {"made_by": "appliance pipeline", "config": str(cfg.source), "out_dir": str(cfg.out_dir),
                "seconds": round(seconds, 1), "ran": ran, "stages": {n: r.figures() for n, r in results.items()},
                "accuracy": {}, "sizes_bytes": {}, "latency_ms": {}, "artifacts": {}}
+    if task.kind != "classification":  # a classification summary reads as before tasks existed
+        summary["task"] = {"kind": task.kind, "metric": m, "metric_label": task.metric_label}
     accuracy = summary["accuracy"]
     train, gate, quantized = results.train, results.gate, results.quantize
-    if train is not None and train.val_acc is not None:
-        accuracy["train_val_top1"] = train.val_acc
-    if gate is not None and "val_acc" in gate.quality:
-        accuracy["val_majority_baseline_top1"] = gate.quality["majority_baseline"]
-        accuracy["quality_gate_required_top1"] = gate.quality["required_val_acc"]
+    if train is not None:
+        accuracy.update(task.train_summary(train))
+    if gate is not None and task.gate_summary(gate.quality):
+        accuracy.update(task.gate_summary(gate.quality))
         summary["quality_gate"] = {"passed": gate.quality["passed"], "line": gate.quality.get("line", "")}
+    if results.export is not None and "parity" in results.export.parity:
+        accuracy.update(task.export_summary(results.export.parity["parity"]))
     if quantized is not None:
         q = quantized.report
-        accuracy["fp32_top1"] = q["fp32"]["top1"]
-        accuracy[f"{q['mode']}_top1"] = q["quantized"]["top1"]
-        accuracy["quantized_top1_drop_points"] = q["top1_drop_points"]
+        if m in q["fp32"]:  # a report made before quantize counted this task's metric has none of it
+            accuracy[f"fp32_{m}"] = q["fp32"][m]
+            accuracy[f"{q['mode']}_{m}"] = q["quantized"][m]
+            accuracy[f"quantized_{m}_drop_points"] = q[f"{m}_drop_points"]
+        for row in q.get("schemes", []):  # segmentation: symmetric and asymmetric activations side by side
+            if row["scheme"] != "FP32":
+                accuracy[f"{row['scheme'].lower().replace(' ', '_')}_{m}"] = row[m]
         if q["mode"] == "int8":  # which path made the model the edge runs (fallback: which layers stayed float)
             summary["quantize_path"] = {"produced_by": q.get("produced_by", "ptq"), "method": q.get("method"),
                                         "per_channel": q.get("per_channel", False), "float_layers": q.get("float_layers", [])}
+            if "activation_scheme" in q:
+                summary["quantize_path"]["activation_scheme"] = q["activation_scheme"]
             if "qat" in q:  # QAT ran: its figures next to PTQ's
-                summary["quantize_path"]["qat"] = {k: q["qat"][k] for k in ("top1", "top1_drop_points", "passed")}
-                summary["quantize_path"]["ptq_top1_drop_points"] = q["ptq"]["top1_drop_points"]
+                summary["quantize_path"]["qat"] = {k: q["qat"][k] for k in (m, f"{m}_drop_points", "passed")}
+                summary["quantize_path"][f"ptq_{m}_drop_points"] = q["ptq"][f"{m}_drop_points"]
         summary["sizes_bytes"].update({"onnx_fp32": q["fp32"]["bytes"], f"onnx_{q['mode']}": q["quantized"]["bytes"]})
         summary["latency_ms"].update({"host_ort_fp32": q["fp32"]["latency_ms_median"],
                                       f"host_ort_{q['mode']}": q["quantized"]["latency_ms_median"]})
     elif train is not None and train.val_acc is not None:
-        accuracy["fp32_top1"] = train.val_acc
+        accuracy[f"fp32_{m}"] = task.train_summary(train).get(f"train_val_{m}")
     if results.verify is not None:
-        add_verify_figures(summary, results.verify.report)
+        add_verify_figures(summary, results.verify.report, task)
     for target, build in results.compiled.items():  # what each build computes: int8 or simulated, size, speed
         summary.setdefault("builds", {})[target] = {
             k: build.info.get(k) for k in ("int8_compute", "layers", "int8_kernels", "fp32_kernels", "tuned_tasks",
                                            "library_bytes", "host_latency_ms")}
+        check = build.info.get("check") or {}
+        if task.kind != "classification" and "top1_agreement" in check:  # argmax per pixel, on (N, K, H, W)
+            accuracy[f"compile_{target}_{task.agreement_key}_with_ort"] = check.get(task.agreement_key,
+                                                                                   check["top1_agreement"])
     if results.package is not None:
         summary["sizes_bytes"]["edge_package"] = results.package.bytes
         summary["lineage"] = lineage(results.package.out_dir, results.check)
@@ -62,12 +79,20 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
     return summary
 
 
-def add_verify_figures(summary: dict, report: dict) -> None:
+def pipeline_task(cfg: PipelineConfig, results: Results):
+    """The task of the trained model (its card), or of the config before anything was trained."""
+    if results.train is not None and results.train.task is not None:
+        return task_for(results.train.task)
+    return task_for(cfg.training.get("task"))
+
+
+def add_verify_figures(summary: dict, report: dict, task=None) -> None:
     """The edge verification's figures: agreement, accuracy and (emulated, never gated) speed."""
+    task = task or task_for(None)
     route = report["routes"][0]
-    summary["accuracy"]["edge_agreement_with_host"] = route["top1_agreement"]
-    if "top1" in route:
-        summary["accuracy"]["edge_top1"] = route["top1"]
+    summary["accuracy"]["edge_agreement_with_host"] = route.get(task.agreement_key, route["top1_agreement"])
+    if task.metric in route:
+        summary["accuracy"][f"edge_{task.metric}"] = route[task.metric]
     summary["accuracy"]["edge_max_logit_diff"] = route["max_logit_diff"]
     summary["latency_ms"]["edge_qemu_per_sample"] = round(1000 * route["seconds"] / max(1, report["samples"]), 2)
     summary["verified_samples"] = report["samples"]
@@ -94,7 +119,7 @@ def lineage(package_dir: Path, check) -> list[dict]:
 def format_summary(summary: dict) -> str:
     lines = [f"pipeline finished in {summary['seconds']} s; artifacts under {summary['out_dir']}"]
     for key, value in summary["accuracy"].items():
-        shown = f"{100 * value:.2f} %" if ("top1" in key or "agreement" in key) and "drop" not in key else f"{value:.4g}"
+        shown = f"{100 * value:.2f} %" if _is_share(key) else f"{value:.4g}"
         lines.append(f"  {key:32s} {shown}")
     for key, value in summary["sizes_bytes"].items():
         lines.append(f"  size {key:27s} {value / 1024:.1f} KiB")
@@ -103,8 +128,9 @@ def format_summary(summary: dict) -> str:
     path = summary.get("quantize_path")
     if path:
         floats = f"; kept in float: {', '.join(path['float_layers'])}" if path["float_layers"] else ""
+        scheme = f", {path['activation_scheme']} activations" if "activation_scheme" in path else ""
         how = "" if path["produced_by"] == "qat" else (f" ({path['method']}"
-                                                       f"{', per-channel' if path['per_channel'] else ''})")
+                                                       f"{', per-channel' if path['per_channel'] else ''}{scheme})")
         lines.append(f"  {'int8 made by':32s} {path['produced_by']}{how}{floats}")
     for name, path in summary["artifacts"].items():
         lines.append(f"  {name:32s} {path}")
@@ -126,11 +152,12 @@ def index_html(summary: dict, results: Results) -> str:
     figures += [f"<tr><td>size {html.escape(k)}</td><td>{v / 1024:.1f} KiB</td></tr>"
                 for k, v in summary["sizes_bytes"].items()]
     figures += [f"<tr><td>latency {html.escape(k)}</td><td>{v:.3f} ms</td></tr>" for k, v in summary["latency_ms"].items()]
-    tops = [(k.replace("_top1", ""), 100 * v) for k, v in summary["accuracy"].items()
-            if k.endswith("_top1") and "drop" not in k and isinstance(v, (int, float))]
+    metric, label = summary.get("task", {}).get("metric", "top1"), summary.get("task", {}).get("metric_label", "top-1")
+    tops = [(k.replace(f"_{metric}", ""), 100 * v) for k, v in summary["accuracy"].items()
+            if k.endswith(f"_{metric}") and "drop" not in k and isinstance(v, (int, float))]
     body = (f"<p>{html.escape(summary['config'])}: {len(summary['ran'])} of {len(rows)} stages ran, "
             f"{summary['seconds']} s.</p>" + _path_html(summary.get("quantize_path"))
-            + (bars_svg("top-1 at each stage", "%", tops, "{:.2f}") if tops else "")
+            + (bars_svg(f"{label} at each stage", "%", tops, "{:.2f}") if tops else "")
             + "<h2>Figures</h2><table>" + "".join(figures) + "</table>"
             + "<h2>Stages</h2><table><tr><th>stage</th><th>this run</th><th>reports</th><th>directory</th></tr>"
             + "".join(rows) + "</table>")
@@ -145,8 +172,8 @@ def _path_html(path: dict | None) -> str:
     floats = f" keeping {len(path['float_layers'])} layers in float: " + ", ".join(
         f"<code>{html.escape(n)}</code>" for n in path["float_layers"]) if path["float_layers"] else ""
     qat = path.get("qat")
-    tried = (f" (QAT ran: drop {qat['top1_drop_points']:.2f} points against PTQ's "
-             f"{path['ptq_top1_drop_points']:.2f})" if qat else "")
+    drop = next((k for k in qat or {} if k.endswith("_drop_points")), None)  # top1_drop_points, miou_drop_points
+    tried = (f" (QAT ran: drop {qat[drop]:.2f} points against PTQ's {path[f'ptq_{drop}']:.2f})" if drop else "")
     return f"<p>INT8 edge model made by <b>{html.escape(path['produced_by'])}</b>{floats}{tried}.</p>"
 
 
@@ -154,7 +181,12 @@ def _href(path: Path, out: Path) -> str:
     return Path(os.path.relpath(path, out)).as_posix()
 
 
+def _is_share(key: str) -> bool:
+    """A figure shown in percent: top-1, mIoU, pixel accuracy, agreement (not a drop in points)."""
+    return any(word in key for word in ("top1", "agreement", "miou", "pixel_acc")) and "drop" not in key
+
+
 def _shown(key: str, value) -> str:
-    if isinstance(value, (int, float)) and ("top1" in key or "agreement" in key) and "drop" not in key:
+    if isinstance(value, (int, float)) and _is_share(key):
         return f"{100 * value:.2f} %"
     return html.escape(f"{value:.4g}" if isinstance(value, float) else str(value))

@@ -7,7 +7,7 @@ with exactly the arithmetic they used before tasks existed, so its outputs are u
 
 from __future__ import annotations
 
-from appliance.models import ARCHITECTURES, build_model
+from appliance.models import ARCHITECTURES, build_model, classifier_head
 from appliance.tasks.classification_figures import per_class, quality_figures
 from appliance.tasks.deploy_metrics import argmax_agreement, top1
 
@@ -21,6 +21,15 @@ class Classification:
 
     def dataset(self, cfg, files, augment: bool = False):
         return None  # the training data module's own (image, label) dataset
+
+    def init_state(self, state: dict, own_keys, architecture: str) -> tuple[dict, dict | None]:
+        return state, None  # [model] init's keys are matched by name as they are
+
+    def head_prefix(self, model, architecture: str) -> str:
+        return classifier_head(model)
+
+    def check_options(self, num_classes: int) -> dict:
+        return {}  # the data check infers the label range as it always has
 
     def criterion(self):
         from torch import nn
@@ -55,3 +64,18 @@ class Classification:
     def score(self, logits, labels) -> float:
         """Top-1 of (N, K) logits against (N,) labels."""
         return top1(logits, labels)
+
+    # ---- the pipeline summary: each stage's figures under this task's names ----
+    agreement_key = "top1_agreement"  # what verify and the compile check call host-vs-build agreement
+
+    def train_summary(self, train) -> dict:
+        return {} if train.val_acc is None else {"train_val_top1": train.val_acc}
+
+    def gate_summary(self, quality: dict) -> dict:
+        if "val_acc" not in quality:
+            return {}
+        return {"val_majority_baseline_top1": quality["majority_baseline"],
+                "quality_gate_required_top1": quality["required_val_acc"]}
+
+    def export_summary(self, parity: dict) -> dict:
+        return {}  # the exported model's top-1 is the quantize stage's fp32_top1

@@ -8,6 +8,7 @@ preprocessing grid of the edge device when evaluating.
 
 from __future__ import annotations
 
+from appliance.tasks.backbone_keys import backbone_state
 from appliance.tasks.deploy_metrics import argmax_agreement, miou_of_maps
 from appliance.tasks.segmentation_figures import iou_figures, segmentation_quality
 from data_tools.segmentation import IGNORE_LABEL, IMAGE_KEY, MASK_KEY
@@ -52,6 +53,18 @@ class Segmentation:
         return SegmentationSamples(records, num_classes=cfg.num_classes, preprocessing=preprocessing,
                                    transform=transform, ignore_label=self.ignore_label, image_key=image_key)
 
+    def init_state(self, state: dict, own_keys, architecture: str) -> tuple[dict, dict | None]:
+        """[model] init's tensors for this model: a classification backbone's keys renamed onto it."""
+        return backbone_state(state, own_keys, architecture)
+
+    def head_prefix(self, model, architecture: str) -> str:
+        """The part fine-tuning starts fresh when the weights' classes differ (or have no head)."""
+        return "head" if architecture == "unet_small" else "net.classifier"
+
+    def check_options(self, num_classes: int) -> dict:
+        """The data check's mask range: the config's classes (a stray id is out of range, not inferred in)."""
+        return {"num_classes": num_classes, "ignore_label": self.ignore_label} if num_classes else {}
+
     def criterion(self):
         import torch
         from torch import nn
@@ -94,3 +107,22 @@ class Segmentation:
 
     def figures(self, class_maps, masks, num_classes: int) -> dict:
         return miou_of_maps(class_maps, masks, num_classes, self.ignore_label)
+
+    # ---- the pipeline summary: each stage's figures under this task's names ----
+    agreement_key = "pixel_agreement"  # what verify and the compile check call host-vs-build agreement
+
+    def train_summary(self, train) -> dict:
+        if train.val_confusion is None:
+            return {}
+        f = iou_figures(train.val_confusion, train.class_names)
+        return {"train_val_miou": f["miou"], "train_val_pixel_acc": f["pixel_acc"]}
+
+    def gate_summary(self, quality: dict) -> dict:
+        if "val_miou" not in quality:
+            return {}
+        return {"val_most_common_class_baseline_miou": quality["baseline_miou"],
+                "quality_gate_required_miou": quality["required_miou"]}
+
+    def export_summary(self, parity: dict) -> dict:
+        """The ONNX model's class maps against PyTorch's, per pixel (its mIoU: the quantize stage's fp32_miou)."""
+        return {"export_pixel_agreement_with_pytorch": parity["top1_agreement"]}

@@ -78,7 +78,3 @@ def build_segmentation_model(architecture: str, num_classes: int, in_channels: i
         _first_conv_to(net, in_channels)
     return DictOut(net)
 
-
-def segmentation_head(architecture: str) -> str:
-    """The key prefix of the part that maps features to classes (re-initialised when fine-tuning)."""
-    return "head" if architecture == "unet_small" else "net.classifier"

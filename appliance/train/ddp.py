@@ -67,11 +67,11 @@ def prepare_model(cfg, log=print) -> tuple[nn.Module, dict | None]:
     if cfg.model.init:
         init = resolve_init(cfg.model.init, Path(cfg.source).parent, cfg.source)
     graph = init.path if init is not None and cfg.model.architecture == ONNX_ARCHITECTURE else None
-    model = task_for(cfg.task).build_model(cfg.model.architecture, cfg.num_classes, cfg.data.channels,
-                                           onnx_graph=graph)
+    task = task_for(cfg.task)
+    model = task.build_model(cfg.model.architecture, cfg.num_classes, cfg.data.channels, onnx_graph=graph)
     if init is not None:
         try:
-            report = apply_init(model, init, cfg.model.reset, cfg.model.architecture, log)
+            report = apply_init(model, init, cfg.model.reset, cfg.model.architecture, log, task)
         except ConfigError as err:
             raise ConfigError(f"{cfg.source}: {err}") from None
     elif cfg.model.reset:

@@ -107,13 +107,15 @@ def _covered(key: str, prefixes) -> bool:
     return any(key == p or key.startswith(p if p.endswith((".", "/")) else (p + ".", p + "/")) for p in prefixes)
 
 
-def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: str, log=print) -> dict:
+def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: str, log=print, task=None) -> dict:
     """Load init's weights into model by name; the report of what matched. Keys under `reset` (and a
     classifier head whose class count differs) keep their fresh initialisation; any other
-    missing or shape-mismatched parameter means weights of another architecture: one line."""
+    missing or shape-mismatched parameter means weights of another architecture: one line.
+    task (appliance.tasks; None: classification) names the head and may rename the weights' keys:
+    a classification backbone's onto a segmentation model, whose head then starts fresh."""
     import torch
 
-    head = classifier_head(model)
+    head = task.head_prefix(model, architecture) if task is not None else classifier_head(model)
     own = model.state_dict()
     for prefix in reset:
         if not any(_covered(k, [prefix]) for k in own):
@@ -123,13 +125,17 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
         state = {k: v for k, v in own.items()}
         mismatched, missing, unexpected = [], [], []
     else:
-        state = read_state(init)
+        state, mapping = read_state(init), None
+        if task is not None:
+            state, mapping = task.init_state(state, own, architecture)
         mismatched = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
         missing = [k for k in own if k not in state]
         unexpected = sorted(k for k in state if k not in own)
     adapted = _adapt_input_conv(own, state, mismatched, reset)
     mismatched = [k for k in mismatched if k not in adapted]
-    head_keys = [k for k in mismatched if head and _covered(k, [head]) and not _covered(k, reset)]
+    # A classification backbone brings no segmentation head: that head is missing, and starts fresh.
+    absent_head = missing if architecture != ONNX_ARCHITECTURE and mapping else []
+    head_keys = [k for k in mismatched + absent_head if head and _covered(k, [head]) and not _covered(k, reset)]
     reinit = [k for k in own if _covered(k, reset)] + head_keys
     params = {name for name, _ in model.named_parameters()}
     fatal = [k for k in mismatched + missing if k not in reinit and k in params]
@@ -160,6 +166,8 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
                                    for k in mismatched],
               "reset": [k for k in own if _covered(k, reset)], "head_reinitialised": head_keys,
               "input_channels_adapted": adapted}
+    if task is not None and task.kind != "classification":  # which tensors came from the weights, by name
+        report.update(mapping or {}, loaded_keys=[k for k in loaded if k not in reinit])
     log(f"init: {report['loaded']} tensors from {init.path} ({init.kind}, sha256 {init.sha256[:12]}); "
         f"missing {len(missing)}, unexpected {len(unexpected)}, shape-mismatched {len(mismatched)}")
     replaced = getattr(model, "replaced_head", None)  # set by appliance.models.onnx_module
@@ -170,7 +178,10 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
     for key, (was, now) in adapted.items():
         log(f"init: input conv {key} adapted from {was} to {now} channels (RGB filters "
             + ("summed, exact for a grey image repeated to RGB)" if now == 1 else "cycled and rescaled)"))
-    if head_keys:
+    if mapping:
+        log(f"init: {mapping['backbone_mapping']}: {mapping['backbone_keys_mapped']} tensors; not used: "
+            f"{len(mapping['classification_keys_not_used'])} (the classifier); head {head} starts fresh")
+    elif head_keys:
         old, new = state[head_keys[0]].shape[0], own[head_keys[0]].shape[0]
         log(f"init: classifier head {head} re-initialised ({old} classes in the weights, {new} here)")
     if report["reset"]:
