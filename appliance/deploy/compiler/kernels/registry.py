@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from appliance.deploy.compiler.kernels import arm_dotprod, simd_conv, simd_depthwise, x86_avx512, x86_vnni
+from appliance.deploy.compiler.kernels import arm_dotprod, arm_neon, simd_conv, simd_depthwise, x86_avx512, x86_vnni
 
 GROUPS = ("int8-depthwise", "int8", "float32")
 
@@ -64,6 +64,9 @@ KERNELS = (
            handover="sdot_conv2d_blocked_"),
     Kernel("sdot_conv2d_blocked_", "int8", ("dotprod",), None, "arm-dotprod", blocked=True,
            make=arm_dotprod.conv2d_kernel),
+    Kernel("neon_conv2d_", "int8", ("neon",), arm_neon.lower_conv2d, "arm-neon", "ARMv8.0 NEON (smull/smlal/sadalp)",
+           handover="neon_conv2d_blocked_"),
+    Kernel("neon_conv2d_blocked_", "int8", ("neon",), None, "arm-neon", blocked=True, make=arm_neon.blocked_kernel),
     Kernel("depthwise_float32_", "float32", ("simd",), simd_depthwise.lower_fp32),
     Kernel("fp32_conv2d_pixels_", "float32", ("avx512",), x86_avx512.lower_fp32, pixels=True,
            handover="fp32_conv2d_blocked_"),
