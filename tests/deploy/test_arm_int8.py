@@ -100,8 +100,7 @@ HANDOVER_CASES = KERNEL_CASES + [("aarch64-i8mm", -128)]
 
 # smmla takes 2 neighbouring pixels: horizontal stride 1, an even output width; the rest go to sdot
 I8MM_SHAPES = [
-    (1, 16, 8, 32, 3, 1, 1, 1),   # a resnet block: 4 pairs, tiles of 2 pairs
-    (1, 12, 10, 24, 3, 1, 2, 1),  # 12 channels (padded to 16: 2 groups of 8), 24 outputs, dilation 2: 8 px wide
+    (1, 12, 10, 24, 3, 1, 2, 1),  # 3x3, 12 channels (padded to 16), 24 outputs, dilation 2: 4 pairs, tiles of 2
     (2, 24, 6, 40, 1, 1, 1, 0),   # batch 2, 1x1: 3 pairs a row, tiles of 1 pair, channels sliced back
     (1, 3, 11, 10, 5, 2, 1, 2),   # a stride-2 stem: on sdot
 ]
