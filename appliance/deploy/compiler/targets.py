@@ -19,6 +19,7 @@ CROSS_COMPILER = "aarch64-linux-gnu-g++"
 TARGETS = {
     "aarch64": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]},
     "aarch64-dotprod": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"]},
+    "aarch64-i8mm": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod", "+i8mm"]},
     "x86_64": {"kind": "llvm", "mtriple": "x86_64-linux-gnu"},  # mcpu: the host's, added at compile time
 }
 ELF_MACHINE = {"aarch64": 183, "x86_64": 62}

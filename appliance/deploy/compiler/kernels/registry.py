@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from appliance.deploy.compiler.kernels import arm_dotprod, simd_conv, simd_depthwise, x86_avx512, x86_vnni
+from appliance.deploy.compiler.kernels import arm_dotprod, arm_i8mm, arm_neon, simd_conv, simd_depthwise, x86_avx512, x86_vnni
 
 GROUPS = ("int8-depthwise", "int8", "float32")
 
@@ -60,10 +60,16 @@ KERNELS = (
            handover="vnni_conv2d_blocked_"),
     Kernel("vnni_conv2d_blocked_", "int8", ("avx512vnni",), None, "x86-vnni", blocked=True,
            make=x86_vnni.conv2d_kernel),
+    Kernel("smmla_conv2d_", "int8", ("i8mm",), arm_i8mm.lower_conv2d, "arm-i8mm", "ARMv8.6 matrix multiply (smmla)",
+           handover="smmla_conv2d_blocked_"),
+    Kernel("smmla_conv2d_blocked_", "int8", ("i8mm",), None, "arm-i8mm", blocked=True, make=arm_i8mm.conv2d_kernel),
     Kernel("sdot_conv2d_", "int8", ("dotprod",), arm_dotprod.lower_conv2d, "arm-dotprod", "ARMv8.2 dot product (sdot)",
            handover="sdot_conv2d_blocked_"),
     Kernel("sdot_conv2d_blocked_", "int8", ("dotprod",), None, "arm-dotprod", blocked=True,
            make=arm_dotprod.conv2d_kernel),
+    Kernel("neon_conv2d_", "int8", ("neon",), arm_neon.lower_conv2d, "arm-neon", "ARMv8.0 NEON (smull/smlal/sadalp)",
+           handover="neon_conv2d_blocked_"),
+    Kernel("neon_conv2d_blocked_", "int8", ("neon",), None, "arm-neon", blocked=True, make=arm_neon.blocked_kernel),
     Kernel("depthwise_float32_", "float32", ("simd",), simd_depthwise.lower_fp32),
     Kernel("fp32_conv2d_pixels_", "float32", ("avx512",), x86_avx512.lower_fp32, pixels=True,
            handover="fp32_conv2d_blocked_"),

@@ -10,9 +10,9 @@ handover pass adds its handoffs and the pixel kernels left after it).
 
 from __future__ import annotations
 
-from appliance.deploy.compiler.kernels.registry import kernels_for
+from appliance.deploy.compiler.kernels.registry import kernel_named, kernels_for
 from appliance.deploy.compiler.passes.dense_as_conv import matmuls_as_convs
-from appliance.deploy.compiler.passes.rewrite import rewrite_calls
+from appliance.deploy.compiler.passes.rewrite import count_calls, rewrite_calls
 
 
 def run(mod, build):
@@ -42,8 +42,9 @@ def lower_with(mod, kernels, cpu):
 
 def _int8(mod, build) -> tuple:
     """The int8 conv2d layers: depthwise on the vector kernels, groups 1 (and the int8 matmuls) on
-    the dot-product ones where the CPU has them; (mod, {"kind", "layers", "depthwise", "matmuls",
-    "pixels", "handoffs", "reason"})."""
+    the dot-product ones where the CPU has them (plain NEON on ARMv8.0); (mod, {"kind", "layers",
+    "depthwise", "matmuls", "pixels", "handoffs", "reason"}, and "by_kind": layers per kind of kernel
+    where the CPU offers more than one, e.g. {"arm-i8mm": 14, "arm-dotprod": 6})."""
     counts = {"kind": "generic", "layers": 0, "depthwise": 0, "matmuls": 0, "pixels": 0, "handoffs": 0, "reason": None}
     if not build.layers.get("int8"):
         return mod, {**counts, "kind": "none", "reason": "no int8 layers"}
@@ -61,6 +62,10 @@ def _int8(mod, build) -> tuple:
         return mod, {**counts, "reason": reason}
     mod, counts["matmuls"] = matmuls_as_convs(mod, {"int8"})
     mod, counts["layers"] = lower_with(mod, kernels, cpu)
+    kinds = list(dict.fromkeys(k.kind for k in kernels))
+    if len(kinds) > 1:  # which layers each took: a kernel that applies to some layers only leaves the rest to the next
+        counts["by_kind"] = {kind: count_calls(mod, lambda name, kind=kind: getattr(kernel_named(name), "kind", None) == kind)
+                             for kind in kinds}
     return mod, {**counts, "kind": kernels[0].kind}
 
 

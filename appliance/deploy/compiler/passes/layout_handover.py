@@ -230,11 +230,11 @@ def _emit(builder, mutator, plan, tile):
     sh, sw, dh, dw = plan["geometry"]
     packed = plan["weights"]
     data = mutator.visit_expr(plan["data"])
-    if plan["dtype"] == "int8":  # data [N, C/4, H, W, 4], weights x86_vnni's [O/16, C/4, KH, KW, 16, 4] (sdot's too)
+    if plan["dtype"] == "int8":  # data [N, C/4, H, W, 4], weights [O/16, C/4, KH, KW, ...] as the kernel packed them
         _, c4, h, w, _ = (int(d) for d in data.ty.shape)
         if plan["pixels"]:  # x86_vnni.pixels_kernel's [O/OT, C/4, OT, 4]
             packed = x86_vnni.pack_weights(np.ascontiguousarray(packed.transpose(0, 2, 1, 3)).reshape(o, c4 * 4, 1, 1))
-        _, _, kh, kw, _, _ = packed.shape
+        kh, kw = packed.shape[2:4]
         make = BY_NAME[plan["blocked"]].make  # the dot-product kernel's own: x86_vnni, arm_dotprod
         func, _ = make(n, c4, h, w, o // LANES, kh, kw, (sh, sw), (dh, dw), blocked_out=True)
     else:  # data NCHW, weights simd_conv's [O/16, C, KH, KW, 16]
