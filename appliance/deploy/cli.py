@@ -111,6 +111,9 @@ def register_compile(subparsers) -> None:
                    help="do not apply the installed tuning databases ($APPLIANCE_TUNING_DIR, then tuning/ next to "
                    "the venv) that match the target and CPU; they apply by default when neither --tune nor "
                    "--tuning-db is given")
+    p.add_argument("--no-device-estimate", action="store_true",
+                   help="aarch64 targets: skip the estimated Cortex-A76/A55 cycles per inference in compile.json "
+                   "(one run under qemu-aarch64 with a block-counting plugin, costed by llvm-mca-16)")
     p.add_argument("--dump-ir", metavar="DIR", help="write the Relax module after each compiler pass into DIR (TVMScript)")
     p.add_argument("--int8-calib", nargs="+", metavar="DATA",
                    help="tensorrt: also build an INT8 engine, calibrated on these TFRecord files or .npz "

@@ -214,8 +214,8 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         model_info = {"made_by": "appliance package", "target": info["target"], "tvm_target": info["tvm_target"],
                       "input": info["input"], "precision": info.get("precision", "fp32"),
                       "glibc_floor": glibc_floor, "glibcxx_needed": glibcxx,
-                      "preprocessing": info.get("preprocessing"), "selftest": selftest,
-                      "class_names": info.get("class_names", []), "model_card": info.get("model_card")}
+                      "selftest": selftest, "class_names": info.get("class_names", []),
+                      **{k: info.get(k) for k in ("preprocessing", "model_card", "device_estimate")}}
         atomic_write_text(root / "model.json", json.dumps(model_info, indent=2) + "\n")
         write_manifest(root, "package", [compiled / "model.so", info_path, compiled / "model.onnx", *shipped_wheels,
                                          *samples.files],

@@ -56,6 +56,7 @@ class QuantizeSection:
 @dataclass(frozen=True)
 class CompileSection:
     targets: tuple[str, ...] = ("x86_64", "aarch64")
+    device_estimate: bool = True  # aarch64 builds: estimated Cortex-A76/A55 cycles in compile.json (edge/cycles.py)
 
 
 @dataclass(frozen=True)
