@@ -11,6 +11,7 @@ import json
 from appliance.deploy import export, options
 from appliance.deploy.compile import compile_stage
 from appliance.deploy.edge.cycles import describe as describe_estimate
+from appliance.deploy.estimate import estimate_architectures, format_table
 from appliance.deploy.gpu import routes as gpu_routes
 from appliance.deploy.package import package_stage
 from appliance.deploy.quantize import quantize_stage
@@ -124,4 +125,12 @@ def verify_command(args) -> int:
                  min_agreement=args.min_agreement, on_result=show, max_logit_diff=args.max_logit_diff,
                  sysroot=args.sysroot, python=args.python, sysroot_debs=args.sysroot_debs,
                  bench_runs=args.bench_runs, pubkey=args.pubkey)
+    return 0
+
+
+def estimate_command(args) -> int:
+    table = estimate_architectures(args.architectures, args.target, args.size, args.out, classes=args.classes)
+    print(format_table(table))
+    print(f"{len(table['rows'])} architectures in {table['seconds']:.0f} s" +
+          (f"; wrote {args.out}/estimate.json and estimate.html" if args.out else ""))
     return 0
