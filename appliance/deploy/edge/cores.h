@@ -147,9 +147,9 @@ Choice Choose(const std::string& sysfs_root, const std::string& cores_flag, int 
   return choice;
 }
 
-inline std::string Line(const Choice& c) {
-  return std::to_string(c.threads) + " threads on cores " + Show(c.cores) + " (" + c.why + ")" +
-         (c.pinned.empty() ? "" : "; not pinned: " + c.pinned);
+// "4-7 (the big cores: ...)": where --bench says its threads ran.
+inline std::string Where(const Choice& c) {
+  return Show(c.cores) + " (" + c.why + (c.pinned.empty() ? "" : "; not pinned: " + c.pinned) + ")";
 }
 
 inline std::string Json(const Choice& c) {

@@ -548,10 +548,10 @@ int Bench(const Model& model, const Npy& batch, const std::vector<int64_t>& samp
                 Num(fluctuation).c_str(), gated ? Num(max_fluctuation).c_str() : "null", passed ? "true" : "false",
                 cores::Json(placed).c_str());
   } else {
-    std::printf("bench: %s\n", cores::Line(placed).c_str());
-    std::printf("bench: %d runs after %d warmup, %lld threads: median %.3f ms, p90 %.3f ms, p99 %.3f ms, "
+    std::printf("bench: %d runs after %d warmup, %lld threads on cores %s: median %.3f ms, p90 %.3f ms, p99 %.3f ms, "
                 "fluctuation (p99-median)/median %.3f%s\n",
-                runs, warmup, static_cast<long long>(pool_threads), median, p90, p99, fluctuation,
+                runs, warmup, static_cast<long long>(pool_threads), cores::Where(placed).c_str(), median, p90, p99,
+                fluctuation,
                 gated ? (passed ? (" (max " + Num(max_fluctuation, "%g") + "): PASS").c_str()
                                 : (" (max " + Num(max_fluctuation, "%g") + "): FAIL").c_str())
                       : "");
