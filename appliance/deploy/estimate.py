@@ -68,7 +68,7 @@ def estimate_architectures(archs, target: str, size: int, out_dir=None, *, class
             work = Path(tmp) / arch
             work.mkdir()
             rows.append(estimate_architecture(arch, target, size, work, classes=classes, log=log))
-    table = {"made_by": "appliance edge estimate", "target": target, "size": size, "method": METHOD,
+    table = {"made_by": "appliance edge estimate", "target": target, "size": size, "classes": classes, "method": METHOD,
              "clocks_ghz": {cpu: hz / 1e9 for cpu, hz in CLOCKS_HZ.items()}, "rows": rows,
              "seconds": round(time.perf_counter() - start, 1)}
     if out_dir is not None:
@@ -111,17 +111,20 @@ def estimate_html(table: dict) -> str:
 
 
 def estimate_once(out_dir: Path, arch: str, target: str, size: int, classes: int, log=print) -> dict:
-    """The table of one architecture, kept in out_dir and reused while arch, size, classes and target stay."""
-    key = {"architecture": arch, "size": size, "classes": classes, "target": target}
+    """The table of one architecture, kept in out_dir (estimate.json) and reused while arch, size, classes
+    and target stay; `appliance edge estimate --out out_dir` makes one too."""
     kept = Path(out_dir) / ESTIMATE_JSON
-    table = json.loads(kept.read_text()) if kept.is_file() else {}
-    if table.get("key") == key:
+    try:
+        table = json.loads(kept.read_text()) if kept.is_file() else {}
+        same = ([r["architecture"] for r in table["rows"]] == [arch] and
+                (table["target"], table["size"], table["classes"]) == (target, size, classes)) if table else False
+    except (ValueError, KeyError, TypeError):
+        same = False  # not a table of ours: made again
+    if same:
         log(f"latency budget: the estimate kept in {kept}")
         return table
     log(f"latency budget: estimating {arch} at {size} px for {target} before training")
-    table = {**estimate_architectures([arch], target, size, out_dir, classes=classes, log=log), "key": key}
-    atomic_write_text(kept, json.dumps(table, indent=2) + "\n")
-    return table
+    return estimate_architectures([arch], target, size, out_dir, classes=classes, log=log)
 
 
 def check_latency_budget(table: dict, budget_ms: float, core: str, precision: str) -> float:
