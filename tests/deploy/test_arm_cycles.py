@@ -96,7 +96,16 @@ def test_compile_json_carries_the_device_estimate(exported, tmp_path):
     # and nothing but the model runs between the markers (no interpreter start, no module load)
     assert 1e5 < device["instructions"] < 5e7, device
     assert device["cortex-a55"]["cycles"] >= device["cortex-a76"]["cycles"]
-    assert "cortex-a76" in cycles.describe(device) and "GHz" in cycles.describe(device)
+    line = cycles.describe(device)
+    assert line.startswith(f"cortex-a76 {device['cortex-a76']['ms']:.2f} ms at 2.4 GHz (") and "cortex-a55" in line
+    # where the user looks: edge verify's page and the pipeline summary show the same line
+    from appliance.deploy.verify import device_proof_html
+    from appliance.pipeline.summary import format_summary
+
+    assert line in device_proof_html({"device_estimate": device})
+    summary = {"seconds": 1, "out_dir": str(tmp_path), "accuracy": {}, "sizes_bytes": {}, "artifacts": {},
+               "latency_ms": {"host_ort_fp32": 1.0}, "builds": {"aarch64": {"device_estimate": device}}}
+    assert f"device estimate aarch64          {line}" in format_summary(summary)
 
 
 def test_a_missing_tool_is_one_reason_not_a_failure(compiled_arm, monkeypatch):
