@@ -128,8 +128,8 @@ fetch_wheels() {
 
 if [ "$want_system" -eq 1 ]; then
   install_system
-  # qemu-plugin.h of the installed qemu-user (Debian's source package): arm_cycles.py's plugin builds on it
-  benchmarks/qemu_plugin/fetch_header.sh wheelhouse/qemu-plugin
+  # qemu-plugin.h of the installed qemu-user (Debian's source package): the cycle estimate (appliance/deploy/edge/cycles.py) builds its plugin on it
+  appliance/deploy/edge/fetch_qemu_header.sh wheelhouse/qemu-plugin
 fi
 [ "$want_edge" -eq 1 ] && fetch_wheels edge-aarch64 aarch64
 [ "$want_site" -eq 1 ] && fetch_wheels trainer-cpu x86_64

@@ -121,6 +121,9 @@ def register_compile(subparsers) -> None:
                    help="do not apply the installed tuning databases ($APPLIANCE_TUNING_DIR, then tuning/ next to "
                    "the venv) that match the target and CPU; they apply by default when neither --tune nor "
                    "--tuning-db is given")
+    p.add_argument("--no-device-estimate", action="store_true",
+                   help="aarch64 targets: skip the estimated Cortex-A76/A55 cycles per inference in compile.json "
+                   "(one run under qemu-aarch64 with a block-counting plugin, costed by llvm-mca-16)")
     p.add_argument("--dump-ir", metavar="DIR", help="write the Relax module after each compiler pass into DIR (TVMScript)")
     p.add_argument("--int8-calib", nargs="+", metavar="DATA",
                    help="tensorrt: also build an INT8 engine, calibrated on these TFRecord files or .npz "
@@ -188,6 +191,22 @@ def register_edge(subparsers) -> None:
                    help="the public key the package must be signed with (default: the site key's .pub)")
     p.set_defaults(func="appliance.deploy.commands:verify_command")
     register_sysroot(verbs)
+    register_estimate(verbs)
+
+
+def register_estimate(verbs) -> None:
+    p = verbs.add_parser(
+        "estimate", help="estimated device ms of untrained architectures, FP32 and INT8, before training",
+        description="Build each architecture untrained (FP32, and INT8 with random calibration), compile it for "
+        "TARGET and estimate its cycles per inference on Cortex-A76 and Cortex-A55 (qemu block counts costed by "
+        "llvm-mca-16, at stated clocks). Prints the table; --out also writes estimate.json and estimate.html.")
+    p.add_argument("--architectures", required=True, type=lambda text: [a for a in text.split(",") if a],
+                   metavar="A,B,...", help="e.g. resnet18,mobilenet_v2")
+    p.add_argument("--target", default="aarch64-dotprod", choices=("aarch64", "aarch64-dotprod"))
+    p.add_argument("--size", type=values.positive_int, default=224, help="input height and width (default 224)")
+    p.add_argument("--classes", type=values.positive_int, default=1000)
+    p.add_argument("--out", metavar="DIR", type=values.output_dir, help="write estimate.json and estimate.html here")
+    p.set_defaults(func="appliance.deploy.commands:estimate_command")
 
 
 def register_sysroot(verbs) -> None:

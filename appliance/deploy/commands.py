@@ -10,6 +10,8 @@ import json
 
 from appliance.deploy import export, options
 from appliance.deploy.compile import compile_stage
+from appliance.deploy.edge.cycles import describe as describe_estimate
+from appliance.deploy.estimate import estimate_architectures, format_table
 from appliance.deploy.gpu import routes as gpu_routes
 from appliance.deploy.package import package_stage
 from appliance.deploy.quantize import quantize_stage
@@ -63,7 +65,8 @@ def compile_command(args) -> int:
         args.model, args.target, args.out, sample_files=args.samples, allow_failed_gate=args.allow_failed_gate,
         tolerance=args.tolerance, tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
         int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning,
-        rpc=args.rpc, rpc_key=args.rpc_key, dump_ir=args.dump_ir).info
+        rpc=args.rpc, rpc_key=args.rpc_key, dump_ir=args.dump_ir,
+        device_estimate=args.target.startswith("aarch64") and not args.no_device_estimate).info
     if "tuning" in info:
         t = info["tuning"]
         if t["reused"]:
@@ -86,6 +89,8 @@ def compile_command(args) -> int:
         line += f"; {info['tuned_tasks']} tasks tuned"
     if info.get("host_latency_ms") is not None:
         line += f"; host latency {info['host_latency_ms']:.2f} ms"
+    if "device_estimate" in info:
+        line += f"; device estimate: {describe_estimate(info['device_estimate'])}"
     print(line)
     if layers["simulated_layers"]:
         print(f"simulated (float32 between dequantize/quantize): {', '.join(layers['simulated_layers'])}")
@@ -118,6 +123,8 @@ def verify_command(args) -> int:
                   f"{route['max_logit_diff']:.3g} (allowed {route['allowed_logit_diff']:.3g}), "
                   f"{route['seconds']:.1f} s: {'PASS' if route['passed'] else 'FAIL'}")
         print(f"{args.package}: {selftest_line(report['selftest'])}")
+        print(f"{args.package}: estimated on the device (qemu block counts x llvm-mca, not a timing): "
+              f"{describe_estimate(report.get('device_estimate'))}")
         if report.get("bench"):
             b = report["bench"]
             print(f"{args.package}: bin/run --bench (emulated, not gated): {b['runs']} runs: median "
@@ -128,4 +135,12 @@ def verify_command(args) -> int:
                  min_agreement=args.min_agreement, on_result=show, max_logit_diff=args.max_logit_diff,
                  sysroot=args.sysroot, python=args.python, sysroot_debs=args.sysroot_debs,
                  bench_runs=args.bench_runs, pubkey=args.pubkey)
+    return 0
+
+
+def estimate_command(args) -> int:
+    table = estimate_architectures(args.architectures, args.target, args.size, args.out, classes=args.classes)
+    print(format_table(table))
+    print(f"{len(table['rows'])} architectures in {table['seconds']:.0f} s" +
+          (f"; wrote {args.out}/estimate.json and estimate.html" if args.out else ""))
     return 0

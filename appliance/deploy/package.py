@@ -155,7 +155,8 @@ def model_json(info: dict, task, selftest: dict, glibc_floor: str, glibcxx) -> d
             **seg, "input": info["input"], "precision": info.get("precision", "fp32"),
             "glibc_floor": glibc_floor, "glibcxx_needed": glibcxx,
             "preprocessing": info.get("preprocessing"), "selftest": selftest,
-            "class_names": info.get("class_names", []), "model_card": info.get("model_card")}
+            "class_names": info.get("class_names", []), "model_card": info.get("model_card"),
+            "device_estimate": info.get("device_estimate")}
 
 
 def task_entry(task, num_classes: int) -> dict:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance.deploy.edge.qemu import DEFAULT_SYSROOT, check_sysroot, find_qemu, run_counting_samples, run_json
+from appliance.deploy.edge.cycles import describe as describe_estimate, not_estimated
 from appliance.deploy.edge.signing import SIGNATURE, check_signature, trusted_key
 from appliance.core.manifest import sha256_file
 from appliance.core.errors import DataError, GateFailed
@@ -298,6 +299,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
     report = {"made_by": "appliance edge verify", "package": str(package.resolve()), **seg, "samples": int(len(host)),
               "sample_source": samples.source, "min_agreement": min_agreement, "routes": routes,
               "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": bench,
+              "device_estimate": info.get("device_estimate") or not_estimated("the package's compile.json has none"),
               "signature": {"checked_with": str(pubkey)},
               "passed": all(r["passed"] for r in routes) and bool(selftest["passed"])}
     if out_dir:
@@ -323,6 +325,9 @@ def device_proof_html(report: dict) -> str:
         parts.append(f"<p>bin/run --bench under qemu-aarch64 (emulated: not the device's latency, not gated): "
                      f"{b['runs']} runs, median {b['median_ms']:.2f} ms, p90 {b['p90_ms']:.2f} ms, "
                      f"p99 {b['p99_ms']:.2f} ms, fluctuation {b['fluctuation']:.3f}</p>")
+    if report.get("device_estimate"):
+        parts.append(f"<p>Estimated on the device's cores (qemu block counts x llvm-mca, one thread, L1 hits only): "
+                     f"{html.escape(describe_estimate(report['device_estimate']))}</p>")
     return "".join(parts)
 
 

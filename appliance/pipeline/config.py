@@ -60,6 +60,7 @@ class QuantizeSection:
 @dataclass(frozen=True)
 class CompileSection:
     targets: tuple[str, ...] = ("x86_64", "aarch64")
+    device_estimate: bool = True  # aarch64 builds: estimated Cortex-A76/A55 cycles in compile.json (edge/cycles.py)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,12 @@ class PackageSection:
 class VerifySection:
     samples: Annotated[int, COUNT] = 0  # 0: every validation sample
     min_agreement: Annotated[float, FRACTION] = 0.995
+
+
+@dataclass(frozen=True)
+class DeploySection:
+    latency_budget_ms: Annotated[float, NON_NEGATIVE] = 0.0  # 0: none; else the estimate must meet it before training
+    latency_core: str = "cortex-a76"  # the core the budget is for (cortex-a76 at 2.4 GHz, cortex-a55 at 1.8 GHz)
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class PipelineConfig:
     compile: CompileSection = field(default_factory=CompileSection)
     package: PackageSection = field(default_factory=PackageSection)
     verify: VerifySection = field(default_factory=VerifySection)
+    deploy: DeploySection = field(default_factory=DeploySection)
 
     @property
     def out_dir(self) -> Path:
@@ -94,7 +102,7 @@ class PipelineConfig:
 
 _STAGE_SECTIONS = {"pipeline": PipelineSection, "check": CheckSection, "export": ExportSection,
                    "quantize": QuantizeSection, "compile": CompileSection, "package": PackageSection,
-                   "verify": VerifySection}
+                   "verify": VerifySection, "deploy": DeploySection}
 
 
 def load_pipeline_config(path: str | Path) -> PipelineConfig:
@@ -120,6 +128,9 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     if sections["package"].target not in sections["compile"].targets:
         raise ConfigError(f"{path}: [package] target {sections['package'].target!r} is not among "
                           f"[compile] targets {list(sections['compile'].targets)}")
+    if sections["deploy"].latency_core not in ("cortex-a76", "cortex-a55"):
+        raise ConfigError(f"{path}: [deploy] latency_core must be cortex-a76 or cortex-a55, "
+                          f"got {sections['deploy'].latency_core!r}")
     out = (source.parent / sections["pipeline"].out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{path}: [pipeline] out: {out} exists and is not a directory")

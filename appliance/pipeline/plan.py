@@ -153,7 +153,8 @@ class CompileStage(Stage):
         return [res.deployed_model(), *res.data("val")]
 
     def action(self, out_dir: Path, res: Results) -> CompileResult:
-        return compile_stage(res.deployed_model(), self.target, out_dir, sample_files=res.data("val"))
+        return compile_stage(res.deployed_model(), self.target, out_dir, sample_files=res.data("val"),
+                             device_estimate=self.target.startswith("aarch64") and res.cfg.compile.device_estimate)
 
     def keep(self, res: Results, result: CompileResult) -> None:
         res.compiled[self.target] = result
@@ -204,7 +205,8 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
     if cfg.quantize.mode != "none":
         stages.append(QuantizeStage("quantize", out / "quantize", asdict(cfg.quantize), QuantizeResult))
     for target in cfg.compile.targets:
-        stages.append(CompileStage(f"compile-{target}", out / f"compile-{target}", {"target": target},
+        stages.append(CompileStage(f"compile-{target}", out / f"compile-{target}",
+                                   {"target": target, "device_estimate": cfg.compile.device_estimate},
                                    CompileResult, target=target))
     stages.append(PackageStage("package", out / "package", asdict(cfg.package), PackageResult))
     stages.append(VerifyStage("verify", out / "verify", asdict(cfg.verify), VerifyResult))

@@ -24,7 +24,8 @@ from appliance.core.errors import ConfigError, DataError
 from appliance.core.inputs import require_file
 from appliance.core.manifest import MANIFEST_NAME, atomic_write_text, sha256_file, verify_outputs
 from appliance.core.stage import StageResult
-from appliance.pipeline.config import STAGES, load_pipeline_config
+from appliance.deploy.estimate import check_latency_budget, estimate_once
+from appliance.pipeline.config import STAGES, load_pipeline_config, validate_training
 from appliance.pipeline.plan import Results, Stage, plan
 from appliance.pipeline.summary import INDEX_HTML, SUMMARY_JSON, build_summary, format_summary, index_html
 
@@ -124,6 +125,8 @@ def run_pipeline(config_path: str | Path, from_stage: str | None = None, *, quie
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     say(f"{cfg.source.name}: {len(stages)} stages into {cfg.out_dir}: {' -> '.join(names)}")
     start = time.monotonic()
+    if cfg.deploy.latency_budget_ms:
+        meet_latency_budget(cfg)
     results, ran = run_stages(cfg, stages, first_forced)
     summary = build_summary(cfg, results, ran, time.monotonic() - start)
     atomic_write_text(cfg.out_dir / SUMMARY_JSON, json.dumps(summary, indent=2, default=str) + "\n")
@@ -131,3 +134,15 @@ def run_pipeline(config_path: str | Path, from_stage: str | None = None, *, quie
     if not quiet_summary:
         print(format_summary(summary))
     return summary
+
+
+def meet_latency_budget(cfg) -> None:
+    """Before any training: the configured architecture's estimated device latency (appliance edge
+    estimate, kept in OUT/estimate) against [deploy] latency_budget_ms; one line and no training when
+    it is over."""
+    train = validate_training(cfg.training, cfg.source)
+    table = estimate_once(cfg.out_dir / "estimate", train.model.architecture, cfg.package.target,
+                          train.data.image_size, train.num_classes, log=say)
+    budget, core = cfg.deploy.latency_budget_ms, cfg.deploy.latency_core
+    estimate = check_latency_budget(table, budget, core, "int8" if cfg.quantize.mode == "int8" else "fp32")
+    say(f"latency budget {budget:g} ms on {core}: estimated {estimate:.2f} ms")

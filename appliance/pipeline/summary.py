@@ -12,6 +12,7 @@ from pathlib import Path
 from appliance.core.html_report import bars_svg, page
 from appliance.core.manifest import read_manifest
 from appliance.core.stage import html_reports
+from appliance.deploy.edge.cycles import describe as describe_estimate
 from appliance.pipeline.config import PipelineConfig
 from appliance.pipeline.plan import Results
 from appliance.tasks import task_for
@@ -66,7 +67,7 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
     for target, build in results.compiled.items():  # what each build computes: int8 or simulated, size, speed
         summary.setdefault("builds", {})[target] = {
             k: build.info.get(k) for k in ("int8_compute", "layers", "int8_kernels", "fp32_kernels", "tuned_tasks",
-                                           "library_bytes", "host_latency_ms")}
+                                           "library_bytes", "host_latency_ms", "device_estimate")}
         check = build.info.get("check") or {}
         if task.kind != "classification" and "top1_agreement" in check:  # argmax per pixel, on (N, K, H, W)
             accuracy[f"compile_{target}_{task.agreement_key}_with_ort"] = check.get(task.agreement_key,
@@ -125,6 +126,9 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  size {key:27s} {value / 1024:.1f} KiB")
     for key, value in summary["latency_ms"].items():
         lines.append(f"  latency {key:24s} {value:.3f} ms")
+    for target, build in summary.get("builds", {}).items():
+        if build.get("device_estimate") is not None:
+            lines.append(f"  {'device estimate ' + target:32s} {describe_estimate(build['device_estimate'])}")
     path = summary.get("quantize_path")
     if path:
         floats = f"; kept in float: {', '.join(path['float_layers'])}" if path["float_layers"] else ""

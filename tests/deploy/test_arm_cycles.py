@@ -1,17 +1,16 @@
-"""benchmarks/arm_cycles.py, the cycle model for aarch64 builds, on tiny real programs (seconds).
+"""appliance/deploy/edge/cycles.py, the cycle model for aarch64 builds (benchmarks/arm_cycles.py and
+compile.json's device_estimate use it), on tiny real programs (seconds).
 
 The tbcount plugin is built against the installed qemu's qemu-plugin.h and run on an aarch64
 program cross-compiled here; llvm-mca 16 costs its blocks. Full models: benchmarks/README.md.
 """
 
-import importlib.util
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from appliance.deploy.edge import cycles
+
 SYSROOT = "/usr/aarch64-linux-gnu"
 
 LOOP_C = r"""
@@ -32,11 +31,7 @@ int main(int argc, char **argv) {
 
 @pytest.fixture(scope="module")
 def arm_cycles():
-    spec = importlib.util.spec_from_file_location("arm_cycles", ROOT / "benchmarks" / "arm_cycles.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["arm_cycles"] = module
-    spec.loader.exec_module(module)
-    return module
+    return cycles
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +79,39 @@ def test_disassembly_splits_blocks_back(arm_cycles):
     # add x0, x0, #1 ; ret   and   nop
     blocks = arm_cycles.disassemble(["00040091c0035fd6", "1f2003d5"])
     assert blocks == {"00040091c0035fd6": ["add\tx0, x0, #1", "ret"], "1f2003d5": ["nop"]}
+
+
+def test_compile_json_carries_the_device_estimate(exported, tmp_path):
+    """An aarch64 build's compile.json: estimated cycles and ms at the stated clocks of both cores, from
+    one real run of model.so under qemu; the work it counts is the model's, not the Python around it."""
+    from appliance.deploy.compiler.driver import compile_model
+
+    info = compile_model(exported / "model.onnx", "aarch64", tmp_path / "arm", device_estimate=True)
+    device = info["device_estimate"]
+    assert device["estimated"], device
+    for cpu, hz in cycles.CLOCKS_HZ.items():
+        assert device[cpu]["clock_ghz"] == hz / 1e9
+        assert device[cpu]["ms"] == pytest.approx(device[cpu]["cycles"] / hz * 1e3, rel=1e-3)
+    # small_cnn at 32 px: about 1 M multiply-adds; a build cannot do that in fewer than ~100 k instructions,
+    # and nothing but the model runs between the markers (no interpreter start, no module load)
+    assert 1e5 < device["instructions"] < 5e7, device
+    assert device["cortex-a55"]["cycles"] >= device["cortex-a76"]["cycles"]
+    line = cycles.describe(device)
+    assert line.startswith(f"cortex-a76 {device['cortex-a76']['ms']:.2f} ms at 2.4 GHz (") and "cortex-a55" in line
+    # where the user looks: edge verify's page and the pipeline summary show the same line
+    from appliance.deploy.verify import device_proof_html
+    from appliance.pipeline.summary import format_summary
+
+    assert line in device_proof_html({"device_estimate": device})
+    summary = {"seconds": 1, "out_dir": str(tmp_path), "accuracy": {}, "sizes_bytes": {}, "artifacts": {},
+               "latency_ms": {"host_ort_fp32": 1.0}, "builds": {"aarch64": {"device_estimate": device}}}
+    assert f"device estimate aarch64          {line}" in format_summary(summary)
+
+
+def test_a_missing_tool_is_one_reason_not_a_failure(compiled_arm, monkeypatch):
+    monkeypatch.setattr(cycles, "LLVM_MCA", "llvm-mca-missing")
+    device = cycles.estimate_build(compiled_arm / "model.so", [1, 3, 32, 32])
+    assert device == {"estimated": False, "reason": "llvm-mca-missing: not found (install Debian's llvm-16)"}
+    assert cycles.describe(device) == "not estimated: llvm-mca-missing: not found (install Debian's llvm-16)"
+    info = __import__("json").loads((compiled_arm / "compile.json").read_text())
+    assert info["device_estimate"]["estimated"] is False and "not requested" in info["device_estimate"]["reason"]

@@ -23,6 +23,7 @@ from appliance.deploy.compiler.options import FP32_KERNELS, INT8_COMPUTE, INT8_K
 from appliance.deploy.compiler.passes.int8_arith import output_scale
 from appliance.deploy.compiler.pipeline import run_pipeline
 from appliance.deploy.compiler.runtime import use_physical_cores
+from appliance.deploy.edge.cycles import estimate_build, not_estimated
 from appliance.deploy.compiler.targets import (CROSS_COMPILER, ELF_MACHINE, check_cross_compiler, describe_cpu,
                                                target_for)
 from appliance.deploy.onnx_model import default_tolerance, image_input, load_onnx, metadata, precision
@@ -31,11 +32,13 @@ from appliance.deploy.onnx_model import default_tolerance, image_input, load_onn
 def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
                   batch: int = 1, tune_trials: int | None = None, tuning_db=None, int8_compute: str = "int8",
                   installed_tuning: bool = True, rpc: str | None = None, rpc_key: str = "", int8_kernels: str = "auto",
-                  fp32_kernels: str = "auto", log=print, dump_ir=None) -> dict:
+                  fp32_kernels: str = "auto", device_estimate: bool = False, log=print, dump_ir=None) -> dict:
     """installed_tuning: apply the installed tuning databases made for this target and CPU
     (appliance.assets.tuning_db) when neither tune_trials nor tuning_db is given. rpc: HOST:PORT of a TVM
     RPC server on the target device that times the tuning candidates (tuning/rpc.py). dump_ir: a
-    folder to write the module into after each pass. Returns compile.json's content."""
+    folder to write the module into after each pass. device_estimate: for an aarch64 target, estimate the
+    device's cycles per inference (edge/cycles.py: a minute or more under qemu for a 224 px ResNet).
+    Returns compile.json's content."""
     import tvm
 
     use_physical_cores()  # before tuning, the check and the latency run TVM here: all the cores, not half
@@ -71,6 +74,12 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         info["check"] = check_against_ort(library, model_path, shape, sample_files, meta, tolerance, inp.name,
                                           output_step=output_scale(model))
         info["host_latency_ms"] = host_latency_ms(library, shape)
+    elif device_estimate:
+        log(f"estimating {target_name} device cycles under qemu (edge/cycles.py)")
+        info["device_estimate"] = estimate_build(library, shape)
+    else:
+        info["device_estimate"] = not_estimated("not requested (appliance compile without --no-device-estimate "
+                                                "estimates it)")
     atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2) + "\n")
     _write_manifest(build, sample_files, shape, tolerance)
     if not cross and not info["check"]["passed"]:

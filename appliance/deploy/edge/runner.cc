@@ -7,7 +7,8 @@
 //
 //   run --input tensor.npy [--top-k K] [--output logits.npy] [--masks DIR] [--model model.so]
 //   run --selftest [--json] [--model model.so]
-//   run --bench [--warmup N] [--runs N] [--threads N] [--json] [--max-fluctuation F] [--input tensor.npy]
+//   run --bench [--warmup N] [--runs N] [--threads N] [--cores LIST] [--json] [--max-fluctuation F] [--input tensor.npy]
+//   run --show-cores [--threads N] [--cores LIST] [--sysfs-root DIR]
 //   run --verify-signature FILE --signature FILE.minisig --pubkey KEY.pub
 //
 // tensor.npy is float32, C order, shaped like the model input in model.json (N, C, H, W); a
@@ -22,6 +23,8 @@
 // is given and exceeded). --verify-signature checks a minisign signature of FILE with the
 // public key (signature.h): exit 0 and the trusted comment, or exit 1 and one line saying why;
 // install.sh runs it from the already-installed runner on a new package's SHA256SUMS.
+// Threads: on the big cores of a big.LITTLE device by default, one per core (cores.h); --cores and
+// --threads override; --bench and --show-cores say what was chosen.
 // Every error is one line on stderr and exit status 2.
 #include <tvm/ffi/c_api.h>
 
@@ -40,6 +43,7 @@
 #include <unistd.h>
 
 #include "class_map_png.h"
+#include "cores.h"
 #include "signature.h"
 
 namespace {
@@ -602,7 +606,8 @@ double Percentile(const std::vector<double>& sorted, double q) {
 }
 
 int Bench(const Model& model, const Npy& batch, const std::vector<int64_t>& sample_shape, int warmup, int runs,
-          int threads, bool json, double max_fluctuation) {
+          const cores::Choice& placed, bool json, double max_fluctuation) {
+  int threads = placed.threads;
   Npy one{sample_shape, std::vector<float>(batch.data.begin(), batch.data.begin() + batch.data.size() / batch.shape[0])};
   std::vector<float> logits;
   int64_t classes = 0;
@@ -627,14 +632,16 @@ int Bench(const Model& model, const Npy& batch, const std::vector<int64_t>& samp
   if (json) {
     std::printf("{\"runs\": %d, \"warmup\": %d, \"threads\": %lld, \"median_ms\": %s, \"p90_ms\": %s, "
                 "\"p99_ms\": %s, \"mean_ms\": %s, \"min_ms\": %s, \"max_ms\": %s, \"fluctuation\": %s, "
-                "\"max_fluctuation\": %s, \"passed\": %s}\n",
+                "\"max_fluctuation\": %s, \"passed\": %s, \"placement\": %s}\n",
                 runs, warmup, static_cast<long long>(pool_threads), Num(median).c_str(), Num(p90).c_str(),
                 Num(p99).c_str(), Num(mean).c_str(), Num(ms.front()).c_str(), Num(ms.back()).c_str(),
-                Num(fluctuation).c_str(), gated ? Num(max_fluctuation).c_str() : "null", passed ? "true" : "false");
+                Num(fluctuation).c_str(), gated ? Num(max_fluctuation).c_str() : "null", passed ? "true" : "false",
+                cores::Json(placed).c_str());
   } else {
-    std::printf("bench: %d runs after %d warmup, %lld threads: median %.3f ms, p90 %.3f ms, p99 %.3f ms, "
+    std::printf("bench: %d runs after %d warmup, %lld threads on cores %s: median %.3f ms, p90 %.3f ms, p99 %.3f ms, "
                 "fluctuation (p99-median)/median %.3f%s\n",
-                runs, warmup, static_cast<long long>(pool_threads), median, p90, p99, fluctuation,
+                runs, warmup, static_cast<long long>(pool_threads), cores::Where(placed).c_str(), median, p90, p99,
+                fluctuation,
                 gated ? (passed ? (" (max " + Num(max_fluctuation, "%g") + "): PASS").c_str()
                                 : (" (max " + Num(max_fluctuation, "%g") + "): FAIL").c_str())
                       : "");
@@ -656,7 +663,8 @@ int main(int argc, char** argv) {
   std::string dir = PackageDir();
   std::string input, output, masks = "masks", model_path = dir + "/model.so", info_path = dir + "/model.json";
   int top_k = 5, warmup = 10, runs = 100, threads = 0;
-  bool selftest = false, bench = false, json = false;
+  bool selftest = false, bench = false, json = false, show_cores = false;
+  std::string cores_flag, sysfs_root = "/sys";
   double max_fluctuation = -1;
   std::string signed_file, signature, pubkey;
   for (int i = 1; i < argc; ++i) {
@@ -677,6 +685,9 @@ int main(int argc, char** argv) {
     else if (arg == "--warmup") warmup = PositiveInt(arg, value(), 0);
     else if (arg == "--runs") runs = PositiveInt(arg, value(), 1);
     else if (arg == "--threads") threads = PositiveInt(arg, value(), 1);
+    else if (arg == "--cores") cores_flag = value();
+    else if (arg == "--sysfs-root") sysfs_root = value();
+    else if (arg == "--show-cores") show_cores = true;
     else if (arg == "--verify-signature") signed_file = value();
     else if (arg == "--signature") signature = value();
     else if (arg == "--pubkey") pubkey = value();
@@ -690,7 +701,9 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: run --input tensor.npy [--top-k K] [--output logits.npy] [--masks DIR] [--model model.so]\n"
           "       run --selftest [--json]\n"
-          "       run --bench [--warmup N] [--runs N] [--threads N] [--json] [--max-fluctuation F] [--input tensor.npy]\n"
+          "       run --bench [--warmup N] [--runs N] [--threads N] [--cores LIST] [--json] [--max-fluctuation F] "
+          "[--input tensor.npy]\n"
+          "       run --show-cores [--threads N] [--cores LIST] [--sysfs-root DIR]\n"
           "       run --verify-signature FILE --signature FILE.minisig --pubkey KEY.pub\n");
       return 0;
     } else {
@@ -708,10 +721,18 @@ int main(int argc, char** argv) {
     std::printf("%s: signature OK (trusted comment: %s)\n", signed_file.c_str(), said.c_str());
     return 0;
   }
-  if (selftest + bench > 1) Fail("--selftest and --bench are separate runs; give one");
+  if (selftest + bench + show_cores > 1) Fail("--selftest, --bench and --show-cores are separate runs; give one");
+  cores::Choice placed = cores::Choose(sysfs_root, cores_flag, threads, [](const std::string& m) { Fail(m); });
+  if (show_cores) {
+    std::printf("%s\n", cores::Json(placed).c_str());
+    return 0;
+  }
   if (!selftest && !bench && input.empty()) Fail("--input tensor.npy is required (or --selftest, --bench)");
-  // The runtime's thread pool reads this when it starts, which is at the first model call.
-  if (threads > 0) setenv("TVM_NUM_THREADS", std::to_string(threads).c_str(), 1);
+  // The runtime's thread pool reads these when it starts, which is at the first model call. Its workers
+  // inherit the process's affinity (set by cores::Choose); TVM's own binding, by its reading of
+  // cpufreq, would move them off the chosen cores.
+  setenv("TVM_NUM_THREADS", std::to_string(placed.threads).c_str(), threads > 0 || !cores_flag.empty() ? 1 : 0);
+  setenv("TVM_BIND_THREADS", "0", 1);
 
   // Cheap checks of every file first, so that a bad input is named before the model loads.
   ModelInfo info = ReadModelInfo(info_path);
@@ -730,6 +751,6 @@ int main(int argc, char** argv) {
   Npy batch = ReadNpy(input);
   std::vector<int64_t> sample_shape = CheckShape(batch, info, input);
   Model model = LoadModel(model_path);
-  if (bench) return Bench(model, batch, sample_shape, warmup, runs, threads, json, max_fluctuation);
+  if (bench) return Bench(model, batch, sample_shape, warmup, runs, placed, json, max_fluctuation);
   return Predict(model, info, batch, sample_shape, output, top_k, masks);
 }

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Fetch include/qemu/qemu-plugin.h of the SAME QEMU as the installed qemu-user (Debian's source
 # package, from deb.debian.org, under a private apt configuration: the host's apt state is untouched)
-# into DEST (default wheelhouse/qemu-plugin). Needs a connected host once; benchmarks/arm_cycles.py
+# into DEST (default wheelhouse/qemu-plugin). Needs a connected host once; appliance/deploy/edge/cycles.py
 # then builds its plugin offline. A plugin built against another version's header is refused by qemu.
 set -euo pipefail
-dest=${1:-$(dirname "$0")/../../wheelhouse/qemu-plugin}
+dest=${1:-$(dirname "$0")/../../../wheelhouse/qemu-plugin}
 version=$(dpkg-query -W -f='${source:Version}' qemu-user)
 mkdir -p "$dest"
 if [ -f "$dest/qemu-plugin.h" ] && [ "$(cat "$dest/VERSION" 2>/dev/null)" = "$version" ]; then
