@@ -15,6 +15,7 @@ from typing import Annotated
 from appliance.core.errors import ConfigError
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, Range
+from appliance.deploy.compiler.targets import TARGETS
 from appliance.deploy.options import OPSETS
 from data_tools.check.gate import parse_fail_on
 from appliance.train.config import config_from_dict
@@ -123,8 +124,8 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     if q.fallback not in ("auto", "none"):
         raise ConfigError(f"{path}: [quantize] fallback must be auto or none, got {q.fallback!r}")
     for target in sections["compile"].targets:
-        if target not in ("x86_64", "aarch64", "aarch64-dotprod"):
-            raise ConfigError(f"{path}: [compile] unknown target {target!r} (x86_64, aarch64, aarch64-dotprod)")
+        if target not in TARGETS:
+            raise ConfigError(f"{path}: [compile] unknown target {target!r} ({', '.join(TARGETS)})")
     if sections["package"].target not in sections["compile"].targets:
         raise ConfigError(f"{path}: [package] target {sections['package'].target!r} is not among "
                           f"[compile] targets {list(sections['compile'].targets)}")
