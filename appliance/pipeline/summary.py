@@ -84,6 +84,8 @@ def pipeline_task(cfg: PipelineConfig, results: Results):
     """The task of the trained model (its card), or of the config before anything was trained."""
     if results.train is not None and results.train.task is not None:
         return task_for(results.train.task)
+    if results.quantize is not None:  # the model card's, as quantize read it (a classification report names none)
+        return task_for({"kind": results.quantize.report.get("task", "classification")})
     return task_for(cfg.training.get("task"))
 
 

@@ -122,7 +122,7 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
             raise ConfigError(f"[model] reset: {prefix!r} matches no parameter of {architecture} "
                               f"(e.g. {', '.join(list(own)[:3])})")
     if architecture == ONNX_ARCHITECTURE:  # the module was built from the graph, weights included
-        state = {k: v for k, v in own.items()}
+        state, mapping = {k: v for k, v in own.items()}, None
         mismatched, missing, unexpected = [], [], []
     else:
         state, mapping = read_state(init), None

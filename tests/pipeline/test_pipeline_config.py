@@ -35,7 +35,7 @@ def test_defaults_and_output_dir(tmp_path):
     ("[quantize]\nfallback = 'always'\n", "[quantize] fallback must be auto or none, got 'always'"),
     ("[compile]\ntargets = ['riscv']\n", "unknown target 'riscv'"),
     ("[package]\ntarget = 'aarch64'\n[compile]\ntargets = ['x86_64']\n", "is not among [compile] targets"),
-    ("[deploy]\nx = 1\n", "unknown section [deploy]"),
+    ("[deploi]\nx = 1\n", "unknown section [deploi]"),
     # The training sections are checked as a training config when the pipeline config loads.
     ("[optimizer]\nlrr = 0.1\n", "[optimizer] unknown key 'lrr'"),
     ("[model]\narchitecture = 'resnet1800'\n", "[model] architecture 'resnet1800' is not one of"),

@@ -110,7 +110,7 @@ def test_malformed_test_fault_is_one_line(monkeypatch):
     with pytest.raises(ConfigError) as err:
         faults.load()
     assert str(err.value) == ("APPLIANCE_TEST_FAULT='step:three:1' is not POINT:STEP:RANK with POINT one of step, "
-                              "checkpoint-write, nan-loss, finished (a test hook: unset it)")
+                              "checkpoint-write, nan-loss, finished, finished-hang (a test hook: unset it)")
     monkeypatch.setenv("APPLIANCE_TEST_FAULT", "nan-loss:3:0")
     faults.load()
     assert faults.armed("nan-loss", 3, 0) and not faults.armed("nan-loss", 3, 1)
