@@ -25,7 +25,7 @@ from appliance.core.manifest import atomic_write_text
 from appliance.core.progress import quiet
 from appliance.tasks import task_for
 from appliance.train import faults, reaper, worker_error
-from appliance.train.preflight import interface_address, network_env, split_endpoint
+from appliance.train.preflight import check_loopback, interface_address, network_env, split_endpoint
 from appliance.train.config import check_data_report, load_config
 from data_tools.index import build_index, read_index_file
 from appliance.train.ddp import prepare_model
@@ -277,6 +277,8 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     check_before_start(cfg)  # --dry-run too: it promises what a real start would accept
     if dry_run:
         return printable
+    if "--standalone" in cmd or "127.0.0.1" in cmd:  # the rendezvous runs over loopback
+        check_loopback()
 
     # One run per run directory, for the run's life: two would kill each other mid-save and mix
     # their checkpoints. The kernel drops the lock when the last holder dies; torchrun holds it

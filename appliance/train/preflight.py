@@ -22,11 +22,27 @@ import time
 from dataclasses import asdict, dataclass
 
 from appliance import __version__
-from appliance.core.errors import ConfigError
+from appliance.core.errors import ConfigError, EnvironmentProblem
 from appliance.core.values import human_bytes
 from appliance.models import build_model
 
 SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
+
+
+def check_loopback(address: str = "127.0.0.1") -> None:
+    """torchrun's c10d store of a one-node run listens and connects on address (loopback): a
+    network namespace made with a bare `unshare -n` has its loopback down, and torchrun would then
+    fail with a long rendezvous traceback. One line instead, before it starts."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.bind((address, 0))
+            server.listen(1)
+            with socket.create_connection(server.getsockname(), timeout=5):
+                pass
+    except OSError as err:
+        raise EnvironmentProblem(f"cannot listen and connect on {address} ({err.strerror or err}): the loopback "
+                                 "interface is down (a network namespace needs `ip link set lo up`); torchrun's "
+                                 "rendezvous runs over it even on one machine") from None
 
 
 def interfaces() -> list[str]:

@@ -132,3 +132,15 @@ def test_disk_pre_check_in_a_worker_is_one_line_on_its_own_line(workdir):
     # The progress bar was closed first: the worker's line starts a line of its own.
     assert f"appliance train: error: {line}" in err.splitlines(), err[-3000:]
     assert "appliance/train/" not in err and not list((run_dir / "checkpoints").iterdir())
+
+
+def test_a_network_namespace_with_loopback_down_is_one_line_before_torchrun(workdir):
+    """`unshare -n` without `ip link set lo up`: the rendezvous cannot run; one line, no torchrun traceback."""
+    config = make_config(workdir, name="nolo")
+    proc = subprocess.run(["unshare", "-n", *appliance_cmd("train", str(config), "--nproc-per-node", "2")],
+                          capture_output=True, text=True, timeout=120, cwd=workdir)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "loopback interface is down" in proc.stderr and "ip link set lo up" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (workdir / "runs" / "nolo" / "checkpoints").exists()
