@@ -110,7 +110,7 @@ def golden_samples(compiled: Path, sample_files, preprocessing: dict, shape: lis
                 return load_samples(files, preprocessing, limit=count)
             except DataError:
                 break  # not image samples after all: fall back to synthetic ones
-    return synthetic_samples(preprocessing, shape[1], count)
+    return synthetic_samples(preprocessing, shape[1], count, shape, compiled / "compile.json")
 
 
 def write_selftest(root: Path, samples, reference: Path, precision: str, count: int, task=None) -> dict:
@@ -197,6 +197,10 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         raise DataError(f"{info_path}: compiled for {info['target']}, but edge packages are for aarch64 "
                         "(run `appliance compile --target aarch64`)")
     check_outputs(compiled, "changed since it was compiled")
+    if with_python and not info.get("preprocessing"):
+        raise DataError(f"{info_path}: --with-python needs the model's preprocessing (python/run.py reads images), "
+                        "which a model compiled without `appliance export` metadata lacks; package it without "
+                        "--with-python (bin/run takes tensors)")
     wheels = locked_wheels(Path(wheelhouse) if wheelhouse else default_wheelhouse())
     # The key before the build: a bad or missing one fails now, not after minutes of work.
     key, pub, key_id, key_made = site_key(key)

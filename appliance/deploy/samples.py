@@ -39,6 +39,10 @@ def load_samples(paths, preprocessing: dict, limit: int | None = None) -> Sample
             raise DataError(f"{f}: no such file")
     if len(files) == 1 and files[0].suffix in (".npz", ".npy"):
         return _load_tensors(files[0], limit)
+    if not preprocessing or "image_size" not in preprocessing:
+        raise DataError(f"{files[0]}: TFRecord images need the model's preprocessing (image size, channel order, "
+                        "mean, std), which this model's metadata lacks (not made by `appliance export`): give "
+                        "samples as a .npy/.npz of (N, C, H, W) float32 tensors")
     return _load_tfrecords(files, preprocessing, limit)
 
 
@@ -112,9 +116,17 @@ def check_input_shape(samples: Samples, expected: list, input_name: str, model_p
                         f"{model_path} input {input_name!r} expects (batch, {', '.join(map(str, want))})")
 
 
-def synthetic_samples(preprocessing: dict, channels: int, count: int):
-    """Seeded random images through the shared preprocessing, for when no data was given."""
+def synthetic_samples(preprocessing: dict, channels: int, count: int, input_shape=None, source=None):
+    """Seeded random images through the shared preprocessing, for when no data was given. A model
+    without preprocessing metadata (one not made by `appliance export`, compiled as it came) gets
+    seeded standard-normal tensors of its static input shape instead; one line when it has neither."""
     rng = np.random.default_rng(0)
+    if not preprocessing or "image_size" not in preprocessing:
+        dims = list(input_shape or [])[1:]
+        if len(dims) == 3 and all(isinstance(d, int) and d > 0 for d in dims):
+            return Samples(rng.standard_normal((count, *dims)).astype(np.float32), None, [], "synthetic")
+        raise DataError(f"{source or 'the model'}: no preprocessing in its metadata and no static input shape "
+                        f"({input_shape}): give samples as a .npy/.npz of (N, C, H, W) float32 tensors")
     size = preprocessing["image_size"]
     shape = (size, size, 3) if preprocessing["channel_order"] == "RGB" else (size, size)
     x = np.stack([preprocess_image(rng.integers(0, 256, shape, dtype=np.uint8), preprocessing)

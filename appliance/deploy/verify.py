@@ -154,9 +154,10 @@ def read_model_info(root: Path, package: Path) -> dict:
     inp = info.get("input") if isinstance(info, dict) else None
     shape = inp.get("shape") if isinstance(inp, dict) else None
     if not (isinstance(shape, list) and len(shape) == 4 and all(type(d) is int and 0 < d <= 1 << 16 for d in shape)
-            and isinstance(inp.get("name"), str) and isinstance(info.get("preprocessing"), dict)):
+            and isinstance(inp.get("name"), str) and isinstance(info.get("preprocessing"), (dict, type(None)))):
         raise DataError(f"{what}: no valid input (name, shape [N, C, H, W] of positive sizes) and preprocessing")
-    problem = preprocessing_problem(info["preprocessing"], shape[1])
+    # null: a model compiled as it came (no `appliance export` metadata); it is fed tensors only
+    problem = None if info["preprocessing"] is None else preprocessing_problem(info["preprocessing"], shape[1])
     if problem:
         raise DataError(f"{what}: preprocessing: {problem}")
     graph_input = onnx.load(str(root / "reference" / "model.onnx"), load_external_data=False).graph.input[0]
@@ -276,7 +277,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         if sample_files:
             samples = load_samples(sample_files, preprocessing, limit=num_samples)
         else:
-            samples = synthetic_samples(preprocessing, shape[1], 16)
+            samples = synthetic_samples(preprocessing, shape[1], 16, shape, package)
         check_input_shape(samples, shape, info["input"]["name"], package)
         host = run_ort(ort_session(root / "reference" / "model.onnx", optimize=False), samples.x)
         edge, seconds = run_native(root, samples.x, sysroot)

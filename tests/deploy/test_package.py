@@ -255,3 +255,33 @@ def test_sysroot_fetch_offline_and_missing_debs_are_one_line(tmp_path, python_pa
     proc = run_appliance("edge", "verify", str(python_package), "--python", "--sysroot-debs", str(tmp_path / "none"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert f"{tmp_path / 'none'}: no arm64 sysroot .debs (run `appliance edge sysroot" in proc.stderr
+
+
+def test_a_model_compiled_as_it_came_packages_and_verifies_on_tensors(tmp_path):
+    """An ONNX model with no `appliance export` metadata (no preprocessing): the package's golden
+    samples are seeded tensors of its input shape, and edge verify passes under qemu; what needs the
+    preprocessing (the Python runner, TFRecord images) is refused in one line naming the file."""
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(8, 4)).eval()
+    torch.onnx.export(net, (torch.randn(1, 3, 16, 16),), str(tmp_path / "raw.onnx"), dynamo=False,
+                      input_names=["input"], output_names=["logits"])
+    proc = run_appliance("compile", str(tmp_path / "raw.onnx"), "--target", "aarch64", "--no-device-estimate",
+                         "--out", str(tmp_path / "c"), offline=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_appliance("package", str(tmp_path / "c"), "--out", str(tmp_path / "p.tar"), offline=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "golden samples (synthetic)" in proc.stdout
+    proc = run_appliance("edge", "verify", str(tmp_path / "p.tar"), "--out", str(tmp_path / "v"), offline=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0].endswith("PASS")
+    proc = run_appliance("package", str(tmp_path / "c"), "--out", str(tmp_path / "p2.tar"), "--with-python")
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
+    assert f"{tmp_path / 'c' / 'compile.json'}: --with-python needs the model's preprocessing" in proc.stderr
+    (tmp_path / "val.tfrecord").write_bytes(b"")
+    proc = run_appliance("edge", "verify", str(tmp_path / "p.tar"), "--samples", str(tmp_path / "val.tfrecord"),
+                         "--out", str(tmp_path / "v2"))
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
+    assert f"{tmp_path / 'val.tfrecord'}: TFRecord images need the model's preprocessing" in proc.stderr
