@@ -48,15 +48,6 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(op // LANES, LANES, c, kh, kw).transpose(0, 2, 3, 4, 1))
 
 
-def pack_weights(w: np.ndarray) -> np.ndarray:
-    """OIHW float32 -> [O/16, C, KH, KW, 16], output channels padded with zeros to whole vectors."""
-    o, c, kh, kw = w.shape
-    op = -(-o // LANES) * LANES
-    padded = np.zeros((op, c, kh, kw), np.float32)
-    padded[:o] = w
-    return np.ascontiguousarray(padded.reshape(op // LANES, LANES, c, kh, kw).transpose(0, 2, 3, 4, 1))
-
-
 def conv2d_kernel(n: int, c: int, h: int, w: int, o16: int, kh: int, kw: int, stride: tuple, dilation: tuple,
                   tile: tuple[str, int, int], blocked_out: bool = False):
     """The scheduled PrimFunc conv(data [n, c, h, w], weights [o16, c, kh, kw, 16]) ->
