@@ -132,4 +132,7 @@ def test_int8_build_tunes_and_says_so(tmp_path, exported, val_npz):
     header = json.loads((tmp_path / "tuned" / "tuning" / "tuning.json").read_text())
     assert info["layers"]["int8"] == 6 and info["layers"]["simulated"] == 0
     assert info["tuned_tasks"] == header["tasks"] > 0 and info["check"]["passed"]
-    assert info["check"]["max_quantized_units"] <= 1 and info["host_latency_ms"] > 0
+    # One output step at most: the requantize multiplies by the scale's reciprocal where onnxruntime
+    # divides, which moves a value across a rounding boundary now and then; the step measured through
+    # float dequantization is 1 within float32 rounding (1.0000005 seen), never 2.
+    assert info["check"]["max_quantized_units"] <= 1 + 1e-4 and info["host_latency_ms"] > 0
