@@ -11,17 +11,21 @@ is then marked opaque, so a second FuseOps (the tuning pipeline's) joins nothing
 from __future__ import annotations
 
 from appliance.deploy.compiler.kernels.common import KERNEL_BLOCK, OPAQUE, VECTORISED_BLOCKS, WRITE_BACK
+from appliance.deploy.compiler.passes.rewrite import count_calls
 
 
 def run(mod, build):
-    """The pass: (mod, {"kernels", "fused"}); nothing to do where kernel dispatch used no kernel of ours."""
-    mod, kernels, fused = fuse_epilogues(mod)
-    return mod, {"kernels": kernels, "fused": fused}
+    """The pass: (mod, {"kernels", "fused"}) in layers (calls: layers of the same shapes and
+    constants share one function); nothing to do where kernel dispatch used no kernel of ours."""
+    names = {"kernels": set(), "fused": set()}
+    mod, _, _ = fuse_epilogues(mod, names)
+    return mod, {key: count_calls(mod, found.__contains__) for key, found in names.items()}
 
 
-def fuse_epilogues(mod):
+def fuse_epilogues(mod, names: dict | None = None):
     """mod (legalized and fused) with the epilogues computed in the kernels' write-backs (see the
-    module docstring). Returns (mod, kernels, how many got their epilogue)."""
+    module docstring). Returns (mod, kernels, how many got their epilogue), in functions; `names`
+    ({"kernels": set, "fused": set}) gets the functions' names."""
     from tvm import s_tir, tirx
 
     kernels = fused = 0
@@ -33,11 +37,15 @@ def fuse_epilogues(mod):
         if WRITE_BACK not in order:
             continue
         kernels += 1
+        if names is not None:
+            names["kernels"].add(gvar.name_hint)
         scheduled = func.attrs is not None and bool(func.attrs.get("tirx.is_scheduled", False))
         if not scheduled:  # a kernel with the functions FuseOps joined to it
             inlined = _inline_epilogue(func, order)
             if inlined is not None:
                 func, fused = inlined[0], fused + inlined[1]
+                if inlined[1] and names is not None:
+                    names["fused"].add(gvar.name_hint)
             func = func.with_attr("tirx.is_scheduled", True)  # else as FuseTIR made it: correct, slower
         # opaque from now on: a second FuseOps (the tuning pipeline's) joins nothing more to it
         mod[gvar] = func.with_attr("op_pattern", OPAQUE)

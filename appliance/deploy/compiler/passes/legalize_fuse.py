@@ -33,17 +33,21 @@ def run(mod, build):
     """The pass: (mod, {"prim_funcs": how many TIR functions the module has after it})."""
     from tvm import tirx
 
-    mod = legalize_and_fuse(mod)
+    mod = legalize_and_fuse(mod, saturating=build.cpu.triple.startswith("aarch64"))
     return mod, {"prim_funcs": sum(isinstance(func, tirx.PrimFunc) for func in mod.functions.values())}
 
 
-def legalize_and_fuse(mod):
-    """mod through relax's "zero" pipeline, with quantize by a constant scale legalized as a multiply."""
+def legalize_and_fuse(mod, saturating: bool = False):
+    """mod through relax's "zero" pipeline, with quantize by a constant scale legalized as a multiply
+    (saturating: its rounding and clipping as saturating conversions, for aarch64)."""
+    import functools
+
     import tvm
     from tvm import relax
 
     seq = tvm.transform.Sequential([
-        relax.transform.LegalizeOps({"relax.quantize": quantize_by_reciprocal}),
+        relax.transform.LegalizeOps({"relax.quantize": functools.partial(quantize_by_reciprocal,
+                                                                         saturating=saturating)}),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
@@ -52,9 +56,10 @@ def legalize_and_fuse(mod):
     return seq(mod)
 
 
-def quantize_by_reciprocal(bb, call):
+def quantize_by_reciprocal(bb, call, saturating: bool = False):
     """relax.quantize as clip(round(x * (1/scale)) + zp) where scale is a float32 scalar constant
-    (TVM's own legalization, a division, for any other scale)."""
+    (TVM's own legalization, a division, for any other scale). saturating (aarch64): the same
+    values by saturating conversions, see `saturating_quantize`."""
     import numpy as np
     from tvm import te, tirx
     from tvm.relax.transform.legalize_ops import qdq
@@ -70,6 +75,9 @@ def quantize_by_reciprocal(bb, call):
         return qdq._quantize(bb, call)
     out_dtype = str(call.attrs.out_dtype)
     zp = _try_convert_to_scalar_const(call.args[2])
+    # the model input's quantize runs in a glue function of its own (into the first kernel's layout),
+    # scalar: there the float form is fewer instructions (saturating to 16 bits scalar is compare-and-select)
+    saturating = saturating and bb.lookup_binding(call.args[0]) is not None
     axis = int(call.attrs.axis)
 
     def compute(data, zp):
@@ -78,9 +86,37 @@ def quantize_by_reciprocal(bb, call):
                 zp_value = zp[(0,) * len(zp.shape)] if qdq._is_singleton_qparam(zp) else zp[indices[axis]]
             else:
                 zp_value = zp
-            scaled = data[indices] * tirx.const(float(reciprocal), "float32")
+            scaled = data[indices] if reciprocal == 1 else data[indices] * tirx.const(float(reciprocal), "float32")
+            if saturating and out_dtype in SATURATING:
+                return saturating_quantize(scaled, zp_value, out_dtype)
             return qdq.clip_cast((te.round(scaled) if "int" in out_dtype else scaled) + zp_value, out_dtype)
 
         return te.compute(data.shape, element, name="quantized")
 
     return bb.call_te(compute, call.args[0], zp, primfunc_name_hint="quantize")
+
+
+SATURATING = {"int8": (-128, 127), "uint8": (0, 255)}
+
+
+def saturating_quantize(scaled, zp, out_dtype: str):
+    """clip(round(scaled) + zp, lo, hi) of int8/uint8 as conversions that saturate: round to
+    nearest even and convert to int32 in one step (`llvm.fptosi.sat` of `llvm.roundeven`: frintn
+    and fcvtzs), saturate to int16 (sqxtn), add the zero point saturating (sqadd) and saturate to
+    8 bits (sqxtn/sqxtun). The float form's clip (fmaxnm, fminnm), its float zero-point add and the
+    narrowing (uzp1) cost more: per 4 outputs about 4 NEON instructions instead of 6.75 (LLVM 22,
+    measured on the generated code). The values are the same for every finite input: roundeven is
+    the float form's round (nearbyint in the default rounding mode), and every saturation bound lies
+    outside [lo, hi], so a value saturated early is clipped to the same bound; a NaN input gives the
+    zero point here (the float form: a bound). x86 keeps the float form: LLVM scalarises
+    `fptosi.sat` there."""
+    from tvm import tirx
+
+    rounded = tirx.call_llvm_pure_intrin("float32", "llvm.roundeven", scaled)
+    whole = tirx.call_llvm_pure_intrin("int32", "llvm.fptosi.sat", rounded)
+    short = tirx.Cast("int16", tirx.max(tirx.min(whole, tirx.const(32767, "int32")), tirx.const(-32768, "int32")))
+    if not (isinstance(zp, tirx.IntImm) and int(zp) == 0):
+        zp16 = tirx.Cast("int16", zp)
+        short = tirx.call_llvm_pure_intrin("int16", "llvm.sadd.sat", short, zp16)
+    lo, hi = SATURATING[out_dtype]
+    return tirx.Cast(out_dtype, tirx.max(tirx.min(short, tirx.const(hi, "int16")), tirx.const(lo, "int16")))
