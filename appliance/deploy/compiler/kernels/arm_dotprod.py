@@ -33,6 +33,13 @@ INTRIN = "appliance_dot_16x4_sdot"
 SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
 GROUP = x86_vnni.GROUP  # input channels per product group: 4 bytes of a lane
 ROWS = (6, 4, 7, 5, 3, 2, 1)  # pixels a tile by preference: 4 q registers each, 24 (28) of 32 accumulate
+# A 7-pixel tile (28 accumulators, 4 weights, a broadcast: 33 q registers) spills accumulators in
+# its reduction loop; where that loop is long, fewer pixels cost less than the spills (estimated
+# Cortex-A76 cycles, ResNet-18 at 224 px: the 14 px 3x3 layers 9.3 -> 6.4 M with 2 pixels, the 7 px
+# ones 12.4 -> 9.7 M with 1), where it is short (MobileNetV2's 1x1 layers at 7 and 14 px, 16-80
+# steps) 7 pixels stay cheaper (1.3 -> 3.1 M with 1 pixel). The bound between: LONG_REDUCTION steps.
+ROWS_LONG = (6, 4, 5, 3, 2, 1)
+LONG_REDUCTION = 256  # reduction steps (C/4 x KH x KW)
 
 
 @functools.cache  # once per process: every layer's kernel uses it
@@ -76,8 +83,9 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
                   blocked_out: bool = False):
     """The scheduled PrimFunc conv(data [n, c4, h, w, 4] s8, weights [o16, c4, kh, kw, 16, 4] s8) ->
     [n, o16 * 16, oh, ow] s32 (blocked_out: [n, o16, oh, ow, 16]), for data already padded."""
+    rows = ROWS_LONG if c4 * kh * kw >= LONG_REDUCTION else ROWS
     return x86_vnni.conv2d_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, blocked_out, dtype="int8",
-                                  intrin=register_intrinsic(), rows=ROWS)
+                                  intrin=register_intrinsic(), rows=rows)
 
 
 def lower_conv2d(builder, call, index, cpu, name):

@@ -54,8 +54,46 @@ def rewrite_int8(mod):
             return expr
 
     mod = mod.clone() if hasattr(mod, "clone") else mod  # the caller's module stays as it was
-    mod["main"] = fold_requantize(relax.dpl.rewrite_call(conv | matmul, rewriter, mod["main"]))
+    mod["main"] = pool_int8(fold_requantize(relax.dpl.rewrite_call(conv | matmul, rewriter, mod["main"])))
     return relax.transform.DeadCodeElimination(["main"])(mod)
+
+
+def pool_int8(func):
+    """func with max pooling on the int8 values where a QDQ model pools dequantized ones:
+
+        max_pool2d(dequantize(q, s, z))  ->  dequantize(max_pool2d(q), s, z)         (s > 0)
+        quantize(dequantize(x, s, z), s, z)  ->  x                                     (same dtype)
+
+    Exact: dequantizing is non-decreasing, so it commutes with max (the int8 pool's padding, the
+    dtype's minimum, is never above a real value, as float's -inf); and quantizing a dequantized
+    int8 with its own scale and zero point gives it back (|x - z| <= 255: the float error is far
+    below half a step). ResNet-18's stem otherwise writes its 64x112x112 output as float32 and pools
+    and requantizes it in a function of its own."""
+    from tvm import relax
+    from tvm.relax.dpl import is_const, is_op, wildcard
+
+    q, scale, zero = wildcard(), is_const(), is_const()
+    pooled = is_op("relax.nn.max_pool2d")(is_op(DEQUANTIZE)(q, scale, zero))
+
+    def pool(expr, matches):
+        s, z = _const(matches[scale]), _const(matches[zero])
+        if _dtype(matches[q]) not in QUANT_DTYPES or s.size != 1 or z.size != 1 or not float(s.reshape(())) > 0:
+            return expr
+        inner = relax.Call(expr.op, [matches[q]], expr.attrs)  # (a scalar scale: any axis)
+        return relax.op.dequantize(inner, matches[scale], matches[zero], axis=1, out_dtype=str(_dtype(expr)))
+
+    x, s1, z1, s2, z2 = wildcard(), is_const(), is_const(), is_const(), is_const()
+    round_trip = is_op("relax.quantize")(is_op(DEQUANTIZE)(x, s1, z1), s2, z2)
+
+    def identity(expr, matches):
+        a, b = [_const(matches[v]) for v in (s1, z1)], [_const(matches[v]) for v in (s2, z2)]
+        same = all(u.size == 1 and v.size == 1 and u.dtype == v.dtype and u.reshape(()) == v.reshape(())
+                   for u, v in zip(a, b))
+        if not same or _dtype(matches[x]) != str(expr.attrs.out_dtype) or _dtype(matches[x]) not in QUANT_DTYPES:
+            return expr
+        return matches[x]
+
+    return relax.dpl.rewrite_call(round_trip, identity, relax.dpl.rewrite_call(pooled, pool, func))
 
 
 MAX_FOLDED_CORRECTION = 256  # output steps: float32 rounds it by 256 * 2^-24 = 1.5e-5 of a step at most
