@@ -17,6 +17,13 @@ requantize passes/int8_arith.py makes) whose other inputs are scalars or per-cha
 tensors, then the pad, reshape and transpose simd_depthwise emits. A kernel a handover starts from names
 its blocked twin in the registry (`Kernel.handover`). Anything else (a residual add,
 a second reader, output channels not a multiple of 16) keeps the NCHW handover.
+
+The other way round (`grouped_handoff`): an int8 depthwise layer whose output feeds an int8
+dot-product kernel (the 1x1 projection after it) writes that kernel's input layout, [N, C/4, H, W, 4]
+(4 channels a word: sdot, VNNI), from its own write-back, a pixel's 4-channel groups one store each.
+Before, it wrote NCHW a byte at a time (the tile holds a pixel's 16 channels in one vector) and a
+pass of its own transposed that into the words. Same sums, same elementwise ops: bit-identical
+outputs. MobileNetV2 S8S8 at 224 px, `aarch64-dotprod`: 40.8 -> 36.8 M estimated Cortex-A76 cycles.
 """
 
 from __future__ import annotations
@@ -35,19 +42,22 @@ ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", 
 def run(mod, build):
     """The pass, after kernel dispatch: the int8 handovers where the int8 convolutions run on our
     kernels, then the float32 ones; adds "handoffs" and "pixels" (the kernels with 16 pixels a
-    vector left after it) to kernel dispatch's counts, and logs the kernels each layer got.
-    Returns (mod, {"int8": handoffs, "float32": handoffs})."""
+    vector left after it) and "grouped" (int8 depthwise layers writing the next convolution's
+    layout) to kernel dispatch's counts, and logs the kernels each layer got.
+    Returns (mod, {"int8": handoffs, "float32": handoffs, "int8_grouped": grouped})."""
     dispatch = build.results["kernel_dispatch"]
     int8, fp32 = dispatch["int8"], dispatch["float32"]
     out = {"int8": 0, "float32": 0}
     layers = build.layers
     if int8["reason"] is None:
         mod, out["int8"] = blocked_handoff(mod)
+        mod, out["int8_grouped"] = grouped_handoff(mod, build.cpu.tile)
+        int8["grouped"] = out["int8_grouped"]
         int8.update(handoffs=out["int8"], pixels=_pixel_calls(mod, "int8"))
         build.log(f"compile: {int8['layers']} of {layers['int8']} int8 layers on {_label(build.cpu, 'int8')} kernels "
                   f"({int8['matmuls']} of them matmuls, as 1x1 convolutions; {int8['pixels']} with 16 pixels a vector; "
                   f"{int8['handoffs']} writing the depthwise layout after them), {int8['depthwise']} depthwise on "
-                  "vector kernels")
+                  f"vector kernels ({int8['grouped']} writing the next convolution's layout)")
     if fp32["reason"] is None:
         mod, out["float32"] = blocked_handoff(mod, build.cpu.tile)
         fp32.update(handoffs=out["float32"], pixels=_pixel_calls(mod, "float32"))
@@ -120,6 +130,122 @@ def blocked_handoff(mod, tile: tuple | None = None):
             mutator.builder_.update_func(gvar, mutator.visit_expr(func))
     out = relax.transform.DeadCodeElimination()(mutator.builder_.get())
     return out, len(plans)
+
+
+def _uses(main) -> dict:
+    uses: dict = {}
+
+    def count(expr):
+        from tvm import relax
+
+        if isinstance(expr, relax.Var):
+            uses[expr] = uses.get(expr, 0) + 1
+
+    from tvm import relax
+
+    for block in main.body.blocks:
+        for b in block.bindings:
+            relax.analysis.post_order_visit(b.value, count)
+    relax.analysis.post_order_visit(main.body.body, count)
+    return uses
+
+
+def grouped_handoff(mod, tile):
+    """mod with each int8 depthwise layer whose output only feeds, through elementwise ops, a
+    dot-product kernel's input layout ([N, C/g, H, W, g], g channels a word: the 1x1 projection of
+    a MobileNet block) writing that layout itself (simd_depthwise's grouped kernel): the elementwise
+    chain replayed on it, no transpose pass between, and no NCHW write-back storing a byte at a time.
+    Returns (mod, how many)."""
+    from tvm import relax
+
+    main = mod["main"]
+    bindings = {b.var: b.value for block in main.body.blocks for b in block.bindings}
+    uses = _uses(main)
+    plans = {}
+    for var, value in bindings.items():
+        plan = _grouped_plan(mod, value, bindings, uses)
+        if plan is not None:
+            plans[var] = plan
+    if not plans:
+        return mod, 0
+
+    @relax.expr_functor.mutator
+    class Handoff(relax.PyExprMutator):
+        def visit_var_binding_(self, binding):
+            if binding.var in plans:
+                self.set_var_remap(binding.var, _emit_grouped(self.builder_, self, plans[binding.var], tile))
+                return
+            super().visit_var_binding_(binding)
+
+    mutator = Handoff(mod)
+    for gvar, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            mutator.builder_.update_func(gvar, mutator.visit_expr(func))
+    return relax.transform.DeadCodeElimination()(mutator.builder_.get()), len(plans)
+
+
+def _grouped_plan(mod, value, bindings, uses):
+    """For permute_dims(reshape(chain(call_tir(int8 depthwise kernel)), [n, C/g, g, h, w]), [0, 1, 3, 4, 2])
+    (what an int8 dot-product kernel's lowering makes of its input): what to emit; None otherwise."""
+    import tvm
+    from tvm import relax
+
+    if _op(value) != "relax.permute_dims" or [int(a) for a in value.attrs.axes] != [0, 1, 3, 4, 2]:
+        return None
+    reshaped = value.args[0]
+    if not isinstance(reshaped, relax.Var) or _op(bindings.get(reshaped)) != "relax.reshape" or uses.get(reshaped) != 1:
+        return None
+    dims = [int(d) for d in reshaped.ty.shape]
+    g = dims[2]
+    if g not in (4, 8) or LANES % g:
+        return None
+    chain, current = [], bindings[reshaped].args[0]
+    while isinstance(current, relax.Var) and uses.get(current) == 1:
+        step = bindings.get(current)
+        if _op(step) == "relax.call_tir":
+            kernel = kernel_named(step.args[0].name_hint)
+            if kernel is not None and kernel.group == "int8-depthwise":
+                break
+        op, args = _elementwise(mod, step)
+        if op is None or not isinstance(args[0], relax.Var) or any(not _side_input(arg) for arg in args[1:]):
+            return None
+        chain.append((op, args, step))
+        current = args[0]
+    else:
+        return None
+    call = bindings[current]
+    func = mod[call.args[0]]
+    geometry = func.attrs.get(GEOMETRY) if func.attrs is not None else None
+    data, weights = call.args[1]
+    n, c, h, w = (int(d) for d in current.ty.shape)
+    if geometry is None or c % LANES or not isinstance(weights, tvm.ir.GenericConst):
+        return None
+    return {"data": data, "weights": weights, "c": c, "g": g, "geometry": tuple(int(v) for v in geometry),
+            "sums": str(current.ty.dtype), "chain": list(reversed(chain)), "name": call.args[0].name_hint}
+
+
+def _emit_grouped(builder, mutator, plan, tile):
+    from tvm import relax
+
+    from appliance.deploy.compiler.kernels.simd_depthwise import depthwise_kernel
+
+    data = mutator.visit_expr(plan["data"])
+    n, c16, h, w, _ = (int(d) for d in data.ty.shape)
+    _, kh, kw, _ = (int(d) for d in plan["weights"].ty.shape)
+    sh, sw, dh, dw = plan["geometry"]
+    dtype, sums, g, c = str(data.ty.dtype), plan["sums"], plan["g"], plan["c"]
+    func, (oh, ow) = depthwise_kernel(n, c16, h, w, kh, kw, (sh, sw), (dh, dw), tile, dtype,
+                                      sums if sums == "float32" else None, group=g)
+    kernel = builder.add_func(func.without_attr("global_symbol"), "depthwise_grouped_" + plan["name"].split("_")[-1])
+    current = builder.emit(relax.call_tir(kernel, [data, plan["weights"]],
+                                          relax.TensorType((n, c // g, oh, ow, g), sums)))
+    for op, args, step in plan["chain"]:
+        args = [current] + [_blocked(builder, mutator.visit_expr(arg), c, g) for arg in args[1:]]
+        if _op(step) == "relax.call_tir":
+            current = builder.emit(getattr(relax.op, op.split(".")[-1])(*args))
+        else:
+            current = builder.emit(relax.Call(step.op, args, step.attrs, step.ty_args))
+    return current
 
 
 def _op(value) -> str | None:
@@ -259,11 +385,12 @@ def _emit(builder, mutator, plan, tile):
                                         pad_value=float(pad.attrs.pad_value)))
 
 
-def _blocked(builder, arg, o):
-    """A side input on the blocked layout: per-channel [1, C, 1, 1] -> [1, C/16, 1, 1, 16]; scalars as they are."""
+def _blocked(builder, arg, o, lanes=LANES):
+    """A side input on the blocked layout: per-channel [1, C, 1, 1] -> [1, C/lanes, 1, 1, lanes];
+    scalars as they are."""
     import tvm
     from tvm import relax
 
     if isinstance(getattr(arg, "ty", None), tvm.ir.PrimType) or len(arg.ty.shape) != 4:
         return arg
-    return builder.emit(relax.op.permute_dims(relax.op.reshape(arg, (1, o // LANES, LANES, 1, 1)), [0, 1, 3, 4, 2]))
+    return builder.emit(relax.op.permute_dims(relax.op.reshape(arg, (1, o // lanes, lanes, 1, 1)), [0, 1, 3, 4, 2]))
