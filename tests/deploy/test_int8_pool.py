@@ -1,4 +1,4 @@
-"""Max pooling of a QDQ model on the int8 values (passes/int8_arith.pool_int8): the same outputs, bit for
+"""Max pooling of a QDQ model on the int8 values (passes/int8_rewrites.pool_int8): the same outputs, bit for
 bit, as pooling the dequantized floats and quantizing again, padding included."""
 
 import numpy as np
