@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-CONV, MATMUL, DEQUANTIZE = "relax.nn.conv2d", "relax.matmul", "relax.dequantize"
-QUANT_DTYPES = ("int8", "uint8")
+from appliance.deploy.compiler.passes.int8_rewrites import DEQUANTIZE, QUANT_DTYPES, _dtype, fold_requantize, pool_int8
+
+CONV, MATMUL = "relax.nn.conv2d", "relax.matmul"
 
 
 def run(mod, build):
@@ -54,8 +55,6 @@ def rewrite_int8(mod):
             return expr
 
     mod = mod.clone() if hasattr(mod, "clone") else mod  # the caller's module stays as it was
-    from appliance.deploy.compiler.passes.int8_rewrites import fold_requantize, pool_int8
-
     mod["main"] = pool_int8(fold_requantize(relax.dpl.rewrite_call(conv | matmul, rewriter, mod["main"])))
     return relax.transform.DeadCodeElimination(["main"])(mod)
 
@@ -70,10 +69,6 @@ def _const(expr) -> np.ndarray:
     if not isinstance(expr, tvm.ir.GenericConst):
         raise _CannotRewrite
     return expr.value.numpy()
-
-
-def _dtype(expr) -> str:
-    return expr.ty.dtype
 
 
 def _activation(dq_call):

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from appliance.deploy.compiler.passes.int8_arith import DEQUANTIZE, QUANT_DTYPES, _const, _dtype
+DEQUANTIZE = "relax.dequantize"
+QUANT_DTYPES = ("int8", "uint8")
+
+
+def _const(expr) -> np.ndarray:
+    """The value of a constant the pattern matched (is_const)."""
+    return expr.value.numpy()
+
+
+def _dtype(expr) -> str:
+    return expr.ty.dtype
 
 
 def pool_int8(func):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from appliance.deploy.compiler.kernels import simd_conv, x86_vnni
+from appliance.deploy.compiler.kernels.simd_depthwise import depthwise_kernel
 from appliance.deploy.compiler.kernels.common import GEOMETRY, LANES
 from appliance.deploy.compiler.kernels.registry import BY_NAME, blocked_kernel, kernel_named, kernels_for
 from appliance.deploy.compiler.passes.rewrite import count_calls
@@ -226,8 +227,6 @@ def _grouped_plan(mod, value, bindings, uses):
 
 def _emit_grouped(builder, mutator, plan, tile):
     from tvm import relax
-
-    from appliance.deploy.compiler.kernels.simd_depthwise import depthwise_kernel
 
     data = mutator.visit_expr(plan["data"])
     n, c16, h, w, _ = (int(d) for d in data.ty.shape)
