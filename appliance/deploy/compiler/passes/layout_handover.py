@@ -96,16 +96,7 @@ def blocked_handoff(mod, tile: tuple | None = None):
 
     main = mod["main"]
     bindings = {b.var: b.value for block in main.body.blocks for b in block.bindings}
-    uses: dict = {}
-
-    def count(expr):
-        if isinstance(expr, relax.Var):
-            uses[expr] = uses.get(expr, 0) + 1
-
-    for block in main.body.blocks:
-        for b in block.bindings:
-            relax.analysis.post_order_visit(b.value, count)
-    relax.analysis.post_order_visit(main.body.body, count)
+    uses = _uses(main)
     plans = {}
     for var, value in bindings.items():
         plan = _plan(mod, var, value, bindings, uses)
@@ -113,6 +104,14 @@ def blocked_handoff(mod, tile: tuple | None = None):
             plan = None
         if plan is not None:
             plans[var] = plan  # keyed by the blocked, padded input of a depthwise kernel
+    return _apply(mod, plans, lambda builder, mutator, plan: _emit(builder, mutator, plan, tile))
+
+
+def _apply(mod, plans: dict, emit):
+    """mod with each binding of `plans` (var -> plan) replaced by what emit(builder, mutator, plan)
+    returns, and the code left unused removed; (mod, how many)."""
+    from tvm import relax
+
     if not plans:
         return mod, 0
 
@@ -120,8 +119,7 @@ def blocked_handoff(mod, tile: tuple | None = None):
     class Handoff(relax.PyExprMutator):
         def visit_var_binding_(self, binding):
             if binding.var in plans:
-                new = _emit(self.builder_, self, plans[binding.var], tile)
-                self.set_var_remap(binding.var, new)
+                self.set_var_remap(binding.var, emit(self.builder_, self, plans[binding.var]))
                 return
             super().visit_var_binding_(binding)
 
@@ -129,20 +127,18 @@ def blocked_handoff(mod, tile: tuple | None = None):
     for gvar, func in mod.functions_items():
         if isinstance(func, relax.Function):
             mutator.builder_.update_func(gvar, mutator.visit_expr(func))
-    out = relax.transform.DeadCodeElimination()(mutator.builder_.get())
-    return out, len(plans)
+    return relax.transform.DeadCodeElimination()(mutator.builder_.get()), len(plans)
 
 
 def _uses(main) -> dict:
+    """How many times each var of main is read."""
+    from tvm import relax
+
     uses: dict = {}
 
     def count(expr):
-        from tvm import relax
-
         if isinstance(expr, relax.Var):
             uses[expr] = uses.get(expr, 0) + 1
-
-    from tvm import relax
 
     for block in main.body.blocks:
         for b in block.bindings:
@@ -157,8 +153,6 @@ def grouped_handoff(mod, tile):
     a MobileNet block) writing that layout itself (simd_depthwise's grouped kernel): the elementwise
     chain replayed on it, no transpose pass between, and no NCHW write-back storing a byte at a time.
     Returns (mod, how many)."""
-    from tvm import relax
-
     main = mod["main"]
     bindings = {b.var: b.value for block in main.body.blocks for b in block.bindings}
     uses = _uses(main)
@@ -167,22 +161,7 @@ def grouped_handoff(mod, tile):
         plan = _grouped_plan(mod, value, bindings, uses)
         if plan is not None:
             plans[var] = plan
-    if not plans:
-        return mod, 0
-
-    @relax.expr_functor.mutator
-    class Handoff(relax.PyExprMutator):
-        def visit_var_binding_(self, binding):
-            if binding.var in plans:
-                self.set_var_remap(binding.var, _emit_grouped(self.builder_, self, plans[binding.var], tile))
-                return
-            super().visit_var_binding_(binding)
-
-    mutator = Handoff(mod)
-    for gvar, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            mutator.builder_.update_func(gvar, mutator.visit_expr(func))
-    return relax.transform.DeadCodeElimination()(mutator.builder_.get()), len(plans)
+    return _apply(mod, plans, lambda builder, mutator, plan: _emit_grouped(builder, mutator, plan, tile))
 
 
 def _grouped_plan(mod, value, bindings, uses):
@@ -200,20 +179,14 @@ def _grouped_plan(mod, value, bindings, uses):
     g = dims[2]
     if g not in (4, 8) or LANES % g:
         return None
-    chain, current = [], bindings[reshaped].args[0]
-    while isinstance(current, relax.Var) and uses.get(current) == 1:
-        step = bindings.get(current)
-        if _op(step) == "relax.call_tir":
-            kernel = kernel_named(step.args[0].name_hint)
-            if kernel is not None and kernel.group == "int8-depthwise":
-                break
-        op, args = _elementwise(mod, step)
-        if op is None or not isinstance(args[0], relax.Var) or any(not _side_input(arg) for arg in args[1:]):
-            return None
-        chain.append((op, args, step))
-        current = args[0]
-    else:
+    def depthwise(name):
+        kernel = kernel_named(name)
+        return kernel is not None and kernel.group == "int8-depthwise"
+
+    found = _chain(mod, bindings[reshaped].args[0], bindings, uses, depthwise)
+    if found is None:
         return None
+    chain, current = found
     call = bindings[current]
     func = mod[call.args[0]]
     geometry = func.attrs.get(GEOMETRY) if func.attrs is not None else None
@@ -222,7 +195,7 @@ def _grouped_plan(mod, value, bindings, uses):
     if geometry is None or c % LANES or not isinstance(weights, tvm.ir.GenericConst):
         return None
     return {"data": data, "weights": weights, "c": c, "g": g, "geometry": tuple(int(v) for v in geometry),
-            "sums": str(current.ty.dtype), "chain": list(reversed(chain)), "name": call.args[0].name_hint}
+            "sums": str(current.ty.dtype), "chain": chain, "name": call.args[0].name_hint}
 
 
 def _emit_grouped(builder, mutator, plan, tile):
@@ -238,13 +211,7 @@ def _emit_grouped(builder, mutator, plan, tile):
     kernel = builder.add_func(func.without_attr("global_symbol"), "depthwise_grouped_" + plan["name"].split("_")[-1])
     current = builder.emit(relax.call_tir(kernel, [data, plan["weights"]],
                                           relax.TensorType((n, c // g, oh, ow, g), sums)))
-    for op, args, step in plan["chain"]:
-        args = [current] + [_blocked(builder, mutator.visit_expr(arg), c, g) for arg in args[1:]]
-        if _op(step) == "relax.call_tir":
-            current = builder.emit(getattr(relax.op, op.split(".")[-1])(*args))
-        else:
-            current = builder.emit(relax.Call(step.op, args, step.attrs, step.ty_args))
-    return current
+    return _replay(builder, mutator, current, plan["chain"], c, g)
 
 
 def _op(value) -> str | None:
@@ -272,18 +239,10 @@ def _plan(mod, var, value, bindings, uses):
     pad = bindings.get(padded)
     if not isinstance(padded, relax.Var) or _op(pad) != "relax.nn.pad" or uses.get(padded) != 1:
         return None
-    chain, current = [], pad.args[0]
-    while isinstance(current, relax.Var) and uses.get(current) == 1:
-        step = bindings.get(current)
-        if _op(step) == "relax.call_tir" and _source(step.args[0].name_hint) is not None:
-            break
-        op, args = _elementwise(mod, step)
-        if op is None or not isinstance(args[0], relax.Var) or any(not _side_input(arg) for arg in args[1:]):
-            return None
-        chain.append((op, args, step))
-        current = args[0]
-    else:
+    found = _chain(mod, pad.args[0], bindings, uses, lambda name: _source(name) is not None)
+    if found is None:
         return None
+    chain, current = found
     call = bindings[current]
     kernel = call.args[0]
     kind = _source(kernel.name_hint)
@@ -301,7 +260,7 @@ def _plan(mod, var, value, bindings, uses):
         return None
     data, weights = call.args[1]
     return {"data": data, "weights": weights.value.numpy(), "o": o, "out": (h, w), "n": n, "geometry": geometry,
-            "dtype": dtype, "pixels": pixels, "chain": list(reversed(chain)), "pad": pad, "name": kernel.name_hint,
+            "dtype": dtype, "pixels": pixels, "chain": chain, "pad": pad, "name": kernel.name_hint,
             "blocked": blocked_kernel(kind).name}
 
 
@@ -372,16 +331,44 @@ def _emit(builder, mutator, plan, tile):
     current = builder.emit(relax.call_tir(kernel, [data, relax.const(packed)],
                                           relax.TensorType((n, o // LANES, oh, ow, LANES),
                                                            "int32" if plan["dtype"] == "int8" else "float32")))
-    for op, args, step in plan["chain"]:
-        args = [current] + [_blocked(builder, mutator.visit_expr(arg), o) for arg in args[1:]]
-        if _op(step) == "relax.call_tir":  # a max or min PrimFunc (_elementwise): the relax op on the new layout
-            current = builder.emit(getattr(relax.op, op.split(".")[-1])(*args))
-        else:
-            current = builder.emit(relax.Call(step.op, args, step.attrs, step.ty_args))
+    current = _replay(builder, mutator, current, plan["chain"], o, LANES)
     pad = plan["pad"]
     top, bottom, left, right = (int(p) for p in pad.attrs.pad_width[4:])
     return builder.emit(relax.op.nn.pad(current, [0, 0, 0, 0, top, bottom, left, right, 0, 0],
                                         pad_value=float(pad.attrs.pad_value)))
+
+
+def _chain(mod, start, bindings, uses, stop):
+    """Walking up from `start` through elementwise ops each read once (side inputs scalars or
+    per-channel tensors) to a call_tir of a PrimFunc whose name `stop` accepts: (the ops in the
+    order they run, as (op, args, binding), the kernel call's var); None where anything else is met."""
+    from tvm import relax
+
+    chain, current = [], start
+    while isinstance(current, relax.Var) and uses.get(current) == 1:
+        step = bindings.get(current)
+        if _op(step) == "relax.call_tir" and stop(step.args[0].name_hint):
+            return list(reversed(chain)), current
+        op, args = _elementwise(mod, step)
+        if op is None or not isinstance(args[0], relax.Var) or any(not _side_input(arg) for arg in args[1:]):
+            return None
+        chain.append((op, args, step))
+        current = args[0]
+    return None
+
+
+def _replay(builder, mutator, current, chain, channels: int, lanes: int):
+    """The chain's ops emitted again on `current`, a blocked layout of `lanes` channels a block,
+    their per-channel side inputs blocked the same way; the last one's var."""
+    from tvm import relax
+
+    for op, args, step in chain:
+        args = [current] + [_blocked(builder, mutator.visit_expr(arg), channels, lanes) for arg in args[1:]]
+        if _op(step) == "relax.call_tir":  # a max or min PrimFunc (_elementwise): the relax op on the new layout
+            current = builder.emit(getattr(relax.op, op.split(".")[-1])(*args))
+        else:
+            current = builder.emit(relax.Call(step.op, args, step.attrs, step.ty_args))
+    return current
 
 
 def _blocked(builder, arg, o, lanes=LANES):
