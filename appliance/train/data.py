@@ -7,6 +7,7 @@ export and the edge runner read the same mean/std/size from the model card).
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import time
 
@@ -230,6 +231,12 @@ class _Loader(torch.utils.data.DataLoader):
     and its worker_init_fn would kill it (the validation loader starts workers every epoch, so a
     Ctrl-C during evaluation hit that window). The trainer gets a blocked signal on unblocking."""
 
+    _starting = False  # start_workers: an iterator that draws no index from the sampler
+
+    @property
+    def _index_sampler(self):
+        return () if self._starting else super()._index_sampler
+
     def __iter__(self):
         if not self.num_workers:
             return super().__iter__()
@@ -250,6 +257,24 @@ class _DecodingLoader(_Loader):
 
     def __iter__(self):
         return map(self.finish, super().__iter__())
+
+
+THREADS_AT_FORK: list[int] = []  # the training process's thread count each time start_workers forked (tests read it)
+
+
+def start_workers(loader) -> None:
+    """Fork a loader's persistent workers now, with no sample asked for (the sampler is not drawn
+    from: the epoch's first iter() resumes these workers). setup.start_processes calls it before the
+    process group exists, while the training process has one thread to copy into each child."""
+    if loader is None or not loader.num_workers:
+        return
+    THREADS_AT_FORK.append(len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0)
+    loader._starting = True
+    try:
+        iter(loader)
+    finally:
+        loader._starting = False
+    loader._iterator._index_sampler = loader._index_sampler  # the iterator keeps the one it was made with
 
 
 def _loader(cfg, dataset, sampler, generator, pin, finish=None):

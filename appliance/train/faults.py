@@ -92,8 +92,9 @@ def slow_decode_seconds() -> float:
     return seconds
 
 
-def record_teardown(rank: str) -> None:
-    """What is still alive as a finished worker leaves (APPLIANCE_TEST_TEARDOWN only)."""
+def record_teardown(rank: str, threads_at_fork: list[int]) -> None:
+    """What is still alive as a finished worker leaves, and how many threads it had each time it
+    forked its loader workers (APPLIANCE_TEST_TEARDOWN only)."""
     where = os.environ.get(TEARDOWN_ENV, "")
     if not where:
         return
@@ -102,6 +103,7 @@ def record_teardown(rank: str) -> None:
     state = {"process_group": dist.is_available() and dist.is_initialized(),
              "threads": sorted(t.name for t in threading.enumerate()
                                if t is not threading.main_thread() and t.is_alive()),
-             "children": sorted(p.pid for p in multiprocessing.active_children())}
+             "children": sorted(p.pid for p in multiprocessing.active_children()),
+             "threads_at_fork": threads_at_fork}
     with open(os.path.join(where, f"rank-{rank}.json"), "w") as f:
         json.dump(state, f)

@@ -29,7 +29,7 @@ from appliance.core.errors import ApplianceError, EnvironmentProblem
 from appliance.core.manifest import write_manifest
 from appliance.core.progress import Progress
 from appliance.models import save_trained_model
-from appliance.train import faults, profiling, worker_error
+from appliance.train import data, faults, profiling, worker_error
 from appliance.train.collectives import all_gather_json, broadcast_int
 from appliance.train.components import (Checkpointing, MetricsLog, TrainingDiverged, Validation, check_finite,
                                         log_line)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = cfg.run_dir
         try:
             train(cfg, args.resume)
-            faults.record_teardown(rank)  # a test hook: unset in production
+            faults.record_teardown(rank, data.THREADS_AT_FORK)  # a test hook: unset in production
             _exit_now(0)  # everything is written and the process group is gone: no teardown to abort in
         except OSError as err:
             if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not err.filename:

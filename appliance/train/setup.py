@@ -93,19 +93,23 @@ def start_processes(cfg: Config, log_for_rank: Callable) -> Run:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    run = Run(cfg=cfg, rank=rank, world=world, local_rank=local_rank, device=device, log=log_for_rank(rank))
+    # The loaders' workers are forked now, while this process has one thread: a fork once the process
+    # group's (gloo/NCCL, store), TensorBoard's or OpenMP's threads run copies their locks into a child
+    # that can never release them (a worker deadlocked at start is a rank waiting for a batch forever).
+    check_data_report(cfg)
+    build_loaders(run)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if rank == 0:
         worker_error.clear(cfg.run_dir)  # an earlier attempt's line; every rank is past start-up now
     faults.load()
     set_determinism(cfg.run.seed, rank, cfg.run.deterministic)
-    check_data_report(cfg)
-    run = Run(cfg=cfg, rank=rank, world=world, local_rank=local_rank, device=device, log=log_for_rank(rank))
     run.tf32 = set_tf32(cfg.train.precision, cfg.run.deterministic)
     return run
 
 
-def build(run: Run) -> Run:
-    """Data, model, optimizer, schedule, precision, checkpoints (see module docstring)."""
+def build_loaders(run: Run) -> None:
+    """The training and validation loaders, their persistent workers started (data.start_workers)."""
     cfg, device, log = run.cfg, run.device, run.log
     # The loaders get their own generator, reseeded per epoch: creating an iterator then never
     # draws from the global RNG, whose stream the checkpoints capture mid-epoch.
@@ -121,6 +125,13 @@ def build(run: Run) -> Run:
     if cfg.data.val:
         run.val_loader = data.val_loader(cfg, run.rank, run.world, run.loader_generator, pin=pin,
                                          decode=run.decode, device=device)
+    for loader in (run.train_loader, run.val_loader):
+        data.start_workers(loader)
+
+
+def build(run: Run) -> Run:
+    """Model, optimizer, schedule, precision, checkpoints (the loaders are built by start_processes)."""
+    cfg, device, log = run.cfg, run.device, run.log
     steps_per_epoch = len(run.train_loader) // cfg.train.grad_accum
     if steps_per_epoch < 1:
         raise ConfigError(f"{cfg.source}: [train] batch_size x grad_accum x processes is larger than the data")
