@@ -88,6 +88,30 @@ def test_guard_and_window_keep_step_scalars_across_folds():
     assert figures["train_acc"] == 0.5 and figures["loss_sum"] == 0.25 * steps
 
 
+def test_window_counts_class_labels_on_the_host_and_mask_pixels_past_the_logits_as_ignored():
+    """Class labels are all counted (the loader refuses a label outside the classes) without a device
+    operation; a mask's ignored label (255: past the logits) is no prediction, correct or not."""
+    from appliance.train.step import TrainWindow
+
+    window = TrainWindow(torch.device("cpu"))
+    window.count_predictions(torch.tensor([[1.0, 0.0], [0.0, 1.0], [3.0, 1.0]]), torch.tensor([0, 0, 1]))
+    assert window._labelled == [] and window.figures()["train_acc"] == 1 / 3
+    masks = TrainWindow(torch.device("cpu"))
+    logits = torch.tensor([[[[2.0, 0.0, 0.0]], [[0.0, 1.0, 5.0]]]])  # [N=1, C=2, H=1, W=3]: argmax 0, 1, 1
+    masks.count_predictions(logits, torch.tensor([[[0, 255, 0]]]))
+    assert masks.figures()["train_acc"] == 1 / 2  # pixel 0 right, pixel 1 ignored, pixel 2 wrong
+
+
+def test_total_norm_equals_torchs_own_bit_for_bit():
+    from appliance.train.step import total_norm
+
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(shape, generator=gen) for shape in [(32, 1, 3, 3), (32,), (64, 32, 3, 3), (3, 128)]]
+    assert torch.equal(total_norm(grads), torch.nn.utils.get_total_norm(grads))
+    mixed = grads + [torch.randn(5, generator=gen, dtype=torch.float64)]
+    assert torch.equal(total_norm(mixed), torch.nn.utils.get_total_norm(mixed))
+
+
 def test_persistent_workers_augment_each_epoch_with_its_own_parameters(tmp_path):
     cfg = load_config(make_config(tmp_path, augment={"enabled": True}, data={"num_workers": 2}))
     loader, sampler = data.train_loader(cfg, 0, 1, torch.Generator(), pin=False)
