@@ -42,6 +42,22 @@ def require_file(path: str | Path, what: str = "file") -> Path:
     return p
 
 
+def open_regular(path: str | Path, what: str = "file"):
+    """path opened for reading in binary, when it is a regular file; a pipe, a device or a directory
+    is a DataError before a byte is read. (A plain open() of a FIFO blocks until a writer comes:
+    `data check` of a pipe hung.) Failures to open (no such file, no permission) are OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise DataError(f"{path}: is {describe(mode)}, not a {what}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_bounded(path: str | Path, what: str, limit: int = MAX_CONFIG_BYTES,
                  error: type[ApplianceError] = DataError) -> bytes:
     """The whole of a regular file of at most `limit` bytes; anything else is one `error` line.
