@@ -23,6 +23,8 @@ from appliance import __version__
 from appliance.core.errors import ApplianceError, ConfigError, DataError
 from appliance.core.manifest import atomic_write_text
 from appliance.core.progress import quiet
+from appliance.core.values import nproc_problem
+from appliance.train.checkpoint_files import check_resume
 from appliance.tasks import task_for
 from appliance.train import faults, reaper, worker_error
 from appliance.train.preflight import check_loopback, interface_address, network_env, split_endpoint
@@ -45,15 +47,10 @@ def gpu_count() -> int:
 
 def resolve_nproc(value: str) -> int:
     """'auto' is one process per GPU, or one CPU process (it uses every core) without a GPU."""
-    if value == "auto":
-        return gpu_count() or 1
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ConfigError(f"--nproc-per-node must be 'auto' or a positive integer, got {value!r}")
-    return n
+    problem = nproc_problem(value)
+    if problem:
+        raise ConfigError(f"--nproc-per-node {problem}")
+    return gpu_count() or 1 if value == "auto" else int(value)
 
 
 def check_nproc_fits(nproc: int, gpus: int) -> None:
@@ -267,11 +264,16 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     if spec.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
     check_nodes(spec)
+    check_resume(spec.resume)
     iface = spec.iface or cfg.distributed.iface
+    try:
+        local_addr = interface_address(iface) if iface else ""
+    except ConfigError as err:  # named as the user gave it: the flag, or the config's key
+        raise ConfigError(f"--iface: {err}" if spec.iface else f"{cfg.source}: [distributed] iface: {err}") from None
     cmd = torchrun_command(str(config.resolve()), nproc=nproc, nnodes=spec.nnodes, node_rank=spec.node_rank,
                            rdzv_endpoint=spec.rdzv_endpoint, rdzv_id=cfg.run.name,
                            max_restarts=spec.max_restarts, resume=spec.resume, min_nnodes=spec.min_nnodes,
-                           local_addr=interface_address(iface) if iface else "", profile=spec.profile)
+                           local_addr=local_addr, profile=spec.profile)
     env = launch_env(cmd, nproc, network_env(iface, cfg.distributed.env))
     printable = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
     check_before_start(cfg)  # --dry-run too: it promises what a real start would accept
