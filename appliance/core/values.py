@@ -168,6 +168,11 @@ def int_in(allowed: Range, what: str):
     return _flag(int, allowed, what)
 
 
+def float_in(allowed: Range, what: str = "a number"):
+    """An argparse type: a finite number within `allowed` (the bound is in the message)."""
+    return _flag(float, allowed, what)
+
+
 def _path_checked(check):
     """An argparse type from check(text): a path the OS cannot even look at (a name too long, a
     component past the length limit) is one line like any other refusal."""
