@@ -250,3 +250,98 @@ def test_pipeline_values_a_later_stage_refused_are_refused_at_load(capsys, confi
 def test_demo_flags_are_refused_before_any_shard_is_written(capsys, flags, expected):
     line = one_line(capsys, "demo", *flags)
     assert expected in line, line
+
+
+# --- data verbs' flags and outputs ----------------------------------------------------------------
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A valid 1-bit PNG of width x height zero pixels, a few hundred bytes (Pillow refuses to open it)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    rows = zlib.compress(b"\0" * (1 + (width + 7) // 8) * min(height, 4096), 9)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", rows) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--size", "1000000"], "--size: must be at most 1024"),  # MemoryError
+    (["--variants", "100000000"], "--variants: must be at most 32"),  # OverflowError in Pillow
+    (["--count", "256", "--size", "1024"], "make a grid of 5144x263172 pixels; at most 64 M pixels"),
+    (["--degrees", "1e300"], "--degrees: must be at most 180"),
+    (["--saturation", "5"], "--saturation: must be less than 1"),
+    (["--out", "DIR"], "is a directory; give the file to write"),  # IsADirectoryError
+])
+def test_preview_flags_past_any_grid_are_one_line(capsys, data_dir, tmp_path, flags, expected):
+    out = ["--out", str(tmp_path / "p.png")] if "--out" not in flags else []
+    flags = [str(tmp_path) if f == "DIR" else f for f in flags]
+    line = one_line(capsys, "data", "preview", str(data_dir / "data" / "train-0.tfrecord"), *out, *flags)
+    assert expected in line, line
+
+
+def test_preview_skips_a_decompression_bomb_like_any_undecodable_image(tmp_path):
+    """Pillow's DecompressionBombError was an internal error. A subprocess: this test process may have
+    imported data_tools.check.image_probe, which turns Pillow's own guard off (it checks max_pixels)."""
+    records = [encode_example({"image/encoded": bomb_png(200000, 200000), "image/class/label": 0})]
+    records += list(image_records(2, seed=8))
+    write_records(tmp_path / "bomb.tfrecord", records)
+    proc = run_appliance("data", "preview", str(tmp_path / "bomb.tfrecord"), "--out", str(tmp_path / "p.png"),
+                         timeout=120)
+    assert proc.returncode == 0 and "wrote" in proc.stdout and "2 records" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_no_output_replaces_a_device_or_a_pipe(capsys, config, data_dir, tmp_path):
+    """As root, `data preview --out /dev/null` renamed its PNG over /dev/null: the device was gone (found
+    by this campaign, the hard way). A pipe stands in for the device here (the same refusal)."""
+    from appliance.core.errors import ConfigError
+    from appliance.core.manifest import atomic_write_text
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    assert "exists and is not a regular file" in one_line(
+        capsys, "data", "preview", str(data_dir / "data" / "train-0.tfrecord"), "--out", str(fifo))
+    assert "exists and is not a regular file" in one_line(capsys, "train", "slurm", str(config), "--nodes", "2",
+                                                          "--out", str(fifo))
+    with pytest.raises(ConfigError, match="is a pipe; refusing to replace it with a file"):
+        atomic_write_text(fifo, "text")
+    from data_tools.preview import write_preview
+    with pytest.raises(ConfigError, match="is a pipe; refusing to replace it"):
+        write_preview(data_dir / "data" / "train-0.tfrecord", fifo)
+    assert os.path.exists(fifo) and not os.path.isfile(fifo)  # still the pipe
+
+
+@pytest.mark.parametrize("prefix", ["../../escaped", "a/b", "", ".hidden"])
+def test_convert_prefix_is_a_file_name_in_out(capsys, tmp_path, prefix):
+    """'../../escaped' wrote the shards two directories above --out; 'a/b' was an internal error."""
+    from PIL import Image
+
+    for label in ("a", "b"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(np.random.default_rng(i).integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(
+                tmp_path / "images" / label / f"{i}.png")
+    out = tmp_path / "deep" / "er" / "out"
+    line = one_line(capsys, "data", "convert", str(tmp_path / "images"), "--out", str(out), f"--prefix={prefix}")
+    assert "--prefix: must be the start of a file name" in line, line
+    assert not list(tmp_path.rglob("*.tfrecord"))
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--jobs", "100000"], "--jobs: must be at most 256"),  # forked until the box gave out
+    (["--num-classes", "999999999"], "--num-classes: must be at most 100000"),
+    (["--ignore-label", "99999999999"], "--ignore-label: must be at most 255"),
+])
+def test_data_check_flags_are_bounded(capsys, data_dir, tmp_path, flags, expected):
+    line = one_line(capsys, "data", "check", str(data_dir / "data" / "train-0.tfrecord"), "--out",
+                    str(tmp_path / "out"), *flags)
+    assert expected in line, line
+
+
+def test_convert_out_that_is_a_pipe_is_refused(capsys, tmp_path):
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "images" / "a").mkdir(parents=True)
+    assert "exists and is not a directory" in one_line(capsys, "data", "convert", str(tmp_path / "images"),
+                                                       "--out", str(fifo))
