@@ -345,3 +345,16 @@ def test_convert_out_that_is_a_pipe_is_refused(capsys, tmp_path):
     (tmp_path / "images" / "a").mkdir(parents=True)
     assert "exists and is not a directory" in one_line(capsys, "data", "convert", str(tmp_path / "images"),
                                                        "--out", str(fifo))
+
+
+def test_a_config_that_is_a_loop_of_links_is_one_line_for_every_verb(capsys, tmp_path):
+    loop = tmp_path / "loop.toml"
+    os.symlink(loop, loop)
+    for argv in (["train", str(loop), "--dry-run"], ["pipeline", str(loop)], ["train", "slurm", str(loop), "--nodes", "2"]):
+        line = one_line(capsys, *argv)  # train slurm: an internal RuntimeError from Path.resolve()
+        assert f"'{loop}': cannot read the" in line and "Too many levels of symbolic links" in line, line
+
+
+def test_train_slurm_without_out_writes_into_the_run_directory(capsys, config):
+    assert main(["train", "slurm", str(config), "--nodes", "2"]) == 0
+    assert capsys.readouterr().out.strip().endswith("campaign/train.sbatch")

@@ -34,7 +34,7 @@ def require_file(path: str | Path, what: str = "file") -> Path:
     except FileNotFoundError:
         raise DataError(f"{path}: no such {what}") from None
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise DataError(f"{path!r}: cannot read the {what}: {getattr(err, 'strerror', None) or err}") from None
+        raise DataError(f"{str(path)!r}: cannot read the {what}: {getattr(err, 'strerror', None) or err}") from None
     if stat.S_ISDIR(mode):
         raise DataError(f"{path}: is a directory, not a {what}")
     if not stat.S_ISREG(mode):
@@ -71,7 +71,7 @@ def read_bounded(path: str | Path, what: str, limit: int = MAX_CONFIG_BYTES,
     except IsADirectoryError:
         raise error(f"{path}: is a directory, not a {what}") from None
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise error(f"{path!r}: cannot read the {what}: {getattr(err, 'strerror', None) or err}") from None
+        raise error(f"{str(path)!r}: cannot read the {what}: {getattr(err, 'strerror', None) or err}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)

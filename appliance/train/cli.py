@@ -121,7 +121,7 @@ def slurm_parser() -> argparse.ArgumentParser:
     s.add_argument("--nodes", type=values.int_in(values.Range(ge=1, le=MAX_NODES), "an integer"), required=True,
                    help="number of nodes")
     s.add_argument("--gpus-per-node", type=values.non_negative_int, default=0, help="GPUs per node (0: CPU)")
-    s.add_argument("--out", type=values.output_file, default="", help="script path (default RUN_DIR/train.sbatch)")
+    s.add_argument("--out", type=values.output_file, default=None, help="script path (default RUN_DIR/train.sbatch)")
     _add_nproc_and_restarts(s)
     _add_profile(s)
     s.set_defaults(func=write_slurm, verb="train", verb_label="train slurm")

@@ -350,8 +350,8 @@ def slurm_script(config: Path, *, nodes: int, gpus_per_node: int = 0, nproc_per_
                  max_restarts: int = 0, profile: int | None = None, out: Path | None = None) -> Path:
     """Write an sbatch script that runs this launcher's torchrun command on `nodes` nodes under srun
     (profile: --profile STEPS for the workers, as `appliance train --profile`)."""
+    cfg = load_config(config)  # first: a loop of links is its one line, not resolve()'s RuntimeError
     config = Path(config).resolve()
-    cfg = load_config(config)
     if nodes < 1 or gpus_per_node < 0 or max_restarts < 0:
         raise ConfigError("--nodes must be at least 1, --gpus-per-node and --max-restarts 0 or more")
     nproc = nproc_per_node
