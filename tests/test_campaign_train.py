@@ -358,3 +358,23 @@ def test_a_config_that_is_a_loop_of_links_is_one_line_for_every_verb(capsys, tmp
 def test_train_slurm_without_out_writes_into_the_run_directory(capsys, config):
     assert main(["train", "slurm", str(config), "--nodes", "2"]) == 0
     assert capsys.readouterr().out.strip().endswith("campaign/train.sbatch")
+
+
+@pytest.mark.parametrize("key", ["image_key", "label_key"])
+def test_a_feature_key_the_data_lacks_is_refused_by_the_dry_run(capsys, config, key):
+    """Every worker refused it at its first record; --dry-run said the run would start."""
+    edit_config(config, "data", f'{key} = "image/nowhere"')
+    line = one_line(capsys, "train", str(config), "--dry-run")
+    assert f"[data] {key} 'image/nowhere' is no feature of the first record of" in line, line
+    assert "'image/class/label', 'image/class/text', 'image/encoded', 'image/format'" in line
+
+
+def test_a_loss_that_overflows_is_the_guards_one_line(tmp_path):
+    """lr = 1e300: the guard's line came after tensorboardX's 'NaN or Inf found in input tensor.'"""
+    # One step per epoch (8 records, batch 16): the first validation's loss is already inf, logged to
+    # tensorboard before the second step's loss stops the run.
+    config = make_config(tmp_path, train_records=8, val_records=3, optimizer={"lr": 1e300})
+    proc = run_appliance("train", str(config), "--quiet", timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "the training loss is not finite" in lines[0] and "Traceback" not in proc.stderr
