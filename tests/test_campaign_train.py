@@ -378,3 +378,31 @@ def test_a_loss_that_overflows_is_the_guards_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert "the training loss is not finite" in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda p: p.write_bytes(bytes(range(256))), "not an index file"),  # UnicodeDecodeError
+    (lambda p: p.write_text("0 269\n-5 270\n"), "a damaged index (a negative offset)"),
+    (lambda p: p.write_text("0 269\n99999999999999 269\n"), "a damaged index (a record past the end of its"),
+    (lambda p: p.write_text("0 269\n100 270\n"), "a damaged index (records out of order or overlapping)"),
+    (lambda p: p.write_text("0 269\n" + "1076 5\n" * 100000), "a TFRecord index of more than"),
+    (lambda p: p.write_text(""), "a damaged index (empty, for a"),
+    (lambda p: (p.unlink(), p.mkdir()), "is a directory, not a TFRecord index"),  # IsADirectoryError
+    (lambda p: (p.unlink(), os.mkfifo(p)), "is a pipe, not a TFRecord index"),  # hung
+    (lambda p: os.truncate(p, 4 << 30), "a TFRecord index of more than"),  # MemoryError
+])
+def test_a_damaged_index_is_one_line_before_torchrun(capsys, config, data_dir, tmp_path, damage, expected):
+    import shutil
+
+    from data_tools.index import build_index
+
+    data = tmp_path / "own"
+    data.mkdir()
+    for name in ("train-0.tfrecord", "val-0.tfrecord"):
+        shutil.copy(data_dir / "data" / name, data / name)  # a copy: its index is this test's to damage
+    edit_config(config, "data", f'train = ["{data}/train-0.tfrecord"]')
+    edit_config(config, "data", f'val = ["{data}/val-0.tfrecord"]')
+    index = build_index(data / "train-0.tfrecord")
+    damage(index)
+    line = one_line(capsys, "train", str(config), "--dry-run")
+    assert f"{index}: " in line and expected in line, line
