@@ -12,7 +12,7 @@ import traceback
 
 from appliance import __version__
 from appliance.core.errors import ApplianceError
-from appliance.core.values import OneLineParser
+from appliance.core.values import OneLineParser, one_line
 from appliance.core.manifest import remember_command
 from appliance.train.cli import slurm_parser
 from appliance.core.progress import set_quiet
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except ApplianceError as err:
         if args.debug:
             traceback.print_exc()
-        print(f"appliance {_verb_label(args)}: error: {err}", file=sys.stderr)
+        print(one_line(f"appliance {_verb_label(args)}: error: {err}"), file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print(f"appliance {_verb_label(args)}: interrupted", file=sys.stderr)
@@ -95,11 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         else:
-            print(
-                f"appliance {_verb_label(args)}: internal error: {type(err).__name__}: {err} "
-                "(rerun with --debug for the traceback)",
-                file=sys.stderr,
-            )
+            print(one_line(f"appliance {_verb_label(args)}: internal error: {type(err).__name__}: {err} "
+                           "(rerun with --debug for the traceback)"), file=sys.stderr)
         return 1
 
 

@@ -7,6 +7,7 @@ verb runs, so `appliance --help` stays fast.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 
 from appliance.core import values
@@ -16,6 +17,16 @@ DATA_VERB_MODULES: list[str] = [
     "data_tools.check.cli",
     "data_tools.preview",
 ]
+
+
+def shard_prefix(text: str) -> str:
+    """--prefix: the start of a file name in --out. '../../x' wrote shards outside --out, 'a/b' was an
+    internal error, '' made files named '-00000-of-00001.tfrecord'."""
+    problem = values.path_problem(text)
+    if problem or not text or "/" in text or text.startswith(".") or len(text) > 200:
+        raise argparse.ArgumentTypeError(f"must be the start of a file name (no '/', not empty, not starting with "
+                                         f"'.', at most 200 characters), got {values.shown(text)}")
+    return text
 
 
 def register(subparsers) -> None:
@@ -41,9 +52,9 @@ def register(subparsers) -> None:
                        "(sorted names -> 0, 1, ...). With --decompress, SOURCE is one or more GZIP/ZLIB "
                        "TFRecord files to rewrite as plain, indexed files.")
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="IMAGE_DIR, or FILE... with --decompress")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, type=values.output_dir, help="output directory")
     p.add_argument("--shards", type=values.positive_int, default=1, help="number of output files (default 1)")
-    p.add_argument("--prefix", default="data", help="shard file name prefix (default data)")
+    p.add_argument("--prefix", type=shard_prefix, default="data", help="shard file name prefix (default data)")
     p.add_argument("--seed", type=values.non_negative_int, default=0, help="shuffle seed for dealing images to shards")
     p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                    help="split IMAGE_DIR into train-* and val-* shards: F of each class to validation, "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from google_crc32c import extend as crc32c_extend
 
+from appliance.core.inputs import open_regular
 from data_tools.framing import FOOTER_BYTES, HEADER, HEADER_BYTES, U32, masked_crc
 from data_tools.resync import header_candidates
 
@@ -53,7 +54,7 @@ def detect_compression(path: str | os.PathLike) -> str | None:
     (a damaged plain file; stored deflate blocks hold plain records too). A GZIP file whose
     first magic bytes are damaged (one of three) is still GZIP when a later member decodes.
     """
-    with open(path, "rb") as f:
+    with open_regular(path, "TFRecord file") as f:
         head = f.read(1 << 16)
         if _header_at(head, 0):
             return None
@@ -126,7 +127,7 @@ class DecompressedSource:
     """
 
     def __init__(self, path, compression, *, resume: bool = True):
-        self._file = open(path, "rb")
+        self._file = open_regular(path, "TFRecord file")
         self._fd = self._file.fileno()
         self._size = os.fstat(self._fd).st_size
         self._wbits = _WBITS[compression]

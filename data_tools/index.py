@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance.core.errors import DataError
+from appliance.core.inputs import read_bounded
 from appliance.core.manifest import atomic_write_text
 from data_tools.compression import detect_compression
 from data_tools.framing import FOOTER_BYTES, FRAME_BYTES, HEADER, HEADER_BYTES, U32, masked_crc
@@ -32,6 +33,10 @@ INDEX_SUFFIX = ".index"
 def default_cache_dir() -> Path:
     env = os.environ.get("APPLIANCE_CACHE_DIR")
     return Path(env) / "index" if env else Path.home() / ".cache" / "appliance" / "index"
+
+
+MAX_INDEX_LINE = 42  # bytes of one "<offset> <size>\n" line of int64s
+MAX_INDEX_BYTES = 1 << 30  # an index whose .json does not say its source's size
 
 
 def _source_stamp(path: Path) -> dict:
@@ -117,15 +122,45 @@ def build_index(
 
 
 def read_index_file(index_path: str | os.PathLike) -> np.ndarray:
-    """Parse an index file into an int64 array of shape (n, 2): (offset, size including framing)."""
-    text = Path(index_path).read_text()
-    if not text.strip():
+    """Parse an index file into an int64 array of shape (n, 2): (offset, size including framing).
+
+    An index is a cache that anything can damage: it is read bounded (at most the lines its source
+    could need; a 4 GiB index was a MemoryError, a pipe hung, a directory or binary bytes were internal
+    errors) and checked: offsets ascending without overlap, each record at least a frame, inside the
+    source file its .json names. A damaged one is a DataError saying how to remake it."""
+    source_size = _meta_source_size(Path(index_path))
+    limit = MAX_INDEX_LINE * (source_size // FRAME_BYTES + 1) if source_size is not None else MAX_INDEX_BYTES
+    data = read_bounded(index_path, "TFRecord index", limit, error=DataError)
+    if not data.strip() and source_size:  # build_index writes no empty index for a file with bytes in it
+        raise DataError(f"{index_path}: a damaged index (empty, for a {source_size}-byte source); remake it with "
+                        "`appliance data index --force` on its TFRecord file")
+    if not data.strip():
         return np.zeros((0, 2), dtype=np.int64)
     try:
-        table = np.array(text.split(), dtype=np.int64).reshape(-1, 2)
-    except ValueError:
+        table = np.array(data.decode("ascii").split(), dtype=np.int64).reshape(-1, 2)
+    except (ValueError, OverflowError):  # UnicodeDecodeError is a ValueError
         raise DataError(f"{index_path}: not an index file (expected '<offset> <size>' per line)") from None
+    offsets, sizes = table[:, 0], table[:, 1]
+    ends = offsets + sizes
+    problem = ("a negative offset" if (offsets < 0).any() else
+               f"a record shorter than its {FRAME_BYTES}-byte frame" if (sizes < FRAME_BYTES).any() else
+               "records out of order or overlapping" if (ends[:-1] > offsets[1:]).any() else
+               f"a record past the end of its {source_size}-byte source" if source_size is not None
+               and ends[-1] > source_size else None)
+    if problem:
+        raise DataError(f"{index_path}: a damaged index ({problem}); remake it with `appliance data index --force` "
+                        "on its TFRecord file")
     return table
+
+
+def _meta_source_size(index_path: Path) -> int | None:
+    """The source size the index's .json records, or None (no .json, or not one of ours)."""
+    try:
+        meta = json.loads(read_bounded(_meta_path(index_path), "index description", 1 << 20, error=DataError))
+        size = meta.get("source_size") if isinstance(meta, dict) else None
+    except (DataError, ValueError):
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
 
 
 def load_index(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> np.ndarray:

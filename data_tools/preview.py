@@ -13,22 +13,39 @@ from pathlib import Path
 
 from appliance.core import values
 from appliance.core.errors import ConfigError, DataError
+from appliance.core.manifest import refuse_to_replace
+
+
+# A grid a person looks at: --size 1000000 asked for terabytes (MemoryError), --variants 10^8 overflowed Pillow.
+MAX_ROWS, MAX_VARIANTS, MAX_TILE = 256, 32, 1024
+MAX_GRID_PIXELS = 64 << 20
+
+
+def _int(low: int, high: int):
+    return values.int_in(values.Range(ge=low, le=high), "an integer")
+
+
+def _float(allowed):
+    return values.float_in(allowed)
 
 
 def register_data_verb(data_subparsers) -> None:
     p = data_subparsers.add_parser("preview", help="grid of original images beside augmented versions",
                                    description=__doc__.splitlines()[0])
     p.add_argument("file", metavar="FILE", help="TFRecord file")
-    p.add_argument("--out", required=True, help="PNG to write")
-    p.add_argument("--count", type=values.positive_int, default=8, help="records (rows)")
-    p.add_argument("--variants", type=values.positive_int, default=4, help="augmented versions per record (epochs)")
-    p.add_argument("--size", type=values.positive_int, default=128, help="output image size in pixels")
+    p.add_argument("--out", required=True, type=values.output_file, help="PNG to write")
+    p.add_argument("--count", type=_int(1, MAX_ROWS), default=8, help=f"records (rows, at most {MAX_ROWS})")
+    p.add_argument("--variants", type=_int(1, MAX_VARIANTS), default=4,
+                   help=f"augmented versions per record (epochs, at most {MAX_VARIANTS})")
+    p.add_argument("--size", type=_int(1, MAX_TILE), default=128, help=f"output image size in pixels (at most {MAX_TILE})")
     p.add_argument("--seed", type=values.non_negative_int, default=0)
     p.add_argument("--epoch", type=values.non_negative_int, default=0, help="first epoch shown")
-    p.add_argument("--degrees", type=values.non_negative_float, default=15.0, help="rotation range, +/- degrees")
-    p.add_argument("--hue", type=values.non_negative_float, default=0.1, help="hue shift, +/- fraction of the colour circle (0.1 = 36 deg)")
-    p.add_argument("--saturation", type=values.non_negative_float, default=0.1, help="saturation factor 1 +/- this")
-    p.add_argument("--value", type=values.non_negative_float, default=0.1, help="value (brightness) factor 1 +/- this")
+    # The ranges of the config's [augment] keys (appliance/train/config.py AugmentSection).
+    p.add_argument("--degrees", type=_float(values.Range(ge=0, le=180)), default=15.0, help="rotation range, +/- degrees")
+    p.add_argument("--hue", type=_float(values.Range(ge=0, le=0.5)), default=0.1,
+                   help="hue shift, +/- fraction of the colour circle (0.1 = 36 deg)")
+    p.add_argument("--saturation", type=_float(values.Range(ge=0, lt=1)), default=0.1, help="saturation factor 1 +/- this")
+    p.add_argument("--value", type=_float(values.Range(ge=0, lt=1)), default=0.1, help="value (brightness) factor 1 +/- this")
     p.add_argument("--image-key", default="image/encoded")
     p.set_defaults(func=preview_command)
 
@@ -44,6 +61,11 @@ def preview_command(args) -> int:
 def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, image_key="image/encoded",
                   **augment) -> int:
     """Write the grid PNG; returns the number of rows (records shown)."""
+    pad = 4
+    width, height = pad + (variants + 1) * (size + pad), pad + count * (size + pad)
+    if width * height > MAX_GRID_PIXELS:
+        raise ConfigError(f"data preview: --count {count}, --variants {variants} and --size {size} make a grid of "
+                          f"{width}x{height} pixels; at most {MAX_GRID_PIXELS >> 20} M pixels")
     import numpy as np
     from PIL import Image, ImageOps, PngImagePlugin
 
@@ -55,7 +77,7 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
             encoded = example.decode_example(bytes(data), keys=[image_key]).get(image_key)
             if encoded:
                 originals.append((number, Image.open(io.BytesIO(encoded[0])).convert("RGB")))
-        except (DataError, OSError, ValueError):
+        except (DataError, OSError, ValueError, Image.DecompressionBombError):
             continue  # `appliance data check` reports these; a preview shows what decodes
         if len(originals) >= count:
             break
@@ -72,7 +94,6 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
     except ValueError as err:
         raise ConfigError(f"data preview: {err}") from None
 
-    pad = 4
     grid = Image.new("RGB", (pad + (variants + 1) * (size + pad), pad + len(originals) * (size + pad)), "white")
     for row, (number, image) in enumerate(originals):
         y = pad + row * (size + pad)
@@ -86,6 +107,7 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
     info = PngImagePlugin.PngInfo()
     info.add_text("Software", f"appliance data preview {file} (seed {seed}, epochs {epoch}..{epoch + variants - 1})")
     out = Path(out)
+    refuse_to_replace(out)  # --out /dev/null: os.replace put the PNG in place of the device (as root)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     grid.save(tmp, format="PNG", pnginfo=info)

@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator
 from google_crc32c import extend as crc32c_extend
 
 from appliance.core.errors import DataError
+from appliance.core.inputs import open_regular
 from data_tools.compression import DecompressedSource, detect_compression
 from data_tools.framing import (
     FOOTER_BYTES,
@@ -101,7 +102,7 @@ class _PlainSource:
     stream_problem = None
 
     def __init__(self, path):
-        self._file = open(path, "rb")
+        self._file = open_regular(path, "TFRecord file")
         size = os.fstat(self._file.fileno()).st_size
         self.buf = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         self.base = 0  # absolute offset of buf[0]

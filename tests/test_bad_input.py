@@ -43,11 +43,12 @@ def test_a_text_file_listed_as_training_data_stops_before_torchrun(tmp_path):
 
 
 def test_a_worker_error_is_the_workers_one_line(tmp_path):
-    config = make_config(tmp_path, train_records=8, val_records=3)
-    proc = run_appliance("train", str(config), "--resume", str(tmp_path / "no-such-checkpoint"),
-                         "--nproc-per-node", "2", "--quiet", timeout=300)
+    # Two classes for data labelled 0..2: only a worker meets a record of class 2 (a missing --resume
+    # directory, the trigger once, is now refused before torchrun starts).
+    config = make_config(tmp_path, train_records=8, val_records=3, data={"classes": ["left", "right"]})
+    proc = run_appliance("train", str(config), "--nproc-per-node", "2", "--quiet", timeout=300)
     line = one_line(proc)
-    assert line.startswith(f"appliance train: error: --resume {tmp_path / 'no-such-checkpoint'}")
+    assert line.startswith(f"appliance train: error: {tmp_path / 'data'}") and "label 2 is outside 0..1" in line, line
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -34,12 +34,28 @@ def require_file(path: str | Path, what: str = "file") -> Path:
     except FileNotFoundError:
         raise DataError(f"{path}: no such {what}") from None
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise DataError(f"{path!r}: cannot read the {what}: {getattr(err, 'strerror', None) or err}") from None
+        raise DataError(f"{str(path)!r}: cannot read the {what}: {getattr(err, 'strerror', None) or err}") from None
     if stat.S_ISDIR(mode):
         raise DataError(f"{path}: is a directory, not a {what}")
     if not stat.S_ISREG(mode):
         raise DataError(f"{path}: is {describe(mode)}, not a {what}")
     return p
+
+
+def open_regular(path: str | Path, what: str = "file"):
+    """path opened for reading in binary, when it is a regular file; a pipe, a device or a directory
+    is a DataError before a byte is read. (A plain open() of a FIFO blocks until a writer comes:
+    `data check` of a pipe hung.) Failures to open (no such file, no permission) are OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise DataError(f"{path}: is {describe(mode)}, not a {what}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_bounded(path: str | Path, what: str, limit: int = MAX_CONFIG_BYTES,
@@ -55,7 +71,7 @@ def read_bounded(path: str | Path, what: str, limit: int = MAX_CONFIG_BYTES,
     except IsADirectoryError:
         raise error(f"{path}: is a directory, not a {what}") from None
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise error(f"{path!r}: cannot read the {what}: {getattr(err, 'strerror', None) or err}") from None
+        raise error(f"{str(path)!r}: cannot read the {what}: {getattr(err, 'strerror', None) or err}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)

@@ -19,12 +19,14 @@ import hashlib
 import json
 import os
 import shlex
+import stat
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
-from appliance.core.errors import DataError
+from appliance.core.errors import ConfigError, DataError
+from appliance.core.inputs import describe
 from appliance import __version__
 
 MANIFEST_NAME = "manifest.json"
@@ -49,9 +51,23 @@ def versions(packages=_VERSIONED) -> dict[str, str]:
     return found
 
 
+def refuse_to_replace(path: Path) -> None:
+    """A ConfigError when path is there and is neither a regular file nor a link (a device, a pipe, a
+    directory): an atomic write renames a new file over it, which would replace the thing itself."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise ConfigError(f"{path}: is {describe(mode)}; refusing to replace it with a file")
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write text so that a crash leaves either the old file or the new one, never half of it."""
+    """Write text so that a crash leaves either the old file or the new one, never half of it.
+    What it would replace must be a file (or a link): os.replace over /dev/null, as root, put a regular
+    file in place of the device (`train slurm --out /dev/null` did)."""
     path = Path(path)
+    refuse_to_replace(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from appliance.core.errors import ConfigError
 from appliance.core.inputs import MAX_CONFIG_BYTES, read_bounded
-from appliance.core.values import ANY, INT64, Range
+from appliance.core.values import ANY, INT64, PathText, Range, path_problem, shown
 
 MAX_NESTING = 32  # tables and arrays inside each other; no config of ours needs more than 3
 
@@ -52,20 +52,21 @@ def _type_name(tp) -> str:
 
 def _coerce(value, tp, where: str):
     """Check value against a field type and range; return it in the dataclass's form (lists become tuples)."""
-    allowed = ANY
+    allowed, is_path = ANY, False
     if typing.get_origin(tp) is typing.Annotated:
         tp, *extras = typing.get_args(tp)
         allowed = next((e for e in extras if isinstance(e, Range)), ANY)
+        is_path = any(isinstance(e, PathText) for e in extras)
     if typing.get_origin(tp) is dict:
         key_tp, value_tp = typing.get_args(tp)
         if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a table of {_type_name(value_tp)[2:]}s, got {value!r}")
+            raise ConfigError(f"{where} must be a table of {_type_name(value_tp)[2:]}s, got {shown(value)}")
         return {_coerce(k, key_tp, f"{where} key {k!r}"): _coerce(v, value_tp, f"{where}.{k}")
                 for k, v in value.items()}
     if typing.get_origin(tp) is tuple:
         (item_tp, _) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{where} must be a list of {_type_name(item_tp)[2:]}s, got {value!r}")
+            raise ConfigError(f"{where} must be a list of {_type_name(item_tp)[2:]}s, got {shown(value)}")
         return tuple(_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
     # TOML distinguishes 1 from 1.0; a float key accepts both, an int key only integers.
     ok = (isinstance(value, bool) if tp is bool else
@@ -73,9 +74,11 @@ def _coerce(value, tp, where: str):
           isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else
           isinstance(value, tp))
     if not ok:
-        raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where} must be {_type_name(tp)}, got {shown(value)}")
     if tp is str and "\0" in value:
-        raise ConfigError(f"{where} must not contain a NUL character, got {value!r}")
+        raise ConfigError(f"{where} must not contain a NUL character, got {shown(value)}")
+    if tp is str and is_path and path_problem(value):
+        raise ConfigError(f"{where} {path_problem(value)}")
     if tp in (int, float):
         if tp is float:
             try:

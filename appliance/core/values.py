@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,65 @@ INT64 = Range(ge=-(2**63), le=2**63 - 1)  # every integer key: what numpy, torch
 SEED = Range(ge=0, le=2**32 - 1)  # numpy's legacy seeding and DataLoader workers take 32 bits
 
 
+@dataclass(frozen=True)
+class PathText:
+    """Annotates a string field that names a file or directory (`out_dir: Annotated[str, PATH]`):
+    the TOML reader refuses what no file system takes, naming the key, before any path is built
+    from it (a 5,000-character out_dir was an OSError, a newline in a name split the error line)."""
+
+
+PATH = PathText()
+NAME_MAX = 255  # bytes of one name in a path (Linux, every file system we write)
+PATH_MAX = 4095  # bytes of a whole path, without the terminating NUL
+
+
+def path_problem(text: str) -> str | None:
+    """Why text cannot name a file (to follow the key's name), or None."""
+    control = next((c for c in text if ord(c) < 32 or ord(c) == 127), None)
+    if control is not None:
+        return f"must not contain a control character ({control!r}), got {shown(text)}"
+    size = len(os.fsencode(text))
+    if size > PATH_MAX:
+        return f"must be a path of at most {PATH_MAX} bytes, got {size} bytes"
+    longest = max(text.split("/"), key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(longest)) > NAME_MAX:
+        return (f"must have names of at most {NAME_MAX} bytes between its slashes, got one of "
+                f"{len(os.fsencode(longest))} bytes ({shown(longest, 40)})")
+    return None
+
+
+def shown(value, limit: int = 100) -> str:
+    """repr(value) for a message, cut to about `limit` characters with what was left out said: a
+    100,000-character string or a list of 5,000 numbers made an error "line" of that size."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = (f"a list of {len(value)} items" if isinstance(value, (list, tuple)) else
+            f"a table of {len(value)} keys" if isinstance(value, dict) else
+            f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters")
+    return f"{text[:max(limit - 20, 10)]}... ({size})"
+
+
+def one_line(message: str, limit: int = 4000) -> str:
+    """An error message as the single line the CLI prints: control characters (a newline from a
+    value, an escape sequence) shown escaped, and a message of more than `limit` characters cut."""
+    text = "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in message)
+    if len(text) > limit:
+        text = f"{text[:limit - 40]}... ({len(text)} characters in all)"
+    return text
+
+
+MAX_NPROC = 1024  # processes per node: one per GPU, or CPU processes; far above any machine's
+
+
+def nproc_problem(text: str) -> str | None:
+    """Why text is not a processes-per-node value ("auto" or 1..MAX_NPROC), or None (shared by
+    --nproc-per-node and [pipeline] nproc_per_node)."""
+    if text == "auto" or (re.fullmatch(r"[0-9]{1,6}", text) and 1 <= int(text) <= MAX_NPROC):
+        return None
+    return f"must be 'auto' or a number of processes from 1 to {MAX_NPROC}, got {shown(text)}"
+
+
 def _shown(value) -> str:
     """A number for a message: an integer of hundreds of digits is described, not printed."""
     if isinstance(value, int) and value.bit_length() > 100:
@@ -65,7 +125,11 @@ class OneLineParser(argparse.ArgumentParser):
     buried the line that mattered); its sub-parsers are of the same class."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
+
+
+INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
+FLOAT_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", re.IGNORECASE)
 
 
 # --- argparse types: `p.add_argument("--max-drop", type=non_negative_float)` -------------------
@@ -74,11 +138,15 @@ def _flag(parse, allowed: Range, what: str):
     def convert(text: str):
         if "\0" in text:
             raise argparse.ArgumentTypeError(f"must be {what}, got a NUL character in {text!r}")
+        # int() and float() also take " 2", "1_0" and other scripts' digits ("٣"): a flag is plain ASCII.
+        plain = INTEGER_TEXT if parse is int else FLOAT_TEXT
+        if not plain.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {shown(text)}")
         try:
             value = parse(text)
         except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        problem = allowed.problem(value)
+        problem = allowed.problem(value) or (INT64.problem(value) if parse is int else None)
         if problem:
             raise argparse.ArgumentTypeError(problem)
         return value
@@ -98,6 +166,11 @@ positive_int = _flag(int, AT_LEAST_ONE, "an integer")
 def int_in(allowed: Range, what: str):
     """An argparse type: an integer within `allowed` (the bound is in the message)."""
     return _flag(int, allowed, what)
+
+
+def float_in(allowed: Range, what: str = "a number"):
+    """An argparse type: a finite number within `allowed` (the bound is in the message)."""
+    return _flag(float, allowed, what)
 
 
 def _path_checked(check):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
+from appliance.core import values
 from appliance.pipeline.config import STAGES
 
 
@@ -44,8 +44,8 @@ def register(subparsers) -> None:
         "INT8 quantization, TVM builds for x86_64 and aarch64, an edge package verified under qemu-aarch64. "
         "With --task segmentation: seeded industrial inspection images (scratches, spots, cracks) and a small U-Net, "
         "its mIoU at every stage.")
-    d.add_argument("--out", type=Path, default=Path("appliance-demo"), help="output directory (default: %(default)s)")
-    d.add_argument("--epochs", type=int, metavar="N",
+    d.add_argument("--out", type=values.output_dir, default="appliance-demo", help="output directory (default: %(default)s)")
+    d.add_argument("--epochs", type=values.positive_int, metavar="N",
                    help="train for N epochs instead of the config's (12 for the digits, 10 for segmentation; a quicker run, "
                    "every stage still runs). "
                    "Applies when the demo writes its pipeline.toml, which then says N")

@@ -14,9 +14,9 @@ from typing import Annotated
 
 from appliance.core.errors import ConfigError
 from appliance.core.tomlconfig import parse_section, read_toml
-from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, Range
+from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, PATH, Range, nproc_problem, shown
 from appliance.deploy.compiler.targets import TARGETS
-from appliance.deploy.options import OPSETS
+from appliance.deploy.options import METHODS, OPSETS
 from data_tools.check.gate import parse_fail_on
 from appliance.train.config import config_from_dict
 
@@ -27,7 +27,7 @@ TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "che
 
 @dataclass(frozen=True)
 class PipelineSection:
-    out: str = "pipeline-out"  # each stage writes OUT/<stage>/; relative to the config file
+    out: Annotated[str, PATH] = "pipeline-out"  # each stage writes OUT/<stage>/; relative to the config file
     nproc_per_node: str = "auto"
     max_restarts: Annotated[int, COUNT] = 3  # elastic restarts of training after a crash
 
@@ -121,6 +121,10 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     q = sections["quantize"]
     if q.mode not in ("int8", "fp16", "none"):
         raise ConfigError(f"{path}: [quantize] mode must be int8, fp16 or none, got {q.mode!r}")
+    if q.method not in METHODS:  # else refused by the quantize stage, after training
+        raise ConfigError(f"{path}: [quantize] method must be {', '.join(METHODS)}, got {shown(q.method)}")
+    if nproc_problem(sections["pipeline"].nproc_per_node):  # else refused by the train stage, after the check
+        raise ConfigError(f"{path}: [pipeline] nproc_per_node {nproc_problem(sections['pipeline'].nproc_per_node)}")
     if q.fallback not in ("auto", "none"):
         raise ConfigError(f"{path}: [quantize] fallback must be auto or none, got {q.fallback!r}")
     for target in sections["compile"].targets:

@@ -45,6 +45,10 @@ def run_demo(out: Path, epochs: int | None = None, task: str = "classification")
     demo = DEMOS[task]
     out = Path(out).resolve()
     data = out / "data"
+    try:  # before the shards are made: /dev/null or a file as --out was an internal NotADirectoryError
+        data.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot make {data}: {err.strerror or err}") from None
     if not any(data.glob("*.tfrecord")):
         say(f"demo: writing {demo.what} as TFRecord shards into {data}")
         shards = demo.write(data)

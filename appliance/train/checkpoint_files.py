@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensor_bytes
 
 from appliance.core.errors import ConfigError
+from appliance.core.values import shown
 
 
 COMMIT_MARKER = "COMMITTED"
@@ -134,3 +135,18 @@ def read_sums(path: Path) -> dict[str, str]:
 def is_no_space(err: BaseException) -> bool:
     # safetensors wraps the OSError in its own error whose text carries the Rust io kind.
     return getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or "StorageFull" in str(err)
+
+
+def check_resume(resume: str) -> None:
+    """--resume auto, none, or a checkpoint directory (step-NNNNNNNN): what the workers would refuse,
+    refused before torchrun (and by --dry-run). Its files are verified by the workers, on every node."""
+    if resume in ("auto", "none"):
+        return
+    path = Path(resume)
+    try:
+        is_dir = path.is_dir()
+    except (OSError, ValueError):  # a NUL byte, a name too long
+        is_dir = False
+    if not is_dir or not STEP_DIR.match(path.name):
+        raise ConfigError(f"--resume {shown(resume)}: expected auto, none or a checkpoint directory "
+                          f"(RUN_DIR/checkpoints/step-NNNNNNNN){'' if is_dir else ' that exists'}")

@@ -4,6 +4,7 @@ over appliance.train.launcher."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from appliance.core import values
@@ -12,6 +13,8 @@ from appliance.train.config import load_config
 from appliance.train.preflight import run_preflight
 
 PROFILE_STEPS = 10  # `--profile` without a number
+MAX_NODES = 16384  # far above any on-prem cluster; past it a typo, and torchrun would wait for them all
+MAX_RESTARTS = 1000  # each restart resumes from a checkpoint: more is a loop, not resilience
 
 
 def run(args) -> int:
@@ -52,13 +55,23 @@ def preflight(args) -> int:
 def nnodes_range(text: str) -> tuple[int, int]:
     """--nnodes N or MIN:MAX (torchrun's elastic form) as (min, max)."""
     low, _, high = text.partition(":")
-    try:
-        low, high = int(low), int(high or low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be N or MIN:MAX (integers), got {text!r}") from None
+    high = high or low
+    if not (re.fullmatch(r"[0-9]{1,9}", low) and re.fullmatch(r"[0-9]{1,9}", high)):
+        raise argparse.ArgumentTypeError(f"must be N or MIN:MAX (integers), got {values.shown(text)}")
+    low, high = int(low), int(high)
     if not 1 <= low <= high:
         raise argparse.ArgumentTypeError(f"must be N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    if high > MAX_NODES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_NODES} nodes, got {text!r}")
     return low, high
+
+
+def nproc_flag(text: str) -> str:
+    """--nproc-per-node N or auto, refused at parse time (it also goes into `train slurm`'s script)."""
+    problem = values.nproc_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def write_slurm(args) -> int:
@@ -105,9 +118,10 @@ def slurm_parser() -> argparse.ArgumentParser:
         prog="appliance train slurm",
         description="Write an sbatch script that runs `appliance train`'s torchrun command on N nodes under srun.")
     s.add_argument("config", metavar="CONFIG.toml", help="the training config")
-    s.add_argument("--nodes", type=values.positive_int, required=True, help="number of nodes")
+    s.add_argument("--nodes", type=values.int_in(values.Range(ge=1, le=MAX_NODES), "an integer"), required=True,
+                   help="number of nodes")
     s.add_argument("--gpus-per-node", type=values.non_negative_int, default=0, help="GPUs per node (0: CPU)")
-    s.add_argument("--out", default="", help="script path (default RUN_DIR/train.sbatch)")
+    s.add_argument("--out", type=values.output_file, default=None, help="script path (default RUN_DIR/train.sbatch)")
     _add_nproc_and_restarts(s)
     _add_profile(s)
     s.set_defaults(func=write_slurm, verb="train", verb_label="train slurm")
@@ -115,9 +129,9 @@ def slurm_parser() -> argparse.ArgumentParser:
 
 
 def _add_nproc_and_restarts(p) -> None:
-    p.add_argument("--nproc-per-node", default="auto", help="processes per node: N or auto "
+    p.add_argument("--nproc-per-node", type=nproc_flag, default="auto", help="processes per node: N or auto "
                    "(one per GPU; one CPU process without a GPU)")
-    p.add_argument("--max-restarts", type=values.non_negative_int, default=0,
+    p.add_argument("--max-restarts", type=values.int_in(values.Range(ge=0, le=MAX_RESTARTS), "an integer"), default=0,
                    help="restart all workers this many times after a failure; each restart resumes "
                    "from the newest good checkpoint")
 

@@ -22,7 +22,7 @@ from appliance.core.errors import ConfigError
 from appliance.core.inputs import describe
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.tasks import TASK_KINDS, task_for
-from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range
+from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, PATH, POSITIVE, SEED, Range
 from appliance.train.quality import GATE_KEYS, check_thresholds
 from data_tools.labels import MAX_CLASSES
 from data_tools.check.gate import require_passing_report
@@ -43,8 +43,8 @@ MAX_FREE_GB = 1_000_000.0  # 1 PB
 
 @dataclass(frozen=True)
 class RunSection:
-    name: str
-    out_dir: str = "runs"
+    name: Annotated[str, PATH]
+    out_dir: Annotated[str, PATH] = "runs"
     seed: Annotated[int, SEED] = 0
     deterministic: bool = True
     log_every: Annotated[int, AT_LEAST_ONE] = 10
@@ -52,8 +52,8 @@ class RunSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    train: tuple[str, ...]
-    val: tuple[str, ...] = ()
+    train: tuple[Annotated[str, PATH], ...]
+    val: tuple[Annotated[str, PATH], ...] = ()
     classes: tuple[str, ...] = ()
     num_classes: Annotated[int, Range(ge=0, le=MAX_CLASSES)] = 0  # taken from `classes` when 0
     image_key: str = "image/encoded"
@@ -64,13 +64,13 @@ class DataSection:
     std: tuple[Annotated[float, POSITIVE], ...] = (0.229, 0.224, 0.225)
     num_workers: Annotated[int, Range(ge=0, le=MAX_WORKERS)] = 2
     decode: str = "auto"  # where JPEGs are decoded and augmented: "cpu" (workers), "gpu" (device_decode.py), "auto"
-    check_report: str = ""  # a data-check report.json whose gate must have passed
+    check_report: Annotated[str, PATH] = ""  # a data-check report.json whose gate must have passed
 
 
 @dataclass(frozen=True)
 class ModelSection:
     architecture: str = "small_cnn"  # "onnx": the graph of an init = "x.onnx", converted to torch
-    init: str = ""  # where the starting weights come from (appliance/train/init_weights.py); "": random
+    init: Annotated[str, PATH] = ""  # where the starting weights come from (appliance/train/init_weights.py); "": random
     reset: tuple[str, ...] = ()  # prefixes re-initialised instead of loaded from init (e.g. ["fc"])
     frozen_prefixes: tuple[str, ...] = ()
     linear_probe: bool = False  # train the classifier head only (every other parameter frozen)
@@ -264,6 +264,12 @@ def _check_values(cfg: Config, source: str) -> None:
             "(what an evaluation records)")
     if cfg.checkpoint.mode not in ("min", "max"):
         bad("[checkpoint] mode", f"{cfg.checkpoint.mode!r} is not 'min' or 'max'")
+    if not cfg.data.train:
+        bad("[data] train", "lists no file: give the TFRecord files (or glob patterns) to train on")
+    if "" in cfg.data.classes or len(set(cfg.data.classes)) != len(cfg.data.classes):
+        blank = "" in cfg.data.classes
+        bad("[data] classes", "has an empty name" if blank else
+            f"names {next(c for c in cfg.data.classes if cfg.data.classes.count(c) > 1)!r} twice (one name per class)")
     if len(cfg.data.classes) > MAX_CLASSES:
         bad("[data] classes", f"names {len(cfg.data.classes)} classes, at most {MAX_CLASSES} are supported")
     for key in ("image_key", "label_key"):
@@ -313,7 +319,10 @@ def _resolve(patterns: tuple[str, ...], base: Path, source: str, key: str) -> tu
         if not matches:
             raise ConfigError(f"{source}: [data] {key}: {pattern!r} matches no file")
         for match in matches:
-            mode = os.stat(match).st_mode
+            try:
+                mode = os.stat(match).st_mode
+            except OSError as err:  # a dangling link or a loop of links that glob still lists
+                raise ConfigError(f"{source}: [data] {key}: {match}: {err.strerror or err}") from None
             if not stat.S_ISREG(mode):  # a directory, /dev/zero, a pipe: never read as records
                 raise ConfigError(f"{source}: [data] {key}: {match} is {describe(mode)}, not a TFRecord file")
         files.extend(str(Path(m).resolve()) for m in matches)

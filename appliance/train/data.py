@@ -16,7 +16,7 @@ import torch
 from appliance.core.errors import DataError
 from appliance.tasks import task_for
 from appliance.train import device_decode, faults
-from data_tools.labels import label_problem
+from data_tools.labels import image_problem, label_problem
 from data_tools.preprocessing import preprocess_image
 from data_tools.dataset import TFRecordDataset, ShardedSampler
 from data_tools.augment import SeededAugmentation, TrainTransform
@@ -91,11 +91,11 @@ def _dataset(cfg, files, augment: bool = False, pixels: bool = False, decode: st
     slow = faults.slow_decode_seconds()
     if slow and files == cfg.data.train:
         transform = functools.partial(_slowed, transform, slow)
-    # "bytes": the image is decoded by decode_image above, the one preprocessing definition;
-    # "raw": the label is judged by data_tools.labels, the definition the data check uses.
-    dataset = TFRecordDataset(files, features={cfg.data.image_key: "bytes", cfg.data.label_key: "raw"},
+    # "raw": the image feature and the label are judged by data_tools.labels, the definitions the data
+    # check uses; the image is then decoded by decode_image above, the one preprocessing definition.
+    dataset = TFRecordDataset(files, features={cfg.data.image_key: "raw", cfg.data.label_key: "raw"},
                               image_key=cfg.data.image_key, label_key=cfg.data.label_key)
-    dataset = CheckedSamples(dataset, cfg.data.label_key, cfg.num_classes, transform)
+    dataset = CheckedSamples(dataset, cfg.data.image_key, cfg.data.label_key, cfg.num_classes, transform)
     if decode == "gpu":  # every sample learns its index (and its augmentation's parameters)
         return SeededAugmentation(dataset, device_decode.DeviceParams(train_transform(cfg) if augment else None))
     if augment:
@@ -123,23 +123,23 @@ class CheckedSamples(torch.utils.data.Dataset):
     """(image, label) samples whose label is valid by data_tools.labels (present, one int64 value,
     a class of the config) and whose image decodes; a failure names the file and the record."""
 
-    def __init__(self, dataset, label_key: str, num_classes: int, transform):
-        self.dataset, self.label_key, self.num_classes = dataset, label_key, num_classes
+    def __init__(self, dataset, image_key: str, label_key: str, num_classes: int, transform):
+        self.dataset, self.image_key, self.label_key, self.num_classes = dataset, image_key, label_key, num_classes
         self.transform = transform
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index):
-        encoded, raw_label = self.dataset[index]
-        problem = label_problem(raw_label, self.label_key, self.num_classes)
+        raw_image, raw_label = self.dataset[index]
+        problem = image_problem(raw_image, self.image_key) or label_problem(raw_label, self.label_key, self.num_classes)
         try:
             if problem is not None:
                 if problem[0] == "label_range":  # caught here, not as an index error deep in the loss
                     raise DataError(f"label {int(raw_label[0])} is outside 0..{self.num_classes - 1} "
                                     f"(the config has {self.num_classes} classes)")
                 raise DataError(problem[1])
-            return self.transform(encoded), int(raw_label[0])
+            return self.transform(raw_image[0]), int(raw_label[0])
         except DataError as err:
             file, number = self.dataset.locate(int(index))
             raise DataError(f"{file}: record {number}: {err}") from None

@@ -23,11 +23,15 @@ from appliance import __version__
 from appliance.core.errors import ApplianceError, ConfigError, DataError
 from appliance.core.manifest import atomic_write_text
 from appliance.core.progress import quiet
+from appliance.core.values import nproc_problem, shown
+from appliance.train.checkpoint_files import check_resume
 from appliance.tasks import task_for
 from appliance.train import faults, reaper, worker_error
 from appliance.train.preflight import check_loopback, interface_address, network_env, split_endpoint
 from appliance.train.config import check_data_report, load_config
+from data_tools.example import decode_example
 from data_tools.index import build_index, read_index_file
+from data_tools.tfrecord import read_records
 from appliance.train.ddp import prepare_model
 from appliance.core.dirlock import directory_lock
 from appliance.train.quality import QUALITY_JSON, Thresholds, write_quality, quality_figures
@@ -45,15 +49,10 @@ def gpu_count() -> int:
 
 def resolve_nproc(value: str) -> int:
     """'auto' is one process per GPU, or one CPU process (it uses every core) without a GPU."""
-    if value == "auto":
-        return gpu_count() or 1
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ConfigError(f"--nproc-per-node must be 'auto' or a positive integer, got {value!r}")
-    return n
+    problem = nproc_problem(value)
+    if problem:
+        raise ConfigError(f"--nproc-per-node {problem}")
+    return gpu_count() or 1 if value == "auto" else int(value)
 
 
 def check_nproc_fits(nproc: int, gpus: int) -> None:
@@ -242,6 +241,16 @@ def check_before_start(cfg) -> None:
             if records == 0:
                 why = f"{damage[0].reason} at byte {damage[0].start}" if damage else "no record"
                 raise DataError(f"{path}: not a TFRecord file ({why}); listed in {cfg.source} [data] {key}")
+    if cfg.task.kind == "classification" and cfg.data.train:  # a key no record has: refused before, not by every worker
+        first = next(iter(read_records(cfg.data.train[0])), None)
+        try:
+            features = decode_example(first) if first is not None else {}
+        except DataError:  # a damaged record: the worker that reads it names it
+            features = {}
+        for key in ("image_key", "label_key"):
+            if features and getattr(cfg.data, key) not in features:
+                raise ConfigError(f"{cfg.source}: [data] {key} {shown(getattr(cfg.data, key))} is no feature of the first "
+                                  f"record of {cfg.data.train[0]} (it has {', '.join(map(repr, sorted(features)))})")
     if cfg.model.init:  # weights of another architecture, an unconvertible ONNX operator: one line, no process
 
         prepare_model(cfg, log=lambda line: None)
@@ -267,11 +276,16 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     if spec.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, got {spec.max_restarts}")
     check_nodes(spec)
+    check_resume(spec.resume)
     iface = spec.iface or cfg.distributed.iface
+    try:
+        local_addr = interface_address(iface) if iface else ""
+    except ConfigError as err:  # named as the user gave it: the flag, or the config's key
+        raise ConfigError(f"--iface: {err}" if spec.iface else f"{cfg.source}: [distributed] iface: {err}") from None
     cmd = torchrun_command(str(config.resolve()), nproc=nproc, nnodes=spec.nnodes, node_rank=spec.node_rank,
                            rdzv_endpoint=spec.rdzv_endpoint, rdzv_id=cfg.run.name,
                            max_restarts=spec.max_restarts, resume=spec.resume, min_nnodes=spec.min_nnodes,
-                           local_addr=interface_address(iface) if iface else "", profile=spec.profile)
+                           local_addr=local_addr, profile=spec.profile)
     env = launch_env(cmd, nproc, network_env(iface, cfg.distributed.env))
     printable = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
     check_before_start(cfg)  # --dry-run too: it promises what a real start would accept
@@ -348,8 +362,8 @@ def slurm_script(config: Path, *, nodes: int, gpus_per_node: int = 0, nproc_per_
                  max_restarts: int = 0, profile: int | None = None, out: Path | None = None) -> Path:
     """Write an sbatch script that runs this launcher's torchrun command on `nodes` nodes under srun
     (profile: --profile STEPS for the workers, as `appliance train --profile`)."""
+    cfg = load_config(config)  # first: a loop of links is its one line, not resolve()'s RuntimeError
     config = Path(config).resolve()
-    cfg = load_config(config)
     if nodes < 1 or gpus_per_node < 0 or max_restarts < 0:
         raise ConfigError("--nodes must be at least 1, --gpus-per-node and --max-restarts 0 or more")
     nproc = nproc_per_node

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import logging
 import os
 import signal
 import sys
@@ -71,6 +72,9 @@ def train(cfg: Config, resume: str = "auto") -> int:
     if run.rank == 0:
         from tensorboardX import SummaryWriter
 
+        # Its "NaN or Inf found in input tensor." went to stderr above the guard's one error line: a
+        # non-finite value is the guard's to name (and the epoch line shows val_loss nan).
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
         writer = SummaryWriter(str(cfg.run_dir / "tb"))
         bar = Progress(total=run.total_steps, initial=run.step, desc="train", unit="step", every=30)
         _progress.append(bar)  # closed before an error line, which then starts a line of its own

@@ -13,6 +13,7 @@ address torchrun binds (--local-addr) and the interface NCCL and Gloo use.
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import json
 import re
 import shutil
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from appliance import __version__
 from appliance.core.errors import ConfigError, EnvironmentProblem
-from appliance.core.values import human_bytes
+from appliance.core.values import human_bytes, shown
 from appliance.models import build_model
 
 SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
@@ -52,7 +53,7 @@ def interfaces() -> list[str]:
 def interface_address(name: str) -> str:
     """The IPv4 address of interface `name` (e.g. eth1), read from the kernel; no DNS."""
     if name not in interfaces():
-        raise ConfigError(f"network interface {name!r} does not exist on this node "
+        raise ConfigError(f"network interface {shown(name)} does not exist on this node "
                           f"(it has {', '.join(interfaces()) or 'none'})")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
@@ -62,18 +63,29 @@ def interface_address(name: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
+# A DNS name or an IPv4 address: labels of letters, digits and inner hyphens, at most 63 characters
+# each and 253 in all (RFC 1123); nothing a shell or a resolver would read differently.
+HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
 def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """HOST:PORT -> (host, port): a host name, an IPv4 address or a bracketed IPv6 one (with its
+    %zone), and a port of 1..65535 in ASCII digits (int() also took "1_0", " 1" and "٣٣")."""
     host, _, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    try:
-        number = int(port)
-    except ValueError:
-        number = -1
-    # A host name, an IPv4 address or a bracketed IPv6 one (with its %zone): nothing a shell or a
-    # resolver would read differently.
-    if not re.fullmatch(r"[A-Za-z0-9._:%-]+", host) or not 0 < number < 65536:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.5:29400")
-    return host, number
+    if host.startswith("[") and host.endswith("]"):
+        address, _, zone = host[1:-1].partition("%")
+        try:
+            host_ok = bool(ipaddress.IPv6Address(address)) and re.fullmatch(r"[A-Za-z0-9._-]*", zone) is not None
+        except ValueError:
+            host_ok = False
+        host = host[1:-1]
+    else:
+        host_ok = HOST_NAME.fullmatch(host) is not None
+    port_ok = re.fullmatch(r"[0-9]{1,5}", port) is not None and 0 < int(port) < 65536
+    if not host_ok or not port_ok:
+        why = "PORT must be 1..65535" if host_ok else "HOST must be a host name, an IPv4 address or [IPv6]"
+        raise ConfigError(f"--rdzv-endpoint {shown(endpoint)}: expected HOST:PORT, e.g. 10.0.0.5:29400 ({why})")
+    return host, int(port)
 
 
 @dataclass(frozen=True)

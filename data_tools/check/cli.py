@@ -7,6 +7,9 @@ import sys
 
 from appliance.core import values
 from appliance.core.errors import ConfigError
+from data_tools.labels import MAX_CLASSES
+
+MAX_JOBS = 256  # worker processes; --jobs 100000 forked until the box gave out (each is a whole Python)
 
 
 def register_data_verb(data_subparsers) -> None:
@@ -30,11 +33,11 @@ def register_data_verb(data_subparsers) -> None:
     p.add_argument("--label-key", default="image/class/label", help="feature holding the class (default image/class/label)")
     p.add_argument("--max-pixels", type=values.positive_int, default=None, help="larger images are quarantined (default 64M)")
     p.add_argument("--near-distance", type=values.non_negative_int, default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
-    p.add_argument("--num-classes", type=values.positive_int, default=None,
+    p.add_argument("--num-classes", type=values.int_in(values.Range(ge=1, le=MAX_CLASSES), "an integer"), default=None,
                    help="segmentation masks: class ids are 0..N-1 (default: inferred from all masks; strays quarantined)")
-    p.add_argument("--ignore-label", type=values.non_negative_int, default=255,
+    p.add_argument("--ignore-label", type=values.int_in(values.Range(ge=0, le=255), "an integer"), default=255,
                    help="segmentation masks: the class id of pixels that count for nothing (default 255)")
-    p.add_argument("--jobs", type=values.positive_int, default=None, help="worker processes (default: one per file, up to the cores)")
+    p.add_argument("--jobs", type=values.int_in(values.Range(ge=1, le=MAX_JOBS), "an integer"), default=None, help="worker processes (default: one per file, up to the cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress output")
     p.add_argument("--quiet", action="store_true", help="no progress output (results and errors still print)")
     p.add_argument("--json", action="store_true",

@@ -177,7 +177,7 @@ def _scan_all(tasks: list[ScanTask], jobs: int | None, show_progress: bool) -> l
     total = sum(os.path.getsize(t.path) for t in tasks if os.path.isfile(t.path))
     bar = Progress(total=total, unit="B", unit_scale=True, desc="data check", enabled=show_progress)
     records = 0
-    jobs = jobs or min(len(tasks), len(os.sched_getaffinity(0)))
+    jobs = min(jobs or len(os.sched_getaffinity(0)), len(tasks))  # a process per file at most: more have nothing to do
     context = multiprocessing.get_context("fork")
     queue = context.SimpleQueue()
 

@@ -21,7 +21,7 @@ from data_tools.check.image_probe import ImageProblem, content_hash, probe_image
 from data_tools.check.masks import empty_mask_note, mask_summary
 from data_tools.check.schema import schema_num_classes, validate
 from data_tools.example import decode_example
-from data_tools.labels import label_problem
+from data_tools.labels import image_problem, label_problem
 from data_tools.tfrecord import TFRecordWriter, detect_compression, iter_records_with_offsets
 
 IMAGE_STATS = ("brightness", "contrast", "width", "height", "aspect", "encoded_size")
@@ -175,7 +175,11 @@ def check_record(data: bytes, schema: dict, max_pixels: int) -> tuple[list, dict
     except DataError as err:
         return [("parse", str(err))], {}
     label_key, image_key = schema.get("label_key"), schema.get("image_key")
-    problems = validate(example, schema, skip=label_key)
+    problems = validate(example, schema, skip=(label_key, image_key))
+    # The image feature too is judged as training judges it: one bytes value, whatever the sample said.
+    image_wrong = image_problem(example.get(image_key), image_key) if image_key else None
+    if image_wrong:
+        problems.insert(0, image_wrong)
     summary: dict = {"numeric": {}}
     label = example.get(label_key) if label_key else None
     # The label is judged as training judges it (data_tools.labels), so what passes here trains.

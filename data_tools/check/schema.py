@@ -53,8 +53,9 @@ def infer_schema(sample: list[dict], image_key: str, label_key: str) -> dict:
         features[key] = spec
     return {"made_by": "appliance data check (keys and dtypes inferred from the first records, label range "
                        "from all of them; edit and pass with --schema)",
-            "image_key": image_key if image_key in features else None,
-            "label_key": label_key if label_key in features else None,
+            # The keys training reads, whether or not the sample holds them: a file whose records all lack
+            # the label (or the image) was passed whole, and training refused its first record.
+            "image_key": image_key, "label_key": label_key,
             "num_classes": None, "features": features}
 
 
@@ -79,12 +80,13 @@ def infer_num_classes(histogram: dict[int, int], stray_fraction: float = 0.01) -
     return labels[-1] + 1
 
 
-def validate(example: dict, schema: dict, skip: str | None = None) -> list[tuple[str, str]]:
+def validate(example: dict, schema: dict, skip: str | tuple = ()) -> list[tuple[str, str]]:
     """Problems of one decoded example: (check, detail) with check 'schema' or 'label_range'.
-    skip: a key checked elsewhere (the label, by data_tools.labels)."""
+    skip: keys checked elsewhere (the label and the image, by data_tools.labels)."""
+    skip = (skip,) if isinstance(skip, str) else skip
     problems = []
     for key, spec in schema["features"].items():
-        if key == skip:
+        if key in skip:
             continue
         value = example.get(key)
         if value is None:

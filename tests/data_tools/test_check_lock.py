@@ -5,22 +5,33 @@ import signal
 import subprocess
 import time
 
+import sys
+from pathlib import Path
+
 from conftest import appliance_cmd
+from data_tools.tfrecord import write_records
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+from train_data import image_records  # noqa: E402
 
 
 def test_second_check_on_one_out_directory_refuses_with_one_line(tmp_path):
-    # The first check reads a named pipe that nobody writes: it holds its --out for as long as we like.
-    pipe = tmp_path / "slow.tfrecord"
-    os.mkfifo(pipe)
+    # The first check is stopped (SIGSTOP) as soon as it holds its --out, with thousands of records left
+    # to decode: it holds the directory for as long as we like. (A named pipe as its input did that
+    # once; the check now refuses a pipe at once.)
+    data = tmp_path / "many.tfrecord"
+    write_records(data, image_records(4000, seed=1))
     out = tmp_path / "out"
-    first = subprocess.Popen(appliance_cmd("data", "check", str(pipe), "--out", str(out), "--no-progress"),
+    first = subprocess.Popen(appliance_cmd("data", "check", str(data), "--out", str(out), "--no-progress"),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         lock = out / ".lock"
         deadline = time.time() + 60
         while time.time() < deadline and not (lock.exists() and lock.read_text().startswith("pid ")):
-            time.sleep(0.1)
-        second = subprocess.run(appliance_cmd("data", "check", str(pipe), "--out", str(out), "--no-progress"),
+            time.sleep(0.01)
+        os.killpg(first.pid, signal.SIGSTOP)
+        assert first.poll() is None, "the first check ended before it could be stopped"
+        second = subprocess.run(appliance_cmd("data", "check", str(data), "--out", str(out), "--no-progress"),
                                 capture_output=True, text=True, timeout=60)
         holder = lock.read_text().splitlines()
     finally:
