@@ -9,6 +9,7 @@ reference model or golden samples (each signed by the site) are one line naming 
 import gzip
 import hashlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -241,3 +242,101 @@ def test_a_compressed_bomb_is_refused_at_its_header_before_anything_is_written(t
                                  "'edge-package/model.so', 5368709120 bytes); not an edge package `appliance package` "
                                  "makes; refused")
     assert time.monotonic() - start < 60 and not list(temp.iterdir())
+
+
+# ONNX handed to quantize and compile: each refused by load_onnx in one line naming the file.
+
+def conv_model(path, shape=(1, 3, 16, 16), weights=None, loop_trips=None):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = np.ones((4, 3, 3, 3), np.float32) if weights is None else weights
+    nodes, inits = [helper.make_node("Conv", ["input", "w"], ["c"])], [numpy_helper.from_array(weights, "w")]
+    if loop_trips is not None:  # c doubled trip-count times
+        body = helper.make_graph(
+            [helper.make_node("Identity", ["go"], ["go_out"]), helper.make_node("Add", ["v", "v"], ["v_out"])], "body",
+            [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+             helper.make_tensor_value_info("go", TensorProto.BOOL, []),
+             helper.make_tensor_value_info("v", TensorProto.FLOAT, ["n", 4, "h", "w"])],
+            [helper.make_tensor_value_info("go_out", TensorProto.BOOL, []),
+             helper.make_tensor_value_info("v_out", TensorProto.FLOAT, ["n", 4, "h", "w"])])
+        inits += [numpy_helper.from_array(np.array(loop_trips, np.int64), "trips"),
+                  numpy_helper.from_array(np.array(True), "go")]
+        nodes.append(helper.make_node("Loop", ["trips", "go", "c"], ["looped"], body=body, name="repeat"))
+    nodes += [helper.make_node("GlobalAveragePool", [nodes[-1].output[0]], ["p"]),
+              helper.make_node("Flatten", ["p"], ["logits"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def calib_npz(tmp_path_factory):
+    import numpy as np
+
+    path = tmp_path_factory.mktemp("calib") / "calib.npz"
+    np.savez(path, x=np.random.default_rng(0).random((8, 3, 16, 16), np.float32), y=np.zeros(8, np.int64))
+    return path
+
+
+ONNX_CASES = {
+    "a zero-size input": (dict(shape=(1, 3, 0, 16)), "input 'input' is shaped [1, 3, 0, 16]: an image input's sizes "
+                                                     "are positive"),
+    "a negative input size": (dict(shape=(1, 3, -5, 16)), "input 'input' is shaped [1, 3, -5, 16]: an image input's "
+                                                          "sizes are positive"),
+    "a loop of 2^40 trips": (dict(loop_trips=1 << 40), "Loop node 'repeat': a loop in the graph (an image model needs "
+                                                       "none; TVM cannot compile it, onnxruntime would run it as long "
+                                                       "as its trip count says)"),
+    "NaN weights": (dict(weights="nan"), "initializer 'w' holds 108 NaN or infinite value(s) of 108: not usable "
+                                         "weights (a diverged training run?)"),
+}
+
+
+@pytest.mark.parametrize("verb", ["quantize", "compile"])
+@pytest.mark.parametrize("case", list(ONNX_CASES))
+def test_hostile_onnx_is_one_line_for_quantize_and_compile(case, verb, calib_npz, tmp_path):
+    import numpy as np
+
+    kwargs, expected = ONNX_CASES[case]
+    if kwargs.get("weights") == "nan":
+        kwargs = {**kwargs, "weights": np.full((4, 3, 3, 3), np.nan, np.float32)}
+    model = conv_model(tmp_path / "m.onnx", **kwargs)
+    args = (["quantize", str(model), "--calib", str(calib_npz)] if verb == "quantize"
+            else ["compile", str(model), "--target", "x86_64", "--no-device-estimate"])
+    proc = run_appliance(*args, "--out", str(tmp_path / "out"), timeout=120)
+    assert one_line(proc, 2) == f"appliance {verb}: error: {model}: {expected}"
+
+
+# `appliance package` of a compile directory someone changed: one line, never a read of a device.
+
+@pytest.mark.parametrize("case", ["model.so a link to /dev/zero", "model.so a FIFO", "compile.json not UTF-8"])
+def test_package_of_a_changed_compile_dir_is_one_line_and_never_hangs(case, compiled_arm, tmp_path):
+    from appliance.core.manifest import sha256_file
+
+    compiled = tmp_path / "compiled"
+    shutil.copytree(compiled_arm, compiled)
+    if case == "model.so a link to /dev/zero":
+        (compiled / "model.so").unlink()
+        (compiled / "model.so").symlink_to("/dev/zero")
+        expected = f"{compiled / 'model.so'}: not a regular file (a device, pipe or socket); refusing to read it"
+    elif case == "model.so a FIFO":
+        (compiled / "model.so").unlink()
+        os.mkfifo(compiled / "model.so")
+        expected = f"{compiled / 'model.so'}: not a regular file (a device, pipe or socket); refusing to read it"
+    else:  # and the manifest re-summed to match: only reading it can tell
+        with open(compiled / "compile.json", "ab") as f:
+            f.write(b"\xff")
+        manifest = json.loads((compiled / "manifest.json").read_text())
+        for entry in manifest["outputs"]:
+            if entry["path"] == "compile.json":
+                entry["sha256"] = sha256_file(compiled / "compile.json")
+        (compiled / "manifest.json").write_text(json.dumps(manifest))
+        expected = f"{compiled / 'compile.json'}: damaged ('utf-8' codec can't decode byte 0xff in position "
+        expected += f"{(compiled / 'compile.json').stat().st_size - 1}: invalid start byte); rerun that stage"
+    proc = run_appliance("package", str(compiled), "--out", str(tmp_path / "p.tar"), timeout=60)
+    assert one_line(proc, 2) == f"appliance package: error: {expected}"
+    assert not (tmp_path / "p.tar").exists()
