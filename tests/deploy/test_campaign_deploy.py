@@ -340,3 +340,18 @@ def test_package_of_a_changed_compile_dir_is_one_line_and_never_hangs(case, comp
     proc = run_appliance("package", str(compiled), "--out", str(tmp_path / "p.tar"), timeout=60)
     assert one_line(proc, 2) == f"appliance package: error: {expected}"
     assert not (tmp_path / "p.tar").exists()
+
+
+@pytest.mark.parametrize("key", ["/dev/zero", "a folder", "a FIFO"])
+def test_a_public_key_that_is_no_file_is_named_as_such(key, edge_package, package, device_sysroot, tmp_path):
+    if key == "a folder":
+        key = tmp_path
+    elif key == "a FIFO":
+        key = tmp_path / "key.fifo"
+        os.mkfifo(key)
+    proc = run_appliance("edge", "verify", str(edge_package), "--bench-runs", "0", "--pubkey", str(key), timeout=60)
+    assert one_line(proc, 2) == f"appliance edge verify: error: {key}: not a regular file (a device, pipe or folder), " \
+                                "so not a public key"
+    proc = install(package, tmp_path / "prefix", device_sysroot, key)
+    assert one_line(proc) == f"install.sh: error: {key}: not a regular file (a device, pipe or folder), so not a " \
+                             "public key"

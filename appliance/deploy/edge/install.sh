@@ -60,7 +60,8 @@ case "$pubkey" in -*) pubkey=./$pubkey ;; esac
 package=$(cd "$package" 2>/dev/null && pwd) || die "$package: no such package directory"
 [ -f "$package/SHA256SUMS" ] || die "$package: no SHA256SUMS (not an edge package made by \`appliance package\`)"
 if [ -n "$pubkey" ]; then
-    [ -f "$pubkey" ] || die "$pubkey: no such public key file"
+    [ -f "$pubkey" ] || { [ ! -e "$pubkey" ] || die "$pubkey: not a regular file (a device, pipe or folder), so not a public key"
+        die "$pubkey: no such public key file"; }
     pubkey=$(cd "$(dirname "$pubkey")" && pwd)/${pubkey##*/}  # read after the cd below
 fi
 if [ -e "$prefix" ] && [ ! -d "$prefix" ]; then die "$prefix: exists and is not a directory"; fi
