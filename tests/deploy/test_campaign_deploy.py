@@ -355,3 +355,27 @@ def test_a_public_key_that_is_no_file_is_named_as_such(key, edge_package, packag
     proc = install(package, tmp_path / "prefix", device_sysroot, key)
     assert one_line(proc) == f"install.sh: error: {key}: not a regular file (a device, pipe or folder), so not a " \
                              "public key"
+
+
+# `appliance export` of a run directory whose model/ was changed: one line, never a wait on a FIFO.
+
+@pytest.mark.parametrize("case", ["weights a FIFO", "weights a link to /dev/zero", "card not UTF-8", "card nested"])
+def test_export_of_a_damaged_model_dir_is_one_line(case, run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    weights, card = run / "model" / "model.safetensors", run / "model" / "model.json"
+    if case.startswith("weights"):
+        weights.unlink()
+        os.mkfifo(weights) if "FIFO" in case else weights.symlink_to("/dev/zero")
+        expected = f"{weights}: not a regular file (a device, pipe or folder)"
+    elif case == "card not UTF-8":
+        size = card.stat().st_size
+        with open(card, "ab") as f:
+            f.write(b"\xff")
+        expected = f"{card}: not a valid model card (byte {size} is not UTF-8 text)"
+    else:
+        card.write_text("[" * 100_000 + "]" * 100_000)
+        expected = (f"{card}: not a valid model card (maximum recursion depth exceeded while decoding a JSON array "
+                    "from a unicode string)")
+    proc = run_appliance("export", str(run), "--out", str(tmp_path / "out"), timeout=60)
+    assert one_line(proc, 2) == f"appliance export: error: {expected}"
