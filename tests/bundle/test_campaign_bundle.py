@@ -70,3 +70,34 @@ def test_a_bundle_json_or_sbom_of_another_shape_is_one_line(case, tmp_path):
     bundle = make_bundle(tmp_path / "b.tar", bundle_json, sbom)
     proc = run_appliance("bundle", "audit", str(bundle), timeout=60)
     assert one_line(proc) == f"appliance bundle audit: error: {bundle}: {expected}"
+
+
+# installer/install.sh (the air-gapped side): the same shapes, unsigned on purpose (--allow-unsigned), and a
+# bundle path that is a FIFO or a folder.
+
+def run_installer(*args):
+    import subprocess
+
+    from conftest import ROOT
+
+    return subprocess.run(["bash", str(ROOT / "installer" / "install.sh"), *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("bundle_json", [b"{}", b'{"profiles": 5}', b"[1, 2]"])
+def test_the_installer_refuses_a_bundle_json_of_another_shape_in_one_line(bundle_json, tmp_path):
+    bundle = make_bundle(tmp_path / "b.tar", bundle_json)
+    proc = run_installer(bundle, "--allow-unsigned", "--prefix", tmp_path / "prefix")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"refused: {bundle}: bundle.json (or a record it names) is not as `appliance bundle build` writes it (")
+    assert not (tmp_path / "prefix" / "current").exists()
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a folder"])
+def test_the_installer_names_a_bundle_path_that_is_no_file(kind, tmp_path):
+    bundle = tmp_path / "b.tar"
+    os.mkfifo(bundle) if kind == "a FIFO" else bundle.mkdir()
+    proc = run_installer(bundle, "--allow-unsigned", "--prefix", tmp_path / "prefix")
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"refused: {bundle}: not a regular file (a folder, device or pipe), so not a bundle"]
