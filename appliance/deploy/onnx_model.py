@@ -29,7 +29,7 @@ def load_onnx(path):
 
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: no such file")
+        raise DataError(f"{path}: " + ("not a regular file (a folder, device or pipe)" if Path(path).exists() else "no such file"))
     try:
         model = onnx.load(str(path))
         onnx.checker.check_model(model)

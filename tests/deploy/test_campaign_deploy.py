@@ -379,3 +379,13 @@ def test_export_of_a_damaged_model_dir_is_one_line(case, run_dir, tmp_path):
                     "from a unicode string)")
     proc = run_appliance("export", str(run), "--out", str(tmp_path / "out"), timeout=60)
     assert one_line(proc, 2) == f"appliance export: error: {expected}"
+
+
+@pytest.mark.parametrize("which", ["model", "calib"])
+def test_a_model_or_samples_path_that_is_a_fifo_is_named_as_such(which, calib_npz, tmp_path):
+    fifo = tmp_path / "x.fifo"
+    os.mkfifo(fifo)
+    model = fifo if which == "model" else conv_model(tmp_path / "m.onnx")
+    calib = fifo if which == "calib" else calib_npz
+    proc = run_appliance("quantize", str(model), "--calib", str(calib), "--out", str(tmp_path / "out"), timeout=60)
+    assert one_line(proc, 2) == f"appliance quantize: error: {fifo}: not a regular file (a folder, device or pipe)"
