@@ -40,14 +40,24 @@ class ModelCard:
         return json.dumps(asdict(self), indent=2) + "\n"
 
     @classmethod
+    def read(cls, path: Path) -> "ModelCard":
+        """The card in the file at path: one line for a file that is no card (not a regular file, not UTF-8)."""
+        if not Path(path).is_file():
+            raise DataError(f"{path}: not a regular file (a device, pipe or folder), so not a model card")
+        try:
+            return cls.from_json(Path(path).read_bytes().decode("utf-8"), str(path))
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}: not a valid model card (byte {err.start} is not UTF-8 text)") from None
+
+    @classmethod
     def from_json(cls, text: str, source: str = "model.json") -> "ModelCard":
         try:
             raw = json.loads(text)
             raw["mean"], raw["std"] = tuple(raw["mean"]), tuple(raw["std"])
             raw["class_names"] = tuple(raw.get("class_names", ()))
             return cls(**raw)
-        except (json.JSONDecodeError, TypeError, KeyError) as err:
-            raise DataError(f"{source}: not a valid model card ({err})") from None
+        except (ValueError, TypeError, KeyError, RecursionError) as err:  # JSONDecodeError is a ValueError
+            raise DataError(f"{source}: not a valid model card ({str(err)[:200]})") from None
 
 
 def small_cnn(num_classes: int, in_channels: int = 3):
@@ -253,7 +263,9 @@ def load_trained_model(model_dir: str | Path, build=None):
     card_path, weights = model_dir / CARD_NAME, model_dir / WEIGHTS_NAME
     if not card_path.exists() or not weights.exists():
         raise DataError(f"{model_dir}: not a trained-model directory (needs {CARD_NAME} and {WEIGHTS_NAME})")
-    card = ModelCard.from_json(card_path.read_text(), str(card_path))
+    if not weights.is_file():  # a FIFO would be waited on forever, a device read forever
+        raise DataError(f"{weights}: not a regular file (a device, pipe or folder)")
+    card = ModelCard.read(card_path)
     graph = model_dir / card.extra.get("onnx_graph", ONNX_GRAPH_NAME)
     model = (build or build_model)(card.architecture, card.num_classes, card.in_channels, onnx_graph=graph)
     try:

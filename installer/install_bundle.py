@@ -453,7 +453,8 @@ def install(args) -> int:
     bundle, prefix = Path(args.bundle).resolve(), Path(args.prefix).resolve()
     started = time.monotonic()
     if not bundle.is_file():
-        raise Refusal(f"{bundle}: no such file")
+        raise Refusal(f"{bundle}: " + ("not a regular file (a folder, device or pipe), so not a bundle"
+                                       if bundle.exists() else "no such file"))
     created = not prefix.exists()
     prefix.mkdir(parents=True, exist_ok=True)
     if prefix.lstat().st_mode & 0o002:  # a renamed staging or release directory would undo every check
@@ -562,6 +563,12 @@ def main(argv=None) -> int:
         return install(args)
     except Refusal as err:
         print(f"refused: {err}", file=sys.stderr)
+        return 1
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as err:
+        # A field of bundle.json (or a record it points to) missing or of another type: signed by its maker
+        # or installed --allow-unsigned, it is still no bundle `appliance bundle build` made. One line.
+        print(f"refused: {args.bundle}: bundle.json (or a record it names) is not as `appliance bundle build` "
+              f"writes it ({type(err).__name__}: {str(err)[:160]})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("install: interrupted; the previous install is untouched", file=sys.stderr)

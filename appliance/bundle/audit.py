@@ -36,6 +36,9 @@ class AuditResult:
     unknown: list[str]  # (profile, Python) whose SBOM carries no vulnerability data
 
 
+MAX_READ_BYTES = 64 << 20  # bundle.json, SHA256SUMS and an SBOM are kilobytes to a few MB
+
+
 def _read(tar: tarfile.TarFile, bundle: Path, name: str) -> bytes:
     try:
         member = tar.extractfile(name)
@@ -43,10 +46,17 @@ def _read(tar: tarfile.TarFile, bundle: Path, name: str) -> bytes:
         member = None
     if member is None:
         raise DataError(f"{bundle}: no {name} in the bundle (not an appliance bundle, or damaged)")
-    return member.read()
+    data = member.read(MAX_READ_BYTES + 1)
+    if len(data) > MAX_READ_BYTES:
+        raise DataError(f"{bundle}: {name} is larger than {MAX_READ_BYTES >> 20} MiB, not what a bundle holds")
+    return data
 
 
 def audit(bundle: Path) -> AuditResult:
+    """The report; one line for a bundle that is not one (a device or a pipe is never read: a link to
+    /dev/zero or a FIFO would be read, or waited on, forever)."""
+    if Path(bundle).exists() and not Path(bundle).is_file() and not Path(bundle).is_dir():
+        raise DataError(f"{bundle}: not a regular file (a device or a pipe), so not a bundle tar")
     try:
         tar = tarfile.open(bundle)
     except (OSError, tarfile.TarError) as err:
@@ -61,17 +71,21 @@ def audit(bundle: Path) -> AuditResult:
         top = first.name.split("/")[0]
         try:
             manifest = json.loads(_read(tar, bundle, f"{top}/bundle.json"))
-        except ValueError as err:
-            raise DataError(f"{bundle}: {top}/bundle.json is not JSON ({err})") from None
+        except (ValueError, RecursionError) as err:
+            raise DataError(f"{bundle}: {top}/bundle.json is not JSON ({str(err)[:200]})") from None
         sums = {}
-        for line in _read(tar, bundle, f"{top}/SHA256SUMS").decode().splitlines():
+        for line in _read(tar, bundle, f"{top}/SHA256SUMS").decode("utf-8", "replace").splitlines():
             digest, _, name = line.partition("  ")
             sums[name] = digest
         result = AuditResult(lines=[], findings=[], unknown=[])
-        for profile, entry in sorted(manifest.get("profiles", {}).items()):
-            variants = entry.get("by_python") or {entry.get("python", "?"): entry}  # older bundles: one SBOM
-            for python, variant in variants.items():
-                _audit_sbom(tar, bundle, top, sums, profile, python, variant["sbom"], result)
+        try:
+            for profile, entry in sorted(manifest.get("profiles", {}).items()):
+                variants = entry.get("by_python") or {entry.get("python", "?"): entry}  # older bundles: one SBOM
+                for python, variant in variants.items():
+                    _audit_sbom(tar, bundle, top, sums, profile, python, variant["sbom"], result)
+        except (AttributeError, KeyError, TypeError) as err:  # a field of another type, or none, anywhere
+            raise DataError(f"{bundle}: {top}/bundle.json or an SBOM is not as `appliance bundle build` writes it "
+                            f"({type(err).__name__}: {str(err)[:120]})") from None
     return result
 
 
@@ -82,8 +96,8 @@ def _audit_sbom(tar, bundle: Path, top: str, sums: dict, profile: str, python: s
         raise DataError(f"{bundle}: {path} does not match SHA256SUMS (the bundle was altered)")
     try:
         sbom = json.loads(data)
-    except ValueError as err:
-        raise DataError(f"{bundle}: {path} is not JSON ({err})") from None
+    except (ValueError, RecursionError) as err:
+        raise DataError(f"{bundle}: {path} is not JSON ({str(err)[:200]})") from None
     props = {p["name"]: p["value"] for p in sbom.get("metadata", {}).get("properties", [])}
     components = {c["bom-ref"]: c for c in sbom.get("components", [])
                   if "bom-ref" in c and c.get("type") == "library"}  # packages, not weights or the edge runner

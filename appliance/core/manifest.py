@@ -34,8 +34,15 @@ _VERSIONED = ("appliance", "torch", "torchvision", "onnx", "onnxruntime", "apach
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """sha256 of a regular file; a device or a pipe (a link to /dev/zero, a FIFO) is one line, never read
+    forever or waited on (opened non-blocking, checked before the first read)."""
+    import stat
+
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DataError(f"{path}: not a regular file (a device, pipe or socket); refusing to read it")
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -212,8 +219,8 @@ def read_manifest(out_dir: str | os.PathLike) -> dict:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise DataError(f"{path}: no manifest (is {out_dir} the output of an appliance stage?)") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}: not valid JSON ({err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise DataError(f"{path}: not valid JSON ({str(err)[:200]})") from None
 
 
 def verify_outputs(out_dir: str | os.PathLike) -> list[str]:

@@ -46,5 +46,5 @@ def read_result_json(path: Path) -> dict:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise DataError(f"{path}: missing (is {Path(path).parent} the output of that stage?)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: damaged ({err}); rerun that stage") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise DataError(f"{path}: damaged ({str(err)[:200]}); rerun that stage") from None

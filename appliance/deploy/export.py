@@ -58,7 +58,7 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
     if problem:
         raise DataError(f"opset {problem}")
     model_dir = find_model_dir(model_path)
-    card = ModelCard.from_json((model_dir / CARD_NAME).read_text(), str(model_dir / CARD_NAME))
+    card = ModelCard.read(model_dir / CARD_NAME)
     build = task_of_card(card).build_model  # the task's architectures
     qat = QAT_CARD_KEY in card.extra
     if qat and max_rel_error == DEFAULT_MAX_REL_ERROR:

@@ -29,7 +29,7 @@ def load_onnx(path):
 
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: no such file")
+        raise DataError(f"{path}: " + ("not a regular file (a folder, device or pipe)" if Path(path).exists() else "no such file"))
     try:
         model = onnx.load(str(path))
         onnx.checker.check_model(model)
@@ -39,7 +39,40 @@ def load_onnx(path):
     if not model.graph.node:
         raise DataError(f"{path}: not a valid ONNX model (the graph has no nodes)")
     check_tensor_sizes(model, path)
+    _check_no_loops(model.graph, path)
+    _check_finite_weights(model, path)
     return model
+
+
+LOOPING_OPS = ("Loop", "Scan")
+
+
+def _check_no_loops(graph, path) -> None:
+    """A Loop or Scan (in the graph or any branch of it) runs as often as its data says: a trip count
+    of 2^40 hangs onnxruntime's calibration, and TVM cannot import either; an image model has none."""
+    for node in graph.node:
+        if node.op_type in LOOPING_OPS:
+            raise DataError(f"{path}: {node.op_type} node {node.name or node.output[0]!r}: a loop in the graph "
+                            "(an image model needs none; TVM cannot compile it, onnxruntime would run it as long "
+                            "as its trip count says)")
+        for attribute in node.attribute:
+            for sub in [attribute.g, *attribute.graphs] if attribute.HasField("g") else attribute.graphs:
+                _check_no_loops(sub, path)
+
+
+def _check_finite_weights(model, path) -> None:
+    """NaN or infinite weights named as such, not as a calibration assertion or a runtime mismatch later."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    for tensor in model.graph.initializer:
+        values = numpy_helper.to_array(tensor)
+        if values.dtype.kind != "f" or values.size == 1:  # a lone +-inf is a bound (Clip, a mask), not a weight
+            continue
+        bad = int(values.size - np.isfinite(values).sum())
+        if bad:
+            raise DataError(f"{path}: initializer {tensor.name!r} holds {bad} NaN or infinite value(s) of "
+                            f"{values.size}: not usable weights (a diverged training run?)")
 
 
 def image_input(model, path) -> ModelInput:
@@ -53,7 +86,10 @@ def image_input(model, path) -> ModelInput:
               and len(i.type.tensor_type.shape.dim) == 4]
     if len(inputs) != 1 or len(images) != 1:
         raise DataError(f"{path}: expected one float image input shaped (batch, C, H, W); found inputs: {found}")
-    return ModelInput(images[0].name, _shape(images[0]))
+    shape = _shape(images[0])
+    if any(isinstance(d, int) and d <= 0 for d in shape):
+        raise DataError(f"{path}: input {images[0].name!r} is shaped {shape}: an image input's sizes are positive")
+    return ModelInput(images[0].name, shape)
 
 
 def _shape(value_info) -> list:

@@ -35,6 +35,7 @@ from appliance.assets.edge_runner import (RUNTIME_LIBS, build_runner, extract_ru
                                    runner_key, wheel_of)
 from appliance.core.errors import DataError, EnvironmentProblem
 from appliance.core.manifest import sha256_file, read_manifest, atomic_write_text, check_outputs, write_manifest
+from appliance.core.stage import read_result_json
 from appliance.core.progress import quiet
 from appliance.deploy.samples import check_input_shape, load_samples, synthetic_samples
 from appliance.deploy.tolerance import qdq_allowance
@@ -192,11 +193,12 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
     info_path = compiled / "compile.json"
     if not info_path.is_file():
         raise DataError(f"{compiled}: not a compile directory (no compile.json; run `appliance compile` first)")
-    info = json.loads(info_path.read_text())
-    if not info["target"].startswith("aarch64"):
-        raise DataError(f"{info_path}: compiled for {info['target']}, but edge packages are for aarch64 "
+    check_outputs(compiled, "changed since it was compiled")  # compile.json among them
+    info = read_result_json(info_path)
+    if not isinstance(info, dict) or not str(info.get("target", "")).startswith("aarch64"):
+        target = info.get("target") if isinstance(info, dict) else None
+        raise DataError(f"{info_path}: compiled for {target}, but edge packages are for aarch64 "
                         "(run `appliance compile --target aarch64`)")
-    check_outputs(compiled, "changed since it was compiled")
     if with_python and not info.get("preprocessing"):
         raise DataError(f"{info_path}: --with-python needs the model's preprocessing (python/run.py reads images), "
                         "which a model compiled without `appliance export` metadata lacks; package it without "

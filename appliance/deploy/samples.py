@@ -36,7 +36,7 @@ def load_samples(paths, preprocessing: dict, limit: int | None = None) -> Sample
     files = [Path(p) for p in paths]
     for f in files:
         if not f.is_file():
-            raise DataError(f"{f}: no such file")
+            raise DataError(f"{f}: " + ("not a regular file (a folder, device or pipe)" if Path(f).exists() else "no such file"))
     if len(files) == 1 and files[0].suffix in (".npz", ".npy"):
         return _load_tensors(files[0], limit)
     if not preprocessing or "image_size" not in preprocessing:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from appliance.deploy.edge.qemu import DEFAULT_SYSROOT, check_sysroot, find_qemu, run_counting_samples, run_json
 from appliance.deploy.edge.cycles import describe as describe_estimate, not_estimated
-from appliance.deploy.edge.signing import SIGNATURE, check_signature, trusted_key
-from appliance.core.manifest import sha256_file
+from appliance.deploy.edge.signing import trusted_key
+from appliance.deploy.edge.unpack import unpack_checked
 from appliance.core.errors import DataError, GateFailed
 from appliance.deploy.options import BENCH_RUNS
 from appliance.deploy.edge.sysroot import build_python_sysroot, default_debs_dir, run_python_runner
@@ -55,90 +53,14 @@ def selftest_line(t: dict) -> str:
             f"{'PASS' if t['passed'] else 'FAIL'}")
 
 
-def _extract(tar: tarfile.TarFile, into: Path) -> None:
-    """PEP 706's data filter where Python has it (3.10.12+, 3.11.4+; Debian 12 ships 3.11.2),
-    else its refusals by hand: only plain files and directories, all inside `into`."""
-    if hasattr(tarfile, "data_filter"):
-        tar.extractall(into, filter="data")
-        return
-    root = Path(into).resolve()
-    members = tar.getmembers()
-    for member in members:
-        if not (member.isfile() or member.isdir()) or not (root / member.name).resolve().is_relative_to(root):
-            raise tarfile.TarError(f"{member.name}: not a plain file or directory inside the package")
-        member.mode &= 0o755
-    tar.extractall(into, members=members)
-
-
-MAX_SUMS_BYTES = 1 << 20  # SHA256SUMS of a package is a few KB
 MAX_MODEL_JSON_BYTES = 16 << 20
-ROOT = "edge-package"
-
-
-def check_member_names(tar: tarfile.TarFile, package: Path) -> None:
-    """Every member is edge-package/ or a plain relative path under it, once: no `..`, no `.`,
-    no absolute name, no second copy of a name (one of them would be what gets extracted)."""
-    seen = set()
-    for member in tar.getmembers():
-        name = member.name.rstrip("/")
-        parts = name.split("/")
-        if parts[0] != ROOT or any(p in ("", ".", "..") for p in parts[1:]) or "\\" in name:
-            raise DataError(f"{package}: member {member.name!r} is not a plain path inside {ROOT}/; refused")
-        if name in seen:
-            raise DataError(f"{package}: member {member.name!r} appears twice; refused")
-        seen.add(name)
-
-
-def unpack_checked(package: Path, into: Path, pubkey: Path | None = None) -> Path:
-    """Extract the tar, check the signature of SHA256SUMS with pubkey (when given) and every file
-    against SHA256SUMS, and that nothing else is there; one line for the first problem."""
-    if not package.is_file():
-        raise DataError(f"{package}: no such file")
-    try:
-        with tarfile.open(package) as tar:
-            check_member_names(tar, package)
-            _extract(tar, into)
-    except tarfile.ReadError:
-        # tarfile's own message is one line per compression it tried.
-        raise DataError(f"{package}: not an edge package (not a tar archive; make one with `appliance package`)") \
-            from None
-    except (tarfile.TarError, OSError) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise DataError(f"{package}: not a readable edge package tar ({first})") from None
-    root = into / ROOT
-    sums = root / "SHA256SUMS"
-    if not sums.is_file():
-        raise DataError(f"{package}: not an edge package (no {ROOT}/SHA256SUMS)")
-    if sums.stat().st_size > MAX_SUMS_BYTES:
-        raise DataError(f"{package}: {ROOT}/SHA256SUMS is {sums.stat().st_size} bytes (at most {MAX_SUMS_BYTES})")
-    if pubkey is not None:
-        check_signature(root, package, pubkey)
-    listed = set()
-    for number, line in enumerate(sums.read_text(errors="replace").splitlines(), 1):
-        digest, _, name = line.partition("  ")
-        parts = name.split("/")
-        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name or any(p in ("", ".", "..") for p in parts):
-            raise DataError(f"{package}: SHA256SUMS line {number} is not '<sha256>  <relative path>'")
-        listed.add(name)
-        path = root / name
-        if not path.is_file() or path.is_symlink():
-            raise DataError(f"{package}: {name} is listed in SHA256SUMS but missing")
-        if sha256_file(path) != digest:
-            raise DataError(f"{package}: {name}: sha256 does not match SHA256SUMS (modified after packaging)")
-    allowed = listed | {"SHA256SUMS", SIGNATURE}
-    # Members outside the package's root were refused by check_member_names before extraction;
-    # `into` may hold other files (the tar itself, a caller's), which are not the package's.
-    extra = sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                   if not p.is_dir() and str(p.relative_to(root)) not in allowed)
-    if extra:
-        raise DataError(f"{package}: {extra[0]} is not listed in SHA256SUMS (added after packaging)")
-    return root
 
 
 def read_model_info(root: Path, package: Path) -> dict:
     """model.json as the runner and the checks need it; one line for anything else (it is signed,
     but a signer's tool can still write a bad one)."""
     import onnx
+    from google.protobuf.message import DecodeError
 
     path = root / "model.json"
     what = f"{package}: model.json"
@@ -160,8 +82,14 @@ def read_model_info(root: Path, package: Path) -> dict:
     problem = None if info["preprocessing"] is None else preprocessing_problem(info["preprocessing"], shape[1])
     if problem:
         raise DataError(f"{what}: preprocessing: {problem}")
-    graph_input = onnx.load(str(root / "reference" / "model.onnx"), load_external_data=False).graph.input[0]
-    reference = [d.dim_value or None for d in graph_input.type.tensor_type.shape.dim]
+    try:
+        inputs = onnx.load(str(root / "reference" / "model.onnx"), load_external_data=False).graph.input
+    except (OSError, ValueError, DecodeError) as err:
+        raise DataError(f"{package}: reference/model.onnx: not a readable ONNX model "
+                        f"({(str(err).splitlines() or [type(err).__name__])[0][:120]})") from None
+    if not inputs:
+        raise DataError(f"{package}: reference/model.onnx: the graph has no input")
+    reference = [d.dim_value or None for d in inputs[0].type.tensor_type.shape.dim]
     if len(reference) != 4 or any(r is not None and r != d for r, d in zip(reference[1:], shape[1:])):
         said = ", ".join("N" if r is None else str(r) for r in reference)
         raise DataError(f"{what}: input shape {shape} is not the reference model's [{said}]")
@@ -256,50 +184,27 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
     `selftest` (bin/run --selftest --json), `bench` (bin/run --bench --json, emulated, or None)
     and `passed` (every route and the self-test). min_agreement None: the task's (1.0 for
     classification's top-1, 0.995 of the pixels for segmentation)."""
-    import numpy as np
-
     package = Path(package)
     pubkey = trusted_key(pubkey)
     with tempfile.TemporaryDirectory(prefix="edge-verify-") as tmp:
-        root = unpack_checked(package, Path(tmp), pubkey)
-        info = read_model_info(root, package)
-        if python and not (root / "python" / "run.py").is_file():
-            raise DataError(f"{package}: has no Python runner (packaged without --with-python); "
-                            "verify it without --python, or repackage with --with-python")
-        shape, preprocessing = info["input"]["shape"], info["preprocessing"]
-        task = task_of_metadata({"model_card": info.get("model_card")})
-        if min_agreement is None:
-            min_agreement = task.min_agreement
-        min_allowed = 0.0
-        if max_logit_diff is None:
-            max_logit_diff = default_tolerance(info.get("precision", "fp32"))
-            min_allowed = qdq_allowance(root / "reference" / "model.onnx")
-        if sample_files:
-            samples = load_samples(sample_files, preprocessing, limit=num_samples)
-        else:
-            samples = synthetic_samples(preprocessing, shape[1], 16, shape, package)
-        check_input_shape(samples, shape, info["input"]["name"], package)
-        host = run_ort(ort_session(root / "reference" / "model.onnx", optimize=False), samples.x)
-        edge, seconds = run_native(root, samples.x, sysroot)
-        routes = [compare_with_host("native runner (qemu-aarch64)", edge, host, seconds, package,
-                                    min_agreement, max_logit_diff, samples.y, min_allowed, task)]
-        if task.kind == "segmentation":
-            routes[0]["class_maps"] = check_class_maps(root, edge, package)
-        selftest, bench = run_selftest_and_bench(root, sysroot, bench_runs)
-        if python:
-            debs = Path(sysroot_debs) if sysroot_debs else default_debs_dir()
-            py_sysroot, site = build_python_sysroot(debs, root, Path(tmp) / "python-sysroot")
-            start = time.perf_counter()
-            run_python_runner(root, py_sysroot, site, root / "verify-input.npy", root / "verify-python.npy",
-                              len(samples.x))
-            routes.append(compare_with_host("Python runner (arm64 python3.11 under qemu-aarch64)",
-                                            np.load(root / "verify-python.npy"), host,
-                                            time.perf_counter() - start, package, min_agreement, max_logit_diff,
-                                            samples.y, min_allowed, task))
+        try:
+            root = unpack_checked(package, Path(tmp), pubkey)
+            info = read_model_info(root, package)
+            if python and not (root / "python" / "run.py").is_file():
+                raise DataError(f"{package}: has no Python runner (packaged without --with-python); "
+                                "verify it without --python, or repackage with --with-python")
+            run = _run_routes(root, info, package, sample_files, num_samples, min_agreement, max_logit_diff,
+                              sysroot, python, sysroot_debs, bench_runs)
+        except DataError as err:  # the package's files by their names in it, not in a folder that is gone
+            if f"{tmp}/" not in str(err):
+                raise
+            raise DataError(f"{package}: " * (not str(err).startswith(f"{package}:"))
+                            + str(err).replace(f"{tmp}/", "")) from None
+    task, samples, routes, selftest = run["task"], run["samples"], run["routes"], run["selftest"]
     seg = {"task": task.kind, "agreement": "per pixel"} if task.kind == "segmentation" else {}
-    report = {"made_by": "appliance edge verify", "package": str(package.resolve()), **seg, "samples": int(len(host)),
-              "sample_source": samples.source, "min_agreement": min_agreement, "routes": routes,
-              "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": bench,
+    report = {"made_by": "appliance edge verify", "package": str(package.resolve()), **seg,
+              "samples": int(len(samples.x)), "sample_source": samples.source, "min_agreement": run["min_agreement"],
+              "routes": routes, "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": run["bench"],
               "device_estimate": info.get("device_estimate") or not_estimated("the package's compile.json has none"),
               "signature": {"checked_with": str(pubkey)},
               "passed": all(r["passed"] for r in routes) and bool(selftest["passed"])}
@@ -309,9 +214,48 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         atomic_write_text(out_dir / "verify.json", json.dumps(report, indent=2) + "\n")
         atomic_write_text(out_dir / "verify.html", verify_html(report))
         write_manifest(out_dir, "verify", [package, *samples.files],
-                       {"min_agreement": min_agreement, "max_logit_diff": max_logit_diff, "sysroot": sysroot,
-                        "python": python, "bench_runs": bench_runs})
+                       {"min_agreement": run["min_agreement"], "max_logit_diff": run["max_logit_diff"],
+                        "sysroot": sysroot, "python": python, "bench_runs": bench_runs})
     return report
+
+
+def _run_routes(root: Path, info: dict, package: Path, sample_files, num_samples, min_agreement, max_logit_diff,
+                sysroot, python, sysroot_debs, bench_runs) -> dict:
+    """The unpacked package's runners on the samples beside the host's onnxruntime, its self-test and bench."""
+    import numpy as np
+
+    shape, preprocessing = info["input"]["shape"], info["preprocessing"]
+    task = task_of_metadata({"model_card": info.get("model_card")})
+    if min_agreement is None:
+        min_agreement = task.min_agreement
+    min_allowed = 0.0
+    if max_logit_diff is None:
+        max_logit_diff = default_tolerance(info.get("precision", "fp32"))
+        min_allowed = qdq_allowance(root / "reference" / "model.onnx")
+    if sample_files:
+        samples = load_samples(sample_files, preprocessing, limit=num_samples)
+    else:
+        samples = synthetic_samples(preprocessing, shape[1], 16, shape, package)
+    check_input_shape(samples, shape, info["input"]["name"], package)
+    host = run_ort(ort_session(root / "reference" / "model.onnx", optimize=False), samples.x)
+    edge, seconds = run_native(root, samples.x, sysroot)
+    routes = [compare_with_host("native runner (qemu-aarch64)", edge, host, seconds, package,
+                                min_agreement, max_logit_diff, samples.y, min_allowed, task)]
+    if task.kind == "segmentation":
+        routes[0]["class_maps"] = check_class_maps(root, edge, package)
+    selftest, bench = run_selftest_and_bench(root, sysroot, bench_runs)
+    if python:
+        debs = Path(sysroot_debs) if sysroot_debs else default_debs_dir()
+        py_sysroot, site = build_python_sysroot(debs, root, root.parent / "python-sysroot")
+        start = time.perf_counter()
+        run_python_runner(root, py_sysroot, site, root / "verify-input.npy", root / "verify-python.npy",
+                          len(samples.x))
+        routes.append(compare_with_host("Python runner (arm64 python3.11 under qemu-aarch64)",
+                                        np.load(root / "verify-python.npy"), host,
+                                        time.perf_counter() - start, package, min_agreement, max_logit_diff,
+                                        samples.y, min_allowed, task))
+    return {"task": task, "samples": samples, "routes": routes, "selftest": selftest, "bench": bench,
+            "min_agreement": min_agreement, "max_logit_diff": max_logit_diff}
 
 
 def device_proof_html(report: dict) -> str:

@@ -49,20 +49,44 @@ if [ -z "$prefix" ]; then  # the installed copy installs into its own directory
     if [ -f "$here/.appliance-edge/trusted.pub" ]; then prefix=$here; else prefix=/opt/appliance-edge; fi
 fi
 [ -n "$package" ] || package=$here
+nl='
+'
+for value in "$prefix" "$package" "$pubkey"; do  # every message is one line, every path one argument
+    case "$value" in *"$nl"*) die "a path holds a line break ($(printf '%s' "$value" | head -n 1)...); refused" ;; esac
+done
+case "$prefix" in -*) prefix=./$prefix ;; esac  # a name, never an option of mkdir, cd or find
+case "$package" in -*) package=./$package ;; esac
+case "$pubkey" in -*) pubkey=./$pubkey ;; esac
 package=$(cd "$package" 2>/dev/null && pwd) || die "$package: no such package directory"
 [ -f "$package/SHA256SUMS" ] || die "$package: no SHA256SUMS (not an edge package made by \`appliance package\`)"
 if [ -n "$pubkey" ]; then
-    [ -f "$pubkey" ] || die "$pubkey: no such public key file"
+    [ -f "$pubkey" ] || { [ ! -e "$pubkey" ] || die "$pubkey: not a regular file (a device, pipe or folder), so not a public key"
+        die "$pubkey: no such public key file"; }
     pubkey=$(cd "$(dirname "$pubkey")" && pwd)/${pubkey##*/}  # read after the cd below
 fi
-mkdir -p "$prefix" || die "$prefix: cannot create the install directory"
+if [ -e "$prefix" ] && [ ! -d "$prefix" ]; then die "$prefix: exists and is not a directory"; fi
+mkdir -p "$prefix" 2>/dev/null || die "$prefix: cannot create the install directory"
 prefix=$(cd "$prefix" && pwd)
 [ "$prefix" != "$package" ] || die "$prefix: is the package itself; install it somewhere else"
 state=$prefix/.appliance-edge
+[ ! -L "$state" ] || die "$state: is a symbolic link; install.sh keeps its state only in a directory of its own"
+
+# One installer per DIR: two at once would mix two packages' files under one `installed`.
+# mkdir is atomic and never follows a link; a lock whose installer is gone (killed) is taken over.
+lock=$prefix/.install.lock
+if ! mkdir "$lock" 2>/dev/null; then
+    holder=$(cat "$lock/pid" 2>/dev/null || true)
+    case "$holder" in ''|*[!0-9]*) holder= ;; esac
+    if [ -n "$holder" ] && kill -0 "$holder" 2>/dev/null; then
+        die "$prefix: another install.sh (pid $holder) is installing into it; nothing installed: wait for it to finish (or remove $lock if none is running)"
+    fi
+    rm -rf "$lock" && mkdir "$lock" 2>/dev/null || die "$lock: cannot take the install lock; nothing installed"
+fi
+echo $$ > "$lock/pid"
 
 umask 077
-stage=$(mktemp -d "$prefix/.install.XXXXXX") || die "$prefix: cannot make a private staging directory"
-trap 'rm -rf "$stage"' EXIT INT TERM
+stage=$(mktemp -d "$prefix/.install.XXXXXX") || { rm -rf "$lock"; die "$prefix: cannot make a private staging directory"; }
+trap 'rm -rf "$stage" "$lock"' EXIT INT TERM
 cp -R "$package" "$stage/package" || die "$package: cannot copy the package to $stage"
 cd "$stage/package"
 
@@ -105,6 +129,9 @@ if grep -v '^[0-9a-f]\{64\}  [A-Za-z0-9_][A-Za-z0-9_.+/-]*$' SHA256SUMS | grep -
         || grep -q '  \.\|/\.\./\|/\./\|/\.*$\|//' SHA256SUMS; then
     die "$package/SHA256SUMS: malformed (every line must be '<sha256>  <relative path>')"
 fi
+cut -c67- SHA256SUMS | sort > "$stage/names"
+twice=$(cut -c67- SHA256SUMS | sort -u | comm -23 "$stage/names" - | head -n 1)
+[ -z "$twice" ] || die "$package/SHA256SUMS: $twice is listed twice; nothing installed"
 if ! out=$(sha256sum -c --quiet SHA256SUMS 2>/dev/null); then
     name=$(printf '%s\n' "$out" | sed -n 's/^\(.*\): FAILED.*$/\1/p' | head -n 1)
     die "$package/${name:-SHA256SUMS}: sha256 does not match SHA256SUMS (damaged or modified after packaging); nothing installed"
@@ -127,20 +154,43 @@ else
     list=$state/files
 fi
 if [ -f "$list" ]; then
-    if grep -v '^[A-Za-z0-9_.][A-Za-z0-9_.+/-]*$' "$list" | grep -q . \
-            || grep -q '^\.\./\|^\.\.$\|^\./\|/\.\./\|/\.\.$\|/\./\|//' "$list"; then
-        die "$list: malformed (one relative path per line); $prefix left as it was"
-    fi
+    # Only names this installer writes: a package file (as SHA256SUMS spells them), venv, or the earlier
+    # installer's .installed; never its own state, a hidden top-level name, '.', '..' or an absolute path.
+    bad=$(grep -v '^[A-Za-z0-9_][A-Za-z0-9_.+/-]*$' "$list" | grep -vx '\.installed' | head -n 1 || true)
+    [ -n "$bad" ] || bad=$(grep '/\.\./\|/\.\.$\|/\./\|/\.$\|//\|/$' "$list" | head -n 1 || true)
+    [ -z "$bad" ] || die "$list: malformed: '$bad' is not a path this installer puts in $prefix; $prefix left as it was"
     sort -u "$list" > "$owned"
 else
-    foreign=$(cd "$prefix" && find . -path './.install.*' -prune -o ! -type d -print | sed 's|^\./||' | sort)
+    # At most 1000 names are looked at: a DIR that is a link to / is refused without walking the disk.
+    foreign=$(cd "$prefix" && find . -path './.install.*' -prune -o ! -type d -print 2>/dev/null | head -n 1000 \
+        | sed 's|^\./||' | sort)
     if [ -n "$foreign" ]; then
         count=$(printf '%s\n' "$foreign" | wc -l | tr -d ' ')
-        names=$(printf '%s\n' "$foreign" | head -n 3 | sed "s|^|$prefix/|" | tr '\n' ' ' | sed 's/ $//')
+        [ "$count" -lt 1000 ] || count="1000 or more"
+        names=$(printf '%s\n' "$foreign" | head -n 3 | while read -r f; do printf '%s ' "$prefix/$f"; done | sed 's/ $//')
         die "$prefix: holds $count file(s) this installer did not put there ($names) and no $state/files: nothing installed; install into an empty or new directory"
     fi
     : > "$owned"
 fi
+# Nothing is removed or written through a link or into a directory it did not make: a folder of a listed
+# path that is a link (lib -> /usr/lib) would take the removal or the new file outside DIR, and a listed
+# name that is a directory (etc) would take the site's own files with it.
+sort -u "$owned" "$stage/new" | while read -r f; do
+    d=$(dirname "$f")
+    while [ "$d" != . ]; do
+        [ ! -L "$prefix/$d" ] || { echo "$prefix/$d: is a symbolic link; install.sh writes and removes only inside $prefix"; break; }
+        d=$(dirname "$d")
+    done
+    if [ "$f" != venv ] && [ -d "$prefix/$f" ] && [ ! -L "$prefix/$f" ]; then
+        echo "$prefix/$f: is a directory where $list or the package has a file; install.sh removes only files it put there"
+    fi
+done | head -n 1 > "$stage/unsafe"
+[ ! -s "$stage/unsafe" ] || die "$(cat "$stage/unsafe"); nothing installed"
+for f in files files.tmp installed trusted.pub; do
+    if [ -L "$state/$f" ] || { [ -e "$state/$f" ] && [ ! -f "$state/$f" ]; }; then
+        die "$state/$f: not a regular file; nothing installed"
+    fi
+done
 clash=$(comm -23 "$stage/new" "$owned" | while read -r f; do
     if [ -e "$prefix/$f" ] || [ -L "$prefix/$f" ]; then echo "$prefix/$f"; fi; done | head -n 1)
 [ -z "$clash" ] || die "$clash: exists and was not installed by this installer (not in $state/files); nothing installed"
@@ -163,9 +213,12 @@ fi
 umask 022
 mkdir -p "$state"
 # The list first, covering old and new: an install cut short leaves every file it may have placed owned.
-sort -u "$owned" "$stage/new" > "$state/files.tmp" && mv -f "$state/files.tmp" "$state/files"
+# State files are written in the private stage and renamed in: a rename replaces a link, never follows it.
+sort -u "$owned" "$stage/new" > "$stage/files" && chmod 644 "$stage/files" && mv -f "$stage/files" "$state/files"
 rm -f "$state/installed"
-comm -23 "$owned" "$stage/new" | while read -r f; do rm -rf "${prefix:?}/$f"; done
+comm -23 "$owned" "$stage/new" | while read -r f; do
+    if [ "$f" = venv ]; then rm -rf "${prefix:?}/venv"; else rm -f "${prefix:?}/$f"; fi
+done
 if [ "$python" = yes ]; then
     [ -f wheels/requirements.txt ] || die "$package: no wheels/ (packaged without --with-python); install without --python"
     py=$(command -v python3.11 || command -v python3 || true)
@@ -180,7 +233,9 @@ grep -v '^venv$' "$stage/new" | while read -r f; do
     mkdir -p "$prefix/$(dirname "$f")"
     mv -f "$f" "$prefix/$f"
 done
-[ -f "$state/trusted.pub" ] || cp "$key" "$state/trusted.pub"
-cp "$stage/new" "$state/files.tmp" && mv -f "$state/files.tmp" "$state/files"
-echo "$id" > "$state/installed"
+echo "$id" > "$stage/installed"
+chmod 644 "$key" "$stage/new" "$stage/installed"
+[ -f "$state/trusted.pub" ] || mv -f "$key" "$state/trusted.pub"
+mv -f "$stage/new" "$state/files"
+mv -f "$stage/installed" "$state/installed"
 echo "installed in $prefix (SHA256SUMS $id, signature checked with $state/trusted.pub): run $prefix/bin/run --input tensor.npy --top-k 5; install later packages with $prefix/install.sh --package DIR"

@@ -77,7 +77,8 @@ def trusted_key(pubkey=None) -> Path:
     """The public key edge verify trusts: --pubkey, else the site key's .pub."""
     if pubkey is not None:
         if not Path(pubkey).is_file():
-            raise ConfigError(f"{pubkey}: no such public key file")
+            raise ConfigError(f"{pubkey}: " + ("not a regular file (a device, pipe or folder), so not a public key"
+                                               if os.path.exists(pubkey) else "no such public key file"))
         return Path(pubkey)
     pub = public_path(default_key_path())
     if not pub.is_file():
