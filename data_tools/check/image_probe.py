@@ -15,8 +15,6 @@ import warnings
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-# Pillow's own decompression-bomb guard is replaced by our explicit max_pixels check.
-Image.MAX_IMAGE_PIXELS = None
 
 DEFAULT_MAX_PIXELS = 64_000_000
 BLANK_CONTRAST = 1.0  # std of grey levels (0..255) below which an image carries no content
@@ -47,14 +45,24 @@ def content_hash(data: bytes) -> bytes:
 
 
 def probe_image(encoded: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageProbe:
-    """Decode and measure; raises ImageProblem for undecodable, oversized or blank images."""
+    """Decode and measure; raises ImageProblem for undecodable, oversized or blank images.
+
+    Pillow's own decompression-bomb guard stays on for the whole process (the pipeline decodes
+    calibration and verification images in it too): it is raised here, never lowered, only as far
+    as a --max-pixels above Pillow's default asks, and its errors become image_too_large."""
+    if max_pixels > (Image.MAX_IMAGE_PIXELS or max_pixels):
+        Image.MAX_IMAGE_PIXELS = max_pixels  # Pillow refuses past twice this at open(): ours decides first
     try:
-        img = Image.open(io.BytesIO(encoded))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # judged below, in one line
+            img = Image.open(io.BytesIO(encoded))
         fmt = (img.format or "unknown").lower()
         width, height = img.size
         channels = len(img.getbands())
     except UnidentifiedImageError:
         raise ImageProblem("image_decode", f"not an image format Pillow reads (starts {encoded[:8]!r})") from None
+    except Image.DecompressionBombError as err:
+        raise ImageProblem("image_too_large", f"{err} (limit {max_pixels})") from None
     except (OSError, ValueError, SyntaxError) as err:
         raise ImageProblem("image_decode", f"image header does not decode: {err}") from None
     if width * height > max_pixels:

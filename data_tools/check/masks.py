@@ -22,6 +22,8 @@ def add_mask_keys(schema: dict, num_classes: int | None, ignore_label: int = IGN
     """Mark a schema as segmentation when its records carry a mask; num_classes pins the class range."""
     if MASK_KEY in schema["features"] or schema.get("mask_key"):
         schema["mask_key"] = schema.get("mask_key") or MASK_KEY
+        if schema.get("label_key") not in schema["features"]:  # the mask is the label: no class label to require
+            schema["label_key"] = None
         schema["ignore_label"] = int(schema.get("ignore_label", ignore_label))
         if num_classes is not None:
             schema["num_classes"] = int(num_classes)

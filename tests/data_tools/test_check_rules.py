@@ -86,6 +86,31 @@ def test_probe_measures_and_rejects(tmp_path):
     assert err.value.check == "image_too_large" and "300x300" in err.value.detail
 
 
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares its size and holds no pixels: what a decompression bomb shows at open()."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+def test_the_check_keeps_pillows_bomb_guard_for_the_process_and_names_a_bomb_too_large():
+    """Importing the probe once turned Pillow's guard off for every later decode in the process (the
+    pipeline decodes calibration and verification images in it); a bomb past Pillow's own refusal at
+    open() is image_too_large, one line, like one past --max-pixels."""
+    from PIL import Image
+
+    assert Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < 200_000_000
+    for width, height in ((20_000, 10_000), (12_000, 8_000)):  # past Pillow's error, past its warning only
+        with pytest.raises(ImageProblem) as err:
+            probe_image(_png_header(width, height))
+        assert err.value.check == "image_too_large", err.value.detail
+    assert Image.MAX_IMAGE_PIXELS is not None
+
+
 def test_declared_format_that_disagrees_with_the_bytes_is_reported_not_rejected():
     import io
 
