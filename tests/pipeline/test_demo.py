@@ -71,7 +71,7 @@ def test_demo_offline_meets_the_accuracy_and_agreement_bars(demo):
 def test_demo_epochs_below_one_is_one_line(tmp_path):
     proc = subprocess.run(appliance_cmd("demo", "--out", str(tmp_path / "d"), "--epochs", "0"),
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "--epochs must be at least 1, got 0" in proc.stderr
+    assert proc.returncode != 0 and "--epochs: must be at least 1, got 0" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
 
 

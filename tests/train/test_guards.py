@@ -82,9 +82,10 @@ def test_nan_loss_stops_every_rank_and_the_run_resumes_from_the_last_good_checkp
 def test_worker_error_is_left_as_the_workers_own_line(workdir):
     # Two classes for data labelled 0..2: only a worker meets a record of class 2 (a missing --resume
     # directory, the trigger once, is now refused before torchrun starts).
-    config = make_config(workdir, name="nan", train={"epochs": 1, "max_steps": 8}, data={"classes": ["left", "right"]})
+    config = make_config(workdir, name="label-past-classes", train={"epochs": 1, "max_steps": 8},
+                         data={"classes": ["left", "right"]})  # a run of its own: "nan" is the NaN test's
     status, _, err = _finish(_start(config))
-    line = worker_error.read(workdir / "runs" / "nan")
+    line = worker_error.read(workdir / "runs" / "label-past-classes")
     assert status != 0
     assert line.startswith(str(workdir / "data")) and "label 2 is outside 0..1 (the config has 2 classes)" in line, line
     assert f"appliance train: error: {line}" in err and "appliance/train/" not in err, err[-3000:]
