@@ -28,6 +28,13 @@ def seeded_choice(options, what: str = "kill step"):
     return value
 
 
+def one_line(proc, code: int) -> str:
+    """The single stderr line of a refused command that exited with `code` (fails on more lines)."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code and len(lines) == 1, proc.stderr
+    return lines[0]
+
+
 def appliance_cmd(*args: str) -> list[str]:
     """The installed console script, as a user would type it."""
     return [str(VENV_BIN / "appliance"), *args]

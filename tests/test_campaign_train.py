@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "data_tools"))
 from conftest import run_appliance  # noqa: E402
 from test_check_train_agree import png, train_config  # noqa: E402
 from test_hardening import edit_config  # noqa: E402
-from train_data import image_records, make_config  # noqa: E402
+from train_data import config_over_shared_data, image_records, make_config  # noqa: E402
 
 
 def one_line(capsys, *argv, code=2) -> str:
@@ -51,11 +51,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture
 def config(data_dir, tmp_path):
-    path = make_config(data_dir, name="campaign")
-    copy = tmp_path / "train.toml"
-    copy.write_text(path.read_text().replace('"data/', f'"{data_dir}/data/')
-                    .replace('out_dir = "runs"', f'out_dir = "{tmp_path}/runs"'))
-    return copy
+    return config_over_shared_data(data_dir, tmp_path)
 
 
 # --- data files ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from data_tools.example import encode_example
 from data_tools.tfrecord import write_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
-from train_data import image_records, make_config  # noqa: E402
+from train_data import config_over_shared_data, image_records, make_config  # noqa: E402
 
 
 def one_line(capsys, *argv, code=2) -> str:
@@ -61,12 +61,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture
 def config(data_dir, tmp_path):
-    path = make_config(data_dir, name="campaign")
-    copy = tmp_path / "train.toml"
-    text = path.read_text().replace('"data/', f'"{data_dir}/data/').replace('out_dir = "runs"',
-                                                                             f'out_dir = "{tmp_path}/runs"')
-    copy.write_text(text)
-    return copy
+    return config_over_shared_data(data_dir, tmp_path)
 
 
 @pytest.mark.parametrize("section, line, expected", [

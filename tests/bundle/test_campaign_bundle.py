@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from conftest import run_appliance
+from conftest import one_line as conftest_one_line, run_appliance
 
 TOP = "appliance-bundle-9.9.9"
 
@@ -30,9 +30,7 @@ def make_bundle(path, bundle_json: bytes, sbom: bytes | None = None):
 
 
 def one_line(proc, code=2):
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == code and len(lines) == 1, proc.stderr
-    return lines[0]
+    return conftest_one_line(proc, code)
 
 
 @pytest.mark.parametrize("kind", ["a FIFO", "a link to /dev/zero"])

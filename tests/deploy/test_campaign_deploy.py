@@ -19,7 +19,7 @@ import zlib
 
 import pytest
 
-from conftest import run_appliance
+from conftest import one_line as conftest_one_line, run_appliance
 from appliance.core import minisign
 from appliance.deploy.edge.signing import default_key_path
 from deploy.test_edge_install import (device_sysroot, install, installed_files, package, resign,  # noqa: F401
@@ -27,9 +27,7 @@ from deploy.test_edge_install import (device_sysroot, install, installed_files, 
 
 
 def one_line(proc, code=1):
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == code and len(lines) == 1, proc.stderr
-    return lines[0]
+    return conftest_one_line(proc, code)
 
 
 @pytest.fixture

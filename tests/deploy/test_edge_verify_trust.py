@@ -12,7 +12,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from conftest import run_appliance
+from conftest import one_line as conftest_one_line, run_appliance
 from appliance.core import minisign
 from appliance.deploy.edge.signing import default_key_path, public_path, site_key
 
@@ -42,9 +42,7 @@ def repack(root, out, sign_with=None, resum=True, extra=()):
 
 
 def one_line(proc, code=2):
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == code and len(lines) == 1, proc.stderr
-    return lines[0]
+    return conftest_one_line(proc, code)
 
 
 def test_the_site_key_is_made_once_private_and_carried_public(edge_package, compiled_arm, tmp_path):

@@ -71,3 +71,13 @@ def _toml(value) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)
+
+
+def config_over_shared_data(data_dir: Path, tmp_path: Path, name: str = "campaign") -> Path:
+    """A config in tmp_path whose [data] files are data_dir's (one small dataset made once by
+    make_config for many config cases) and whose runs go under tmp_path."""
+    text = make_config(data_dir, name=name).read_text()
+    copy = tmp_path / "train.toml"
+    copy.write_text(text.replace('"data/', f'"{data_dir}/data/').replace('out_dir = "runs"',
+                                                                         f'out_dir = "{tmp_path}/runs"'))
+    return copy
