@@ -31,9 +31,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CHECKS = ("doctor", "jpeg", "loader", "train", "speed", "resume", "ddp", "onnxruntime", "tensorrt", "profile")
+CHECKS = ("doctor", "jpeg", "loader", "train", "speed", "resume", "ddp", "onnxruntime", "tensorrt", "profile",
+          "graphs")
 TIMEOUT_S = {"doctor": 90, "jpeg": 60, "loader": 120, "train": 240, "speed": 150, "profile": 90, "resume": 150,
-             "ddp": 100, "onnxruntime": 120, "tensorrt": 180}
+             "ddp": 100, "onnxruntime": 120, "tensorrt": 180, "graphs": 420}
+# A check that needs more than MIN_CHECK_S to mean anything: skipped, not started, with less left. The
+# graphs check compiles resnet18 (cold: minutes) and so comes last, usually in a call of its own.
+NEEDS_S = {"graphs": 300}
 DISTINCT_IMAGES = 1024  # per file written by write_data
 TRAIN_RECORDS_MAX = 8192  # the train check's data: one epoch of its steps (a restart of the loader per epoch is not what it measures)
 MIN_CHECK_S = 10  # a check that would get less than this is skipped: the budget is spent
@@ -122,7 +126,8 @@ def write_data(root: Path, size: int, train_records: int = 1024, val_records: in
 
 
 def write_config(work: Path, name: str, data: Path, *, arch: str, precision: str, steps: int, batch: int,
-                 size: int, deterministic: bool, workers: int, every: int = 100000, val: bool = False) -> Path:
+                 size: int, deterministic: bool, workers: int, every: int = 100000, val: bool = False,
+                 compile_mode: str = "auto") -> Path:
     text = f"""# written by benchmarks/gpu_check.py
 [run]
 name = "{name}"
@@ -146,6 +151,7 @@ max_steps = {steps}
 batch_size = {batch}
 precision = "{precision}"
 grad_clip = 1.0
+compile = "{compile_mode}"
 [checkpoint]
 every_steps = {every}
 keep_last = 2
@@ -280,14 +286,16 @@ def _weights_diff(a: Path, b: Path) -> dict:
             "tensors": len(wa), "tensors_differing": sum(1 for v in diffs.values() if v)}
 
 
-def _resume_pair(ctx, arch: str, deterministic: bool, tag: str) -> dict:
+def _resume_pair(ctx, arch: str, deterministic: bool, tag: str, precision: str = "auto", batch: int = 32,
+                 compile_mode: str = "auto") -> dict:
     """An uninterrupted run and one SIGKILLed at a step then restarted; their final weights compared."""
     size, steps, kill_at, every = ctx.args.image_size, 30, 17, 10
     data = write_data(ctx.work, size)
     procs = {}
     for name, fault in ((f"resume-{tag}-reference", ""), (f"resume-{tag}-killed", f"step:{kill_at}:0")):
-        cfg = write_config(ctx.work, name, data, arch=arch, precision="auto", steps=steps, batch=32, size=size,
-                           deterministic=deterministic, workers=ctx.workers, every=every)
+        cfg = write_config(ctx.work, name, data, arch=arch, precision=precision, steps=steps, batch=batch,
+                           size=size, deterministic=deterministic, workers=ctx.workers, every=every,
+                           compile_mode=compile_mode)
         # --resume auto (the default): the elastic restart after the SIGKILL resumes from the last checkpoint.
         proc = run_logged(appliance_cmd("train", str(cfg), "--nproc-per-node", "1", "--max-restarts", "1"),
                           ctx.log("resume"), ctx.left(), env={**ctx.env, "APPLIANCE_TEST_FAULT": fault})
@@ -543,9 +551,10 @@ def check_jpeg(ctx) -> dict:
             **results}
 
 
-def _benchmark(ctx, script: str, args: list[str]) -> tuple[subprocess.CompletedProcess, dict | None, Path]:
-    """benchmarks/<script> in its own process (this check's deadline), its JSON next to gpu_check.json."""
-    out = Path(ctx.args.logs).parent / Path(script).stem
+def _benchmark(ctx, script: str, args: list[str], folder: str = "") -> tuple[subprocess.CompletedProcess, dict | None, Path]:
+    """benchmarks/<script> in its own process (this check's deadline), its JSON next to gpu_check.json
+    (in OUT/<folder>, by default the script's name)."""
+    out = Path(ctx.args.logs).parent / (folder or Path(script).stem)
     proc = run_logged([sys.executable, str(ROOT / "benchmarks" / script), "--out", str(out), *args], ctx.log(),
                       ctx.left(), env=ctx.env)
     report = out / f"{Path(script).stem}.json"
@@ -582,9 +591,39 @@ def check_speed(ctx) -> dict:
             "html": str(out / "train_gpu.html")}
 
 
+def check_graphs(ctx) -> dict:
+    """[train] compile = "cuda-graphs": exact resume under it (SIGKILL at step 17, restart from step 10, final
+    weights against an uninterrupted run, deterministic kernels, bf16), the run's manifest saying the graphs
+    ran, and its step time against the eager bare loop beside the eager product (train_gpu.py, same case,
+    so inductor's cache serves both). On the CPU reference the graphs do not exist: it runs as "on"."""
+    arch, case = ("small_cnn", "cpu-tiny") if ctx.cpu else ("resnet18", "resnet18-b64-bf16")
+    pair = _resume_pair(ctx, arch, True, "graphs", precision="bf16", batch=64, compile_mode="cuda-graphs")
+    if "error" in pair:
+        return {"status": "fail", "summary": f"resume under cuda-graphs: {pair['error']}", "resume": pair}
+    manifest = json.loads((ctx.work / "runs" / "resume-graphs-reference" / "manifest.json").read_text())["params"]
+    resumed = pair["kill_happened"] and pair["resumed"] and pair["identical"]
+    said = ("bit-identical" if pair["identical"] else f"max |diff| {pair['max_abs_diff']:.3g} in "
+            f"{pair['tensors_differing']} of {pair['tensors']} tensors")
+    ran = ("ran" if manifest.get("cuda_graphs") else "none on a CPU (runs as 'on')" if ctx.cpu else "did NOT run")
+    summary = (f"{arch} bf16 b64, CUDA graphs {ran}; SIGKILL at "
+               f"step {pair['killed_at']}, resumed from {pair['resumed_from']}: final weights {said}")
+    proc, report, out = _benchmark(ctx, "train_gpu.py", ["--cases", case, "--compile", "off,cuda-graphs",
+                                                          "--rounds", "3", "--steps", "20"], folder="train_gpu_graphs")
+    if report is None:
+        return {"status": "fail", "summary": f"{summary}; benchmarks/train_gpu.py: {last_line(proc)}", "resume": pair}
+    rows = {r["compile"]: r for r in report["results"]}
+    eager, graphs = rows["off"], rows["cuda-graphs"]
+    summary += (f"; ours/bare {eager['median_ratio']} eager, {graphs['median_ratio']} with cuda-graphs "
+                f"({graphs['ours_img_per_s']:.0f} against {eager['ours_img_per_s']:.0f} img/s eager)")
+    ok = resumed and (ctx.cpu or manifest.get("cuda_graphs") is True)
+    return {"status": "ok" if ok else "fail", "summary": summary, "resume": pair, "manifest_params": manifest,
+            "results": report["results"], "html": str(out / "train_gpu.html")}
+
+
 CHECK_FUNCTIONS = {"doctor": check_doctor, "jpeg": check_jpeg, "loader": check_loader, "speed": check_speed,
                    "train": check_train, "profile": check_profile, "resume": check_resume,
-                   "ddp": check_ddp, "onnxruntime": check_onnxruntime, "tensorrt": check_tensorrt}
+                   "ddp": check_ddp, "onnxruntime": check_onnxruntime, "tensorrt": check_tensorrt,
+                   "graphs": check_graphs}
 
 
 class Context:
@@ -705,8 +744,8 @@ def parse_args(argv=None):
         parser.error(f"--precisions: unknown {', '.join(bad)} (known: fp32, bf16, fp16)")
     if cpu and "fp16" in args.precisions:
         parser.error("--precisions: fp16 needs CUDA (GradScaler); the CPU reference measures fp32 and bf16")
-    if cpu and set(args.checks) - {"train", "resume", "profile", "loader"}:
-        parser.error("--cpu-reference runs only the train (and resume, profile, loader) checks")
+    if cpu and set(args.checks) - {"train", "resume", "profile", "loader", "graphs"}:
+        parser.error("--cpu-reference runs only the train (and resume, profile, loader, graphs) checks")
     if args.budget_s <= 0:
         parser.error("--budget-s must be positive")
     for key in ("steps", "batch", "image_size"):
@@ -750,8 +789,11 @@ def main(argv=None) -> int:
         for name in args.checks:
             left = args.budget_s - (time.monotonic() - t0)
             timeout = min(TIMEOUT_S[name], left)
-            if timeout < MIN_CHECK_S:
+            if timeout < NEEDS_S.get(name, MIN_CHECK_S):
                 result = {"status": "skip", "summary": f"total budget of {args.budget_s:.0f} s spent", "seconds": 0.0}
+                if name in NEEDS_S:
+                    result["summary"] += (f" (it needs {NEEDS_S[name]} s: `sh benchmarks/gpu_check.sh --checks {name}` "
+                                          "runs it alone)")
             else:
                 result = run_check_process(name, args, work, out, timeout)
             report["checks"][name] = result

@@ -15,7 +15,9 @@ dominates, so the ratio is the product's host overhead per step (target <= 1.1, 
 clock; the process's CPU-time ratio is recorded beside it, since on a shared box the wall clock also
 counts other jobs); on a GPU the figures are images per second (target: ours >= 0.85x the bare
 loop). Both sides run on one torch thread without a GPU (--threads); `--compile on` compiles
-both models ([train] compile for ours), `--compile compare` only ours (against the eager bare loop).
+both models ([train] compile for ours), `--compile compare` only ours (against the eager bare loop),
+`--compile cuda-graphs` ours with [train] compile = "cuda-graphs" (its kernels replayed as CUDA
+graphs) against the eager bare loop; a comma list (`off,compare,cuda-graphs`) measures each in turn.
 
 Writes DIR/train_gpu.json and DIR/train_gpu.html (per-round ratios plotted).
 """
@@ -166,7 +168,7 @@ def measure_case(work: Path, name: str, rounds: int, steps: int, compile_mode: s
     from appliance.train.setup import build, printer, start_processes
 
     arch, batch, size, precision, channels, classes = CASES[name]
-    ours_compile = "on" if compile_mode in ("on", "compare") else "off"
+    ours_compile = {"on": "on", "compare": "on", "cuda-graphs": "cuda-graphs"}.get(compile_mode, "off")
     cfg = load_config(write_case(work, name, arch, batch, size, precision, channels, classes, ours_compile))
     os.chdir(work)
     run = build(start_processes(cfg, printer([])))
@@ -208,7 +210,7 @@ def measure_case(work: Path, name: str, rounds: int, steps: int, compile_mode: s
             "ours_ms_per_step": [round(t * 1000, 4) for t in ours_s],
             "bare_ms_per_step": [round(t * 1000, 4) for t in bare_s],
             "ratios": [round(x, 4) for x in ratios], "median_ratio": round(median, 4),
-            "compile": compile_mode, "threads": torch.get_num_threads(),
+            "compile": compile_mode, "cuda_graphs": run.cuda_graphs, "threads": torch.get_num_threads(),
             # This process's CPU time per step, ours over bare, per round: on a shared CPU box the wall
             # clock also counts the time other jobs hold the cores; the process clock does not.
             "cpu_time_ratios": [round(x, 4) for x in cpu_ratios],
@@ -228,7 +230,7 @@ def html(results: list[dict]) -> str:
     """A small self-contained page: per-round ratio bars per case, the target as a line."""
     rows, charts = [], []
     for r in results:
-        rows.append(f"<tr><td>{r['case']}</td><td>{r['device']}</td><td>{r['median_ratio']}</td>"
+        rows.append(f"<tr><td>{r['case']}</td><td>{r['compile']}</td><td>{r['device']}</td><td>{r['median_ratio']}</td>"
                     f"<td>{r['median_cpu_time_ratio']}</td>"
                     f"<td>{r['target_ratio_at_most']}</td><td>{'yes' if r['met'] else 'no'}</td>"
                     f"<td>{r['ours_img_per_s']}</td><td>{r['bare_img_per_s']}</td></tr>")
@@ -237,14 +239,25 @@ def html(results: list[dict]) -> str:
                        f'height="{v / top * (height - 30):.1f}" fill="#4a7"><title>round {i}: {v}</title></rect>'
                        for i, v in enumerate(r["ratios"]))
         ty = height - 20 - r["target_ratio_at_most"] / top * (height - 30)
-        charts.append(f'<h3>{r["case"]}: ours / bare time per step, per round</h3><svg width="{width}" '
+        charts.append(f'<h3>{r["case"]} (compile {r["compile"]}): ours / bare time per step, per round</h3><svg width="{width}" '
                       f'height="{height}">{bars}<line x1="25" x2="{width}" y1="{ty:.1f}" y2="{ty:.1f}" '
                       f'stroke="#c33" stroke-dasharray="4"/><text x="0" y="{ty:.1f}" font-size="10">'
                       f'{r["target_ratio_at_most"]}</text></svg>')
     return ("<!doctype html><meta charset='utf-8'><title>appliance train vs a bare loop</title>"
             "<h1>appliance train vs a bare loop (benchmarks/train_gpu.py)</h1><table border='1' cellpadding='4'>"
-            "<tr><th>case</th><th>device</th><th>median ratio</th><th>median CPU-time ratio</th><th>target (at most)</th><th>met</th>"
+            "<tr><th>case</th><th>compile</th><th>device</th><th>median ratio</th><th>median CPU-time ratio</th><th>target (at most)</th><th>met</th>"
             "<th>ours img/s</th><th>bare img/s</th></tr>" + "".join(rows) + "</table>" + "".join(charts))
+
+
+COMPILE_MODES = ("off", "on", "compare", "cuda-graphs")
+
+
+def compile_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in COMPILE_MODES]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of {', '.join(COMPILE_MODES)}")
+    return modes
 
 
 def main(argv=None) -> int:
@@ -254,9 +267,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=40, help="steps per round and side")
     parser.add_argument("--out", default="benchmarks/out/train_gpu")
-    parser.add_argument("--compile", choices=("off", "on", "compare"), default="off",
+    parser.add_argument("--compile", type=compile_modes, default=["off"],
                         help="on: [train] compile for ours and torch.compile of the bare loop's model; compare: "
-                        "ours compiled against the eager bare loop (does compiling win?)")
+                        "ours compiled against the eager bare loop (does compiling win?); cuda-graphs: ours "
+                        "with [train] compile = 'cuda-graphs' against the eager bare loop; a comma list "
+                        "measures each mode in turn (default off)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for both sides; default: "
                         "1 without a GPU (on a shared box, OpenMP's spinning threads made one round 20x another), "
                         "torch's own choice with one")
@@ -276,11 +291,13 @@ def main(argv=None) -> int:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     results = []
     with tempfile.TemporaryDirectory(prefix="train-gpu-") as tmp:
-        for name in cases:
-            result = measure_case(Path(tmp), name, args.rounds, args.steps, args.compile)
+        for name, mode in [(name, mode) for name in cases for mode in args.compile]:
+            work = Path(tmp) / f"{name}-{mode}"  # a run directory of its own per mode
+            work.mkdir()
+            result = measure_case(work, name, args.rounds, args.steps, mode)
             dist.destroy_process_group()
             results.append(result)
-            print(f"{name}: ours/bare median {result['median_ratio']} (rounds {result['ratios']}; CPU time "
+            print(f"{name}{'' if mode == 'off' else f' (compile {mode})'}: ours/bare median {result['median_ratio']} (rounds {result['ratios']}; CPU time "
                   f"{result['median_cpu_time_ratio']}, rounds {result['cpu_time_ratios']}); ours "
                   f"{statistics.median(result['ours_ms_per_step']):.3f} ms/step, bare "
                   f"{statistics.median(result['bare_ms_per_step']):.3f} ms/step; target <= "

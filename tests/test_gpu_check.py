@@ -112,3 +112,13 @@ def test_cpu_reference_profiles_a_run_through_appliance_train(tmp_path):
     assert profile["device"] == "cpu" and profile["activities"] == ["CPU"] and profile["profiled_steps"] == 8
     assert abs(sum(profile["share"].values()) - 1) < 1e-6
     assert "samples/s" in check["summary"] and "recommendations:" in check["summary"]
+
+
+def test_the_graphs_check_is_skipped_not_started_with_less_than_it_needs_and_says_how_to_run_it(tmp_path):
+    # It compiles resnet18 (minutes cold): started with less than NEEDS_S it would be cut off and read
+    # as a failure. (The check itself ran here: --cpu-reference --checks graphs, 45 s with a warm cache.)
+    proc, report = run_check(tmp_path, "--cpu-reference", "--checks", "graphs", "--budget-s", "120")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    graphs = report["checks"]["graphs"]
+    assert graphs["status"] == "skip" and graphs["seconds"] == 0.0
+    assert "needs 300 s: `sh benchmarks/gpu_check.sh --checks graphs` runs it alone" in graphs["summary"]

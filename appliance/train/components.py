@@ -110,14 +110,15 @@ class Checkpointing:
 
 @torch.no_grad()
 def evaluate(model, loader, device, autocast, num_classes: int = 0, normalise=None,
-             memory_format=torch.contiguous_format, task=None) -> dict:
+             memory_format=torch.contiguous_format, task=None, graphs: bool = False) -> dict:
     """Loss and top-1 over the whole validation set (each record counted once across ranks), and
     with num_classes the confusion counts val_confusion[true][predicted] (for the quality gate).
     The task (default classification) says what is counted: images, or labelled pixels.
 
     Takes the unwrapped model: shares may differ by a batch between ranks, and DDP's forward
     would run collectives. Rank 0's buffers (BatchNorm statistics) are what gets saved, so
-    every rank evaluates with them."""
+    every rank evaluates with them. With `graphs` (the model's kernels replayed as CUDA graphs) each
+    batch starts a new replay: the last batch's outputs are not read again."""
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     model.eval()
@@ -126,6 +127,8 @@ def evaluate(model, loader, device, autocast, num_classes: int = 0, normalise=No
     task = task or task_for(None)
     for images, labels in loader:
         images, labels = to_device(images, labels, device, normalise, memory_format)
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast():
             logits = model(images)
         loss, correct, counted, pairs = task.eval_counts(logits, labels, num_classes)
@@ -161,7 +164,7 @@ class Validation:
         run.loader_generator.manual_seed(cfg.run.seed)
         with phase("validation"):
             metrics = evaluate(run.raw_model, run.val_loader, run.device, run.autocast, cfg.num_classes,
-                               run.normalise, run.memory_format, run.task)
+                               run.normalise, run.memory_format, run.task, run.cuda_graphs)
         confusion = metrics.pop("val_confusion")  # in metrics.jsonl only, not in checkpoints
         figures = run.task.val_figures(confusion, cfg.data.classes)
         metrics.update({k: v for k, v in figures.items() if not isinstance(v, dict)})  # val_miou, ...

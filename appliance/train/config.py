@@ -28,7 +28,7 @@ from data_tools.labels import MAX_CLASSES
 from data_tools.check.gate import require_passing_report
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-COMPILE_MODES = ("auto", "on", "off")  # [train] compile: torch.compile of the model (appliance/train/ddp.py)
+COMPILE_MODES = ("auto", "on", "off", "cuda-graphs")  # [train] compile: torch.compile of the model (appliance/train/ddp.py)
 DECODES = ("auto", "cpu", "gpu")  # [data] decode (appliance/train/device_decode.py)
 OPTIMIZERS = ("sgd", "adamw")
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's
@@ -103,7 +103,7 @@ class TrainSection:
     grad_accum: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 1
     precision: str = "auto"
     grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # 0 disables clipping
-    compile: str = "auto"  # torch.compile the model: "on", "off", "auto" (off so far: see ddp.use_compile)
+    compile: str = "auto"  # torch.compile the model: "on", "off", "cuda-graphs", "auto" (off so far: see ddp.use_compile)
     # The quality gate on the trained model (appliance/train/quality.py); they judge, not train.
     # (ranges checked by quality.check_thresholds, which names them as the gate's)
     min_val_acc: float = 0.0
@@ -222,6 +222,8 @@ class Config:
             d.pop("qat")  # likewise for runs made before [qat] existed
         d["run"] = {"seed": self.run.seed, "deterministic": self.run.deterministic}
         d["train"] = {k: v for k, v in d["train"].items() if k not in ("epochs", "max_steps", *GATE_KEYS)}
+        if d["train"]["compile"] == "cuda-graphs":  # the compiled kernels, replayed: the same arithmetic
+            d["train"]["compile"] = "on"
         if d["train"]["compile"] != "on":  # compiled kernels round differently; "auto" and "off" run eager,
             d["train"].pop("compile")  # and runs made before the key existed keep their hashes
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()

@@ -91,12 +91,28 @@ def memory_format_for(model: nn.Module, device: torch.device) -> torch.memory_fo
 
 
 def use_compile(requested: str, device: torch.device) -> bool:
-    """[train] compile: "on" and "off" as said; "auto" is off on every device so far. On a CPU a
-    compiled tiny model's steps measured 0.74x eager, but its compile took 20 s (cached) to 3 min
-    (cold) of start-up on the 2-core box, recompiles for evaluation, and needs a C++ compiler at run
-    time: a loss for short runs and tests (benchmarks/README.md, issue 27). No GPU run has measured
-    it yet (benchmarks/train_gpu.py --compile compare measures it)."""
-    return requested == "on"
+    """[train] compile: "on" and "cuda-graphs" compile, "off" does not; "auto" is off on every device
+    so far. On a CPU a compiled tiny model's steps measured 0.74x eager, but its compile took 20 s
+    (cached) to 3 min (cold) of start-up on the 2-core box, recompiles for evaluation, and needs a C++
+    compiler at run time: a loss for short runs and tests (benchmarks/README.md, issue 27). No GPU run
+    has measured it yet (benchmarks/train_gpu.py --compile compare measures it)."""
+    return requested in ("on", "cuda-graphs")
+
+
+def cuda_graphs(requested: str, device: torch.device, world: int, grad_accum: int) -> tuple[bool, str]:
+    """Whether [train] compile = "cuda-graphs" replays the compiled model's kernels as CUDA graphs
+    (torch.compile's "reduce-overhead": one launch per graph instead of one per kernel, the step's host
+    cost), and where it does not, why: it then runs as "on", the same kernels launched one by one, so
+    the same arithmetic. Graphs exist on CUDA only; with gradient accumulation PyTorch's CUDA graph trees
+    give the first micro-batch's gradient memory the next replay overwrites (silently wrong gradients,
+    pytorch/pytorch#169545); with several processes it has not been measured (DDP's hooks run inside
+    the captured backward)."""
+    if requested != "cuda-graphs":
+        return False, ""
+    why = ("no CUDA device" if device.type != "cuda" else
+           f"grad_accum = {grad_accum}: CUDA graph trees overwrite an accumulated gradient, pytorch/pytorch#169545"
+           if grad_accum > 1 else f"{world} processes: measured with one only" if world > 1 else "")
+    return not why, why
 
 
 def build_training_model(cfg, device: torch.device, log=print, world: int = 2):
@@ -114,7 +130,10 @@ def build_training_model(cfg, device: torch.device, log=print, world: int = 2):
     memory_format = memory_format_for(model, device)
     model.to(device, memory_format=memory_format)
     if use_compile(cfg.train.compile, device):
-        model.compile()
+        graphs, why = cuda_graphs(cfg.train.compile, device, world, cfg.train.grad_accum)
+        if why:
+            log(f"train: [train] compile = 'cuda-graphs' runs as 'on', without CUDA graphs ({why})")
+        model.compile(mode="reduce-overhead" if graphs else None)
     if world == 1:  # DDP would only add its hooks and buffer broadcasts
         return model, model, report, memory_format
     buckets = cfg.distributed

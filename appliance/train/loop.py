@@ -46,10 +46,11 @@ FINISHED = worker_error.FINISHED_NAME
 
 
 def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage: str = "shared",
-                       init_report: dict | None = None, tf32: bool = False, compiled: bool = False) -> None:
+                       init_report: dict | None = None, tf32: bool = False, compiled: bool = False,
+                       cuda_graphs: bool = False) -> None:
     """runs/<name>/manifest.json: the data files (sha256) and the init weights in, the model and metrics out;
     whether the kernels were deterministic, TF32 allowed for float32 matmuls and convolutions, and the
-    model torch.compile'd ([train] compile as resolved on this device)."""
+    model torch.compile'd and its kernels replayed as CUDA graphs ([train] compile as resolved here)."""
     outputs = sorted((run_dir / "model").iterdir())
     # metrics.jsonl and the training report are on rank 0's node only, with per-node storage.
     outputs += [path for path in (run_dir / "metrics.jsonl", run_dir / REPORT_JSON, run_dir / REPORT_HTML,
@@ -61,7 +62,7 @@ def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage
                                               "config_hash": cfg.training_hash(), "init": init_report,
                                               "checkpoint_storage": checkpoint_storage,
                                               "deterministic": cfg.run.deterministic, "tf32": tf32,
-                                              "compile": compiled},
+                                              "compile": compiled, "cuda_graphs": cuda_graphs},
                    outputs=outputs)
 
 
@@ -152,7 +153,8 @@ def finish(run: Run, guard: Guard, checkpoints: Checkpointing, stopped: bool, wr
                 writer.flush()
                 write_training_report(cfg.run_dir, cfg.data.classes)
             write_run_manifest(cfg, cfg.run_dir, run.step, run.checkpoints.storage, run.init_report,
-                               tf32=run.tf32, compiled=run.compiled)
+                               tf32=run.tf32, compiled=run.compiled,
+                               cuda_graphs=run.cuda_graphs)
             run.log(f"trained {run.step} steps; model: {cfg.run_dir / 'model'}", flush=True)
     if writer is not None:
         writer.close()

@@ -23,7 +23,7 @@ from appliance.tasks.fake_quant import CARD_KEY as QAT_CARD_KEY, CARD_VALUE as Q
 from appliance.train import data, faults, worker_error
 from appliance.train.checkpoint import CheckpointDamaged, CheckpointManager
 from appliance.train.config import Config, check_data_report
-from appliance.train.ddp import build_training_model, match_layout, pick_precision, set_tf32, use_compile
+from appliance.train.ddp import build_training_model, cuda_graphs, match_layout, pick_precision, set_tf32, use_compile
 from appliance.train.device_decode import decode_mode
 from appliance.train.determinism import set_determinism, set_rng_state
 from appliance.train.optimizer import build_optimizer, build_scheduler
@@ -71,6 +71,7 @@ class Run:
     init_report: dict | None = None
     tf32: bool = False
     compiled: bool = False  # [train] compile, as resolved for this device
+    cuda_graphs: bool = False  # and its kernels replayed as CUDA graphs (ddp.cuda_graphs)
     profiler: Any = None
     total_steps: int = 0
     step: int = 0
@@ -141,6 +142,7 @@ def build(run: Run) -> Run:
     run.ddp = run.model is not run.raw_model
     run.trainable = [p for p in run.raw_model.parameters() if p.requires_grad]
     run.compiled = use_compile(cfg.train.compile, device)
+    run.cuda_graphs = cuda_graphs(cfg.train.compile, device, run.world, cfg.train.grad_accum)[0]
     run.normalise = Normalise(cfg.data.mean, cfg.data.std, cfg.data.channels, device)
     run.optimizer = build_optimizer(cfg, run.raw_model, fused=True)
     run.scheduler = build_scheduler(cfg, run.optimizer, run.total_steps)

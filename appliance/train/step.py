@@ -238,6 +238,8 @@ def train_step(run, batches, window: TrainWindow) -> torch.Tensor:
     value back from the device."""
     cfg, phase = run.cfg, run.profiler.phase
     accum = cfg.train.grad_accum
+    if run.cuda_graphs:  # a new step: the graphs' outputs of the last one are not read again
+        torch.compiler.cudagraph_mark_step_begin()
     step_loss = None
     for micro in range(accum):
         t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """[train] compile (issue 27): torch.compile of the model, off unless asked ("auto" is off: on a
 CPU its compile costs more start-up than a short run's steps save, and no GPU has measured it yet);
 a compiled model keeps its state_dict form, trains, and resumes exactly; the run's manifest and
-training hash record it."""
+training hash record it. "cuda-graphs" replays the compiled kernels as CUDA graphs where that is
+safe (one CUDA process, no gradient accumulation) and runs as "on" elsewhere, saying why."""
 
 import json
 
@@ -10,7 +11,7 @@ import torch
 
 from appliance.core.errors import ConfigError
 from appliance.train.config import load_config
-from appliance.train.ddp import build_training_model, use_compile
+from appliance.train.ddp import build_training_model, cuda_graphs, use_compile
 from appliance.train.loop import write_run_manifest
 from appliance.train.optimizer import build_optimizer
 from train_data import make_config
@@ -20,17 +21,37 @@ def test_compile_is_off_unless_asked_and_a_bad_value_is_one_line(tmp_path):
     cfg = load_config(make_config(tmp_path))
     assert cfg.train.compile == "auto"
     assert not use_compile("auto", torch.device("cpu")) and not use_compile("off", torch.device("cpu"))
-    assert use_compile("on", torch.device("cpu"))
+    assert use_compile("on", torch.device("cpu")) and use_compile("cuda-graphs", torch.device("cpu"))
     with pytest.raises(ConfigError) as err:
         load_config(make_config(tmp_path, name="bad", train={"compile": "yes"}))
-    assert str(err.value).endswith("[train] compile 'yes' is not one of auto, on, off")
+    assert str(err.value).endswith("[train] compile 'yes' is not one of auto, on, off, cuda-graphs")
 
 
-def test_only_compile_on_changes_the_training_hash(tmp_path):
+def test_only_compiling_changes_the_training_hash(tmp_path):
     hashes = {mode: load_config(make_config(tmp_path, name=f"c-{mode}", train={"compile": mode})).training_hash()
-              for mode in ("auto", "off", "on")}
+              for mode in ("auto", "off", "on", "cuda-graphs")}
     plain = load_config(make_config(tmp_path, name="c-plain")).training_hash()  # no key: a run made before it
     assert hashes["auto"] == hashes["off"] == plain != hashes["on"]
+    assert hashes["cuda-graphs"] == hashes["on"]  # the same kernels, replayed: a run may resume under either
+
+
+def test_cuda_graphs_only_where_they_are_safe_and_otherwise_a_reason():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert cuda_graphs("cuda-graphs", cuda, world=1, grad_accum=1) == (True, "")
+    for requested in ("on", "off", "auto"):
+        assert cuda_graphs(requested, cuda, world=1, grad_accum=1) == (False, "")
+    assert cuda_graphs("cuda-graphs", cpu, world=1, grad_accum=1) == (False, "no CUDA device")
+    graphs, why = cuda_graphs("cuda-graphs", cuda, world=1, grad_accum=4)
+    assert not graphs and why.startswith("grad_accum = 4: ") and "pytorch/pytorch#169545" in why
+    assert cuda_graphs("cuda-graphs", cuda, world=8, grad_accum=1) == (False, "8 processes: measured with one only")
+
+
+def test_cuda_graphs_on_a_cpu_compile_the_model_as_on_and_say_so(tmp_path):
+    cfg = load_config(make_config(tmp_path, train={"compile": "cuda-graphs"}))
+    lines = []
+    model = build_training_model(cfg, torch.device("cpu"), log=lines.append, world=1)[0]
+    assert model._compiled_call_impl is not None  # compiled lazily: nothing is compiled until it runs
+    assert lines == ["train: [train] compile = 'cuda-graphs' runs as 'on', without CUDA graphs (no CUDA device)"]
 
 
 def _steps(model, optimizer, batches):
@@ -82,6 +103,7 @@ def test_the_run_manifest_says_whether_the_model_was_compiled(tmp_path, monkeypa
     cfg = load_config(make_config(tmp_path))
     (cfg.run_dir / "model").mkdir(parents=True)
     (cfg.run_dir / "model" / "weights.bin").write_bytes(b"0")
-    for compiled in (True, False):
-        write_run_manifest(cfg, cfg.run_dir, 3, compiled=compiled)
-        assert json.loads((cfg.run_dir / "manifest.json").read_text())["params"]["compile"] is compiled
+    for compiled, graphs in ((True, True), (True, False), (False, False)):
+        write_run_manifest(cfg, cfg.run_dir, 3, compiled=compiled, cuda_graphs=graphs)
+        params = json.loads((cfg.run_dir / "manifest.json").read_text())["params"]
+        assert params["compile"] is compiled and params["cuda_graphs"] is graphs
