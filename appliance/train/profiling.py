@@ -89,9 +89,10 @@ class StepProfiler:
         if device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         else:
-            # Without a GPU, Kineto logs "ERROR: gpuGetDeviceCount failed" for nothing; on a GPU its
-            # errors (CUPTI permissions) matter and stay. A user's own setting wins.
-            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+            # Without a GPU, Kineto logs "ERROR: gpuGetDeviceCount failed" for nothing, and at its top
+            # level (5, USDT) "profiler_start"/"profiler_stop" per rank: 6 is above every level. On a GPU
+            # its errors (CUPTI permissions) matter and stay. A user's own setting wins.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self.activities = [a.name for a in activities]
         self._prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
                              on_trace_ready=self._trace_ready, record_shapes=False, profile_memory=False,

@@ -30,6 +30,8 @@ def _train(tmp_path: Path, config: Path, nproc: int, *extra: str, env: dict | No
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Kineto's own log lines (USDT profiler_start/stop, ERROR gpuGetDeviceCount) are noise without a GPU.
+    assert not re.search(r"^(USDT|STAGE|ERROR|WARNING):", proc.stderr, re.M), proc.stderr[-3000:]
     return config.parent / "runs" / config.stem
 
 
