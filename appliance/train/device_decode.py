@@ -136,6 +136,15 @@ def collate(samples) -> tuple[EncodedBatch, torch.Tensor]:
     return EncodedBatch([image for image, _ in samples]), torch.tensor([label for _, label in samples])
 
 
+def pillow_grey(image: torch.Tensor) -> torch.Tensor:
+    """uint8 [1 or 3, H, W] -> [1, H, W] as Pillow's convert("L") makes it from RGB (Convert.c's L24:
+    (R * 19595 + G * 38470 + B * 7471 + 0x8000) >> 16), on the image's device."""
+    if image.shape[0] == 1:
+        return image
+    r, g, b = image.to(torch.int32)
+    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8).unsqueeze(0)
+
+
 class DeviceDecoder:
     """Training-process side: (EncodedBatch, labels) -> (images on the device, labels). Images are
     float32 normalised when augmenting, else uint8 [N, C, size, size] (step.Normalise finishes them)."""
@@ -143,7 +152,9 @@ class DeviceDecoder:
     def __init__(self, device: torch.device, image_size: int, channels: int, transform: TrainTransform | None,
                  locate):
         self.device, self.size, self.transform, self.locate = device, [image_size, image_size], transform, locate
-        self.mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
+        # One channel: decoded as stored, then a colour JPEG made grey with Pillow's own arithmetic
+        # (libjpeg's GRAY output is the luma plane before the colour conversion: up to 9 levels apart).
+        self.mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.UNCHANGED
         self.stats = None if transform is None or transform.mean is None else normalisation(transform, channels, device)
 
     def __call__(self, batch):
@@ -165,7 +176,7 @@ class DeviceDecoder:
             decoded = decode_jpeg(jpegs, mode=self.mode, device=self.device) if jpegs else []
         except RuntimeError:
             decoded = self._one_by_one(batch)
-        decoded = iter(decoded)
+        decoded = iter(decoded if self.mode == ImageReadMode.RGB else [pillow_grey(image) for image in decoded])
         return [next(decoded) if pixels is None else pixels.to(self.device, non_blocking=True)
                 for pixels in batch.pixels]
 

@@ -90,6 +90,50 @@ def test_augmented_batches_match_the_cpu_path_sample_for_sample(augmented):
             assert torch.equal(a, b), (a - b).abs().max()  # measured: bit-identical on CPU tensors
 
 
+def test_one_channel_runs_match_the_cpu_path_on_colour_and_grey_jpegs(tmp_path):
+    # The CPU path makes a colour JPEG grey with Pillow's convert("L"); libjpeg's own GRAY decode (the
+    # luma plane) differed from it by up to 9 levels on this data. The device path decodes as stored and
+    # converts with Pillow's arithmetic: bit-identical again.
+    rng = np.random.default_rng(7)
+
+    def records(n):
+        for i in range(n):
+            h, w = (int(v) for v in rng.integers(20, 41, 2))
+            pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+            image = Image.fromarray(pixels if i % 3 else pixels[..., 0])  # every third a grey JPEG
+            buf = io.BytesIO()
+            image.save(buf, format="PNG" if i % 7 == 3 else "JPEG", quality=85)
+            yield encode_example({"image/encoded": buf.getvalue(), "image/class/label": i % len(CLASSES)})
+
+    (tmp_path / "data").mkdir()
+    write_records(tmp_path / "data" / "train-0.tfrecord", records(64))
+    write_records(tmp_path / "data" / "val-0.tfrecord", records(8))
+    grey = {"channels": 1, "mean": [0.5], "std": [0.25]}
+    for augment in (True, False):
+        cfg = load_config(_config(tmp_path, name=f"grey-{augment}", data=grey, augment={"enabled": augment}))
+        if augment:  # float32, normalised
+            cpu = _epoch(cfg, "cpu")
+        else:  # uint8 (pinned batches stay pixels); Pillow's resize against torchvision's, as for colour
+            loader, sampler = data.train_loader(cfg, 0, 1, torch.Generator(), pin=True, decode="cpu")
+            sampler.set_epoch(0)
+            cpu = [(images.clone(), labels.clone()) for images, labels in loader]
+        device = _epoch(cfg, "gpu")
+        assert len(cpu) == len(device) == 4
+        for (a, la), (b, lb) in zip(cpu, device):
+            assert torch.equal(la, lb) and a.shape == b.shape == (16, 1, 16, 16) and a.dtype == b.dtype
+            if augment:
+                assert torch.equal(a, b), (a - b).abs().max()
+            else:
+                assert (a.int() - b.int()).abs().max() <= RESIZE_MAX_LEVELS
+
+
+def test_pillow_grey_is_pillows_convert_to_l():
+    pixels = np.random.default_rng(3).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+    expected = torch.from_numpy(np.asarray(Image.fromarray(pixels).convert("L"))).unsqueeze(0)
+    assert torch.equal(device_decode.pillow_grey(torch.from_numpy(pixels).permute(2, 0, 1)), expected)
+    assert torch.equal(device_decode.pillow_grey(expected), expected)  # one channel: as it is
+
+
 def test_workers_hand_over_the_jpeg_bytes_with_the_cpu_paths_parameters(augmented):
     encoded = data._dataset(augmented, augmented.data.train, augment=True, decode="gpu")
     cpu = data._dataset(augmented, augmented.data.train, augment=True)
