@@ -133,7 +133,11 @@ def build_training_model(cfg, device: torch.device, log=print, world: int = 2):
         graphs, why = cuda_graphs(cfg.train.compile, device, world, cfg.train.grad_accum)
         if why:
             log(f"train: [train] compile = 'cuda-graphs' runs as 'on', without CUDA graphs ({why})")
-        model.compile(mode="reduce-overhead" if graphs else None)
+        # dynamic=False: a graph per input shape. By default the first other shape (an epoch's partial last
+        # batch) recompiles the model with a dynamic batch size, and that graph then serves the full
+        # batches too: other kernels from there on, so a run resumed after that point (which starts
+        # static) would not train the same arithmetic as the run it continues.
+        model.compile(mode="reduce-overhead" if graphs else None, dynamic=False)
     if world == 1:  # DDP would only add its hooks and buffer broadcasts
         return model, model, report, memory_format
     buckets = cfg.distributed

@@ -54,6 +54,37 @@ def test_cuda_graphs_on_a_cpu_compile_the_model_as_on_and_say_so(tmp_path):
     assert lines == ["train: [train] compile = 'cuda-graphs' runs as 'on', without CUDA graphs (no CUDA device)"]
 
 
+def test_full_batches_run_the_static_graph_after_an_epochs_partial_last_batch(tmp_path, monkeypatch):
+    # torch.compile's default recompiles at the first other batch size with the size dynamic, and runs
+    # every later full batch on that graph: kernels (and their rounding) would change from the first
+    # epoch's end, and a run resumed after it (compiling afresh, static) would not continue the same
+    # arithmetic. Our compile keeps a graph per shape. Dynamo runs for real; its backend only records
+    # which graph ran (inductor would take minutes here and shows nothing more).
+    ran, real_compile = [], torch.compile
+
+    def recording_compile(fn, *args, **kwargs):
+        def backend(gm, inputs):
+            dynamic = any(isinstance(x, torch.SymInt) for x in inputs) or any(
+                isinstance(size, torch.SymInt) for x in inputs if isinstance(x, torch.Tensor) for size in x.shape)
+            number = len({n for n, _ in ran})
+
+            def run(*a):
+                ran.append((number, dynamic))
+                return gm.forward(*a)
+            return run
+        return real_compile(fn, *args, **{**kwargs, "mode": None, "backend": backend})
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    torch._dynamo.reset()
+    cfg = load_config(make_config(tmp_path, train={"compile": "on"}))
+    model = build_training_model(cfg, torch.device("cpu"), log=lambda *a, **k: None, world=1)[0]
+    for n in (4, 4, 3, 4, 5):
+        model(torch.randn(n, 1, 16, 16))
+    torch._dynamo.reset()
+    assert [dynamic for _, dynamic in ran] == [False] * 5, ran  # every graph static, one per size
+    assert [number for number, _ in ran][3] == ran[0][0]  # the full batch after the partial one: the first graph
+
+
 def _steps(model, optimizer, batches):
     for images, labels in batches:
         torch.nn.functional.cross_entropy(model(images), labels).backward()
@@ -67,9 +98,15 @@ def test_a_compiled_model_trains_and_resumes_exactly(tmp_path):
     cfg = load_config(make_config(tmp_path, train={"compile": "on", "batch_size": 4}))
     device = torch.device("cpu")
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 1, 8, 8, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(4)]
+
+    def batch(n):
+        return torch.randn(n, 1, 8, 8, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+
+    # An epoch's partial last batch (3 of 4), then the next epoch; the resume point is just after it.
+    batches = [batch(4), batch(4), batch(3), batch(4), batch(4)]
 
     def fresh():
+        torch._dynamo.reset()  # each run compiles from nothing, as a process (a resumed run's) does
         torch.manual_seed(0)
         model = build_training_model(cfg, device, log=lambda *a, **k: None, world=1)[0]
         return model, build_optimizer(cfg, model, fused=True)
@@ -83,13 +120,13 @@ def test_a_compiled_model_trains_and_resumes_exactly(tmp_path):
     _steps(straight, straight_opt, batches)
 
     first, first_opt = fresh()
-    _steps(first, first_opt, batches[:2])
+    _steps(first, first_opt, batches[:3])
     saved_model = {k: v.clone() for k, v in first.state_dict().items()}
     saved_opt = first_opt.state_dict()
     resumed, resumed_opt = fresh()
     resumed.load_state_dict(saved_model)
     resumed_opt.load_state_dict(saved_opt)
-    _steps(resumed, resumed_opt, batches[2:])
+    _steps(resumed, resumed_opt, batches[3:])
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name  # bit for bit, as an eager run resumes
     eager_opt = build_optimizer(eager, eager_model, fused=True)
