@@ -105,8 +105,8 @@ def cuda_graphs(requested: str, device: torch.device, world: int, grad_accum: in
     cost), and where it does not, why: it then runs as "on", the same kernels launched one by one, so
     the same arithmetic. Graphs exist on CUDA only; with gradient accumulation PyTorch's CUDA graph trees
     give the first micro-batch's gradient memory the next replay overwrites (silently wrong gradients,
-    pytorch/pytorch#169545); with several processes it has not been measured (DDP's hooks run inside
-    the captured backward)."""
+    pytorch/pytorch#169545); with several processes (DDP's bucketed all-reduce in a captured backward)
+    no run has measured it, so it is not claimed."""
     if requested != "cuda-graphs":
         return False, ""
     why = ("no CUDA device" if device.type != "cuda" else
