@@ -1,4 +1,4 @@
-"""What DESIGN.md says about the house, checked: one layer order and no cycles (every import of our
+"""What docs/dev/architecture.md says about the house, checked: one layer order and no cycles (every import of our
 own modules points down), the compiler's inner order (kernels <- passes <- pipeline; tuning uses
 neither), stage modules that never import one another, a pipeline that never names another stage's
 files, and every import made through importlib or a string in one allow-list with its reason.
@@ -24,7 +24,7 @@ LAYERS = [
     ("core", ["appliance", "appliance.core", "appliance.assets", "appliance.__main__"]),
     ("data", ["data_tools"]),
     ("models", ["appliance.models"]),
-    ("tasks", ["appliance.tasks"]),  # per task: samples, model, loss, figures, gate (DESIGN.md "models and tasks")
+    ("tasks", ["appliance.tasks"]),  # per task: samples, model, loss, figures, gate (docs/dev/architecture.md, the picture)
     ("stages", ["appliance.train", "appliance.deploy", "appliance.bundle"]),
     ("pipeline", ["appliance.pipeline"]),
     ("cli", ["appliance.cli", "appliance.doctor", "*.cli"]),
@@ -132,7 +132,7 @@ def violations(root: Path = ROOT) -> list[str]:
     return problems
 
 
-# Inside the compiler (DESIGN.md, "The compiler"): passes use kernels, the pipeline uses passes,
+# Inside the compiler (docs/dev/architecture.md, rule 2): passes use kernels, the pipeline uses passes,
 # tuning uses neither. A module under the first prefix may not import one under any of the others.
 COMPILER = "appliance.deploy.compiler"
 COMPILER_ORDER = [
@@ -146,7 +146,7 @@ COMPILER_ORDER = [
 # deploy/tolerance.py, data_tools.check.gate). Each deploy stage's typed result lives in its module.
 STAGE_MODULES = {
     "check": ["data_tools.check.stage", "data_tools.check.run"],
-    "train": ["appliance.train.stage", "appliance.train.launcher", "appliance.train.quality"],  # + its gate
+    "train": ["appliance.train.stage", "appliance.train.launcher", "appliance.train.result", "appliance.train.quality"],  # + its gate
     "export": ["appliance.deploy.export"],
     "quantize": ["appliance.deploy.quantize"],
     "compile": ["appliance.deploy.compile", COMPILER, "appliance.deploy.gpu"],
@@ -390,7 +390,7 @@ def test_layers_place_modules_as_documented(module, layer):
     assert LAYERS[place(module)[0]][0] == layer
 
 
-# Imports of our own modules inside functions (DESIGN.md, "Imports at the top"): a module's
+# Imports of our own modules inside functions (docs/dev/architecture.md, rule 5): a module's
 # dependencies are read at its top. The few left defer a module that imports torch, tvm, numpy or PIL
 # at its top, where a light caller (`appliance --help`, reading a config) must not pay for it.
 MAX_LATE_IMPORTS = 19
@@ -446,7 +446,7 @@ def test_a_planted_late_import_without_a_reason_fails(plant):
     assert len(late_imports(root)[0]) > MAX_LATE_IMPORTS
 
 
-# One verb, one function (DESIGN.md, "Stage results"): the handler of each stage verb calls the same
+# One verb, one function (docs/dev/contracts.md, "Stage results"): the handler of each stage verb calls the same
 # stage function as the pipeline's plan (appliance/pipeline/plan.py), so no gate is implemented twice.
 STAGE_VERBS = {  # (module, handler) -> the stage function it must call
     ("data_tools/check/cli.py", "check_command"): "check_stage",
@@ -495,3 +495,106 @@ def test_a_planted_verb_that_bypasses_its_stage_fails(plant, tree_copy):
         assert any("package_command does not call package_stage" in p for p in verbs_off_their_stage(tree_copy))
     finally:
         commands.write_text(original)
+
+
+# The pipeline's summary composes the stages' figures (docs/dev/architecture.md, rule 4): it reads a
+# result's figures() and out_dir, never its other fields (a report dict, a val_acc under one task's name).
+SUMMARY = "appliance/pipeline/summary.py"
+RESULT_CONTRACT = {"out_dir", "figures", "load"}
+
+
+def result_fields(root: Path = ROOT) -> set[str]:
+    """Every field, property and method of every stage result class (a class with figures() and load())
+    in appliance/ and data_tools/, but the contract's own names."""
+    fields = set()
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                members = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+                members |= {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+                if {"figures", "load"} <= members:
+                    fields |= members
+    return fields - RESULT_CONTRACT
+
+
+def summary_reads_beyond_figures(root: Path = ROOT) -> list[str]:
+    """Places where the summary reads a result field other than figures() and out_dir. `results.<stage>`
+    (the plan's Results picking a stage) is not such a read; `results.<stage>.<field>` is."""
+    fields, problems = result_fields(root), []
+    for node in ast.walk(ast.parse((root / SUMMARY).read_text(), SUMMARY)):
+        if isinstance(node, ast.Attribute) and node.attr in fields and not (
+                isinstance(node.value, ast.Name) and node.value.id == "results"):
+            problems.append(f"{SUMMARY}:{node.lineno}: reads .{node.attr} of a stage result; compose its figures()")
+    return problems
+
+
+def test_the_summary_composes_figures_only():
+    assert {"report", "info", "quality", "parity", "val_acc"} <= result_fields()  # the rule sees the results
+    problems = summary_reads_beyond_figures()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_planted_summary_reading_a_report_fails(tree_copy):
+    summary = tree_copy / SUMMARY
+    original = summary.read_text()
+    try:
+        summary.write_text(original + "\n\ndef planted(results):\n    return results.quantize.report['fp32']\n")
+        assert any(".report of a stage result" in p for p in summary_reads_beyond_figures(tree_copy))
+    finally:
+        summary.write_text(original)
+
+
+# Each stage file name is spelled in one module, the one that writes it and defines its constant
+# (docs/dev/architecture.md, rule 4); every other module imports that constant or reads the path off
+# the stage's result. report.json / report.html are the names of two stages' reports (data check,
+# training). benchmarks/ and installer/ read outputs as a user does and are not held to it.
+STAGE_FILES = {
+    "report.json": {"data_tools/check/run.py", "appliance/train/report.py"},
+    "report.html": {"data_tools/check/run.py", "appliance/train/report.py"},
+    "metrics.jsonl": {"appliance/train/result.py"},
+    "quality.json": {"appliance/train/quality.py"},
+    "parity.json": {"appliance/deploy/export.py"},
+    "parity.html": {"appliance/deploy/export.py"},
+    "accuracy.json": {"appliance/deploy/accuracy_report.py"},  # quantize's, and each GPU build's
+    "accuracy.html": {"appliance/deploy/accuracy_report.py"},
+    "compile.json": {"appliance/deploy/compiled.py"},  # every compile target's (TVM, GPU routes)
+    "package.json": {"appliance/deploy/package.py"},
+    "verify.json": {"appliance/deploy/verify.py"},
+    "verify.html": {"appliance/deploy/verify.py"},
+    "summary.json": {"appliance/pipeline/summary.py"},
+}
+
+
+def stage_file_spellings(root: Path = ROOT) -> list[str]:
+    """Places outside a stage file's owner that spell its name in a string (docstrings aside)."""
+    problems = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            tree = ast.parse(path.read_text(), rel)
+            docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                          if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                          and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                    m = FILE_NAME.search(node.value.strip().rstrip(")"))
+                    if m and m.group(1) in STAGE_FILES and rel not in STAGE_FILES[m.group(1)]:
+                        problems.append(f"{rel}:{node.lineno}: spells {m.group(1)}, which "
+                                        f"{' / '.join(sorted(STAGE_FILES[m.group(1)]))} owns: import its constant")
+    return problems
+
+
+def test_each_stage_file_name_is_spelled_by_its_stage_alone():
+    problems = stage_file_spellings()
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("source", [
+    'def record(out):\n    return out / "compile.json"\n',
+    'def log(run_dir):\n    return open(f"{run_dir}/metrics.jsonl")\n',
+])
+def test_a_planted_stage_file_name_outside_its_stage_fails(plant, source):
+    root = plant("appliance/deploy/planted.py", source)
+    assert any(p.startswith("appliance/deploy/planted.py") for p in stage_file_spellings(root)), source

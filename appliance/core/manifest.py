@@ -1,7 +1,7 @@
 """Stage manifests: every stage writes `manifest.json` into its output directory.
 
 `{"stage", "created", "inputs": [{"path","sha256"}], "params", "outputs": [{"path","sha256","bytes"}],
-"versions": {package: version}}` (see DESIGN.md), and the provenance every manifest carries:
+"versions": {package: version}}` (docs/dev/contracts.md), and the provenance every manifest carries:
 `command` (the `appliance ...` line as typed) and `cwd`, `appliance_version`, `git` ({commit,
 dirty} of the appliance code when it runs from a git checkout; absent otherwise), and `lineage`:
 the manifests that made this stage's inputs, oldest first, each with its stage, directory,

@@ -14,6 +14,9 @@ from appliance.deploy.onnx_model import run_ort
 from appliance.core.html_report import PALETTE, bars_svg, page
 from appliance.core.manifest import atomic_write_text
 
+ACCURACY_JSON = "accuracy.json"  # the quantize stage's record (and each GPU build's accuracy report)
+ACCURACY_HTML = "accuracy.html"
+
 SENSITIVITY_CHART_ROWS = 20
 
 
@@ -59,7 +62,7 @@ def compare(fp32_path, quant_path, fp32: dict, quant: dict, mode: str, samples: 
 
 
 def write_reports(out_dir: Path, report: dict) -> None:
-    atomic_write_text(out_dir / "accuracy.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out_dir / ACCURACY_JSON, json.dumps(report, indent=2) + "\n")
     q, f, mode = report["quantized"], report["fp32"], report["mode"].upper()
     m, label = report.get("metric", "top1"), report.get("metric_label", "top-1")
     charts = "".join([
@@ -75,8 +78,8 @@ def write_reports(out_dir: Path, report: dict) -> None:
 <tr><td>FP32</td><td>{f[m] * 100:.2f}%</td><td>{f['bytes']:,} B</td><td>{f['latency_ms_median']:.3f} ms</td><td>{html.escape(f['model'])}</td></tr>
 <tr><td>{mode}</td><td>{q[m] * 100:.2f}%</td><td>{q['bytes']:,} B</td><td>{q['latency_ms_median']:.3f} ms</td><td>{html.escape(q['model'])}</td></tr>
 </table>{charts}{_qat_html(report)}{_schemes_html(report)}{_fallback_html(report)}{_sensitivity_html(report.get("sensitivity"))}"""
-    page_html = page(f"FP32 vs {mode}", "appliance quantize", "accuracy.json", report["gate_passed"], body)
-    atomic_write_text(out_dir / "accuracy.html", page_html)
+    page_html = page(f"FP32 vs {mode}", "appliance quantize", ACCURACY_JSON, report["gate_passed"], body)
+    atomic_write_text(out_dir / ACCURACY_HTML, page_html)
 
 
 def _qat_html(report: dict) -> str:

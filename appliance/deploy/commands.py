@@ -60,7 +60,11 @@ def quantize_command(args) -> int:
 
 def compile_command(args) -> int:
     if args.target in options.GPU_TARGETS:
-            return gpu_routes.run(args)
+        info = compile_stage(args.model, args.target, args.out, sample_files=args.samples,
+                             allow_failed_gate=args.allow_failed_gate, tolerance=args.tolerance,
+                             calib_files=args.int8_calib, max_drop=args.max_drop).info
+        print("\n".join(gpu_routes.build_lines(info)))
+        return 0
     info = compile_stage(
         args.model, args.target, args.out, sample_files=args.samples, allow_failed_gate=args.allow_failed_gate,
         tolerance=args.tolerance, tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,

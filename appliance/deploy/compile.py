@@ -1,46 +1,37 @@
-"""`appliance compile` as a stage: the TVM build (appliance.deploy.compiler) of a model that passed its
-quantize gate, with its typed result (model.so, compile.json)."""
+"""`appliance compile` as a stage: every compile target (TVM in appliance.deploy.compiler, the GPU
+routes in appliance.deploy.gpu) builds a model that passed its quantize gate into one directory with
+compile.json, and returns the same typed result, CompileResult (appliance/deploy/compiled.py).
+
+A new target is one entry in BUILDERS (target name -> builder; TVM's builder serves every other
+name, compiler/targets.py lists them): a function (model, target, out_dir, sample_files=..., **options)
+that writes the directory (COMPILE_JSON, the manifest) and raises DataError when its build fails its
+check.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.core.stage import read_result_json
+from appliance.deploy.compiled import COMPILE_JSON, COMPILED_LIBRARY, CompileResult  # noqa: F401 (the stage's names)
 from appliance.deploy.compiler.driver import compile_model
+from appliance.deploy.gpu.routes import compile_gpu
+from appliance.deploy.options import GPU_TARGETS
 from appliance.deploy.tolerance import refuse_failed_gate
 
-COMPILED_LIBRARY = "model.so"
-COMPILE_JSON = "compile.json"
+BUILDERS = {target: compile_gpu for target in GPU_TARGETS}  # cuda-ort, tensorrt
 
 
-@dataclass(frozen=True)
-class CompileResult:
-    out_dir: Path
-    target: str
-    library: Path
-    info: dict
-
-    @classmethod
-    def load(cls, out_dir: Path) -> "CompileResult":
-        out_dir = Path(out_dir)
-        info = read_result_json(out_dir / COMPILE_JSON)
-        return cls(out_dir, info["target"], out_dir / COMPILED_LIBRARY, info)
-
-    @property
-    def report(self) -> Path:
-        """compile.json: what a package of this build records as its input beside the library."""
-        return self.out_dir / COMPILE_JSON
-
-    def figures(self) -> dict:
-        return {"target": self.target, "library": str(self.library), "report": self.info}
+def builder_for(target: str):
+    """The function that builds for target: its BUILDERS entry, else TVM's compile_model."""
+    return BUILDERS.get(target, compile_model)
 
 
 def compile_stage(model: Path, target: str, out_dir: Path, *, sample_files, allow_failed_gate: bool = False,
                   **options) -> CompileResult:
-    """Compile model with TVM for target (options: those of compiler.driver.compile_model); refuses a
-    quantized model that failed its accuracy gate unless allow_failed_gate."""
+    """Build model for target into out_dir (options: those of the target's builder, e.g.
+    compiler.driver.compile_model); refuses a quantized model that failed its accuracy gate unless
+    allow_failed_gate."""
     if not allow_failed_gate:
         refuse_failed_gate(model)
-    compile_model(model, target, out_dir, sample_files=list(sample_files) if sample_files else None, **options)
+    builder_for(target)(model, target, out_dir, sample_files=list(sample_files) if sample_files else None, **options)
     return CompileResult.load(out_dir)

@@ -18,7 +18,7 @@ from appliance.deploy.samples import load_samples, synthetic_samples
 from appliance.core.manifest import atomic_write_text, write_manifest
 from appliance.core.html_report import columns_svg, page
 from appliance import __version__
-from appliance.core.stage import read_result_json
+from appliance.core.stage import Figures, flat_figures, read_result_json
 
 EXPORTED_MODEL = "model.onnx"
 QAT_CARD_KEY = "qat"  # appliance.tasks.fake_quant.CARD_KEY: a card of a quantization-aware run
@@ -26,6 +26,7 @@ QAT_CARD_KEY = "qat"  # appliance.tasks.fake_quant.CARD_KEY: a card of a quantiz
 # steps apart (one step of one activation), which the exact-float bound would call a failed export.
 QAT_MAX_REL_ERROR = 1e-2
 PARITY_JSON = "parity.json"
+PARITY_HTML = "parity.html"
 
 
 
@@ -112,11 +113,11 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
     report = {"made_by": "appliance export", "model_dir": str(model_dir.resolve()), "opset": opset,
               "batch": batch or "dynamic", "preprocessing": preprocessing,
               "class_names": list(card.class_names), "parity": parity}
-    atomic_write_text(out_dir / "parity.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out_dir / PARITY_JSON, json.dumps(report, indent=2) + "\n")
     task = card.extra.get("task")
     if isinstance(task, dict):  # a segmentation model: logits (N, K, H, W), agreement per pixel
         report["task"] = {**task, "output": "logits [N, K, H, W]"}
-    atomic_write_text(out_dir / "parity.html",
+    atomic_write_text(out_dir / PARITY_HTML,
                       parity_html(report, np.abs(expected - got).reshape(len(expected), -1).max(1)))
     atomic_write_text(out_dir / CARD_NAME, card.to_json())
     write_manifest(out_dir, "export", [model_dir / WEIGHTS_NAME, model_dir / CARD_NAME, *samples.files],
@@ -124,7 +125,7 @@ def export_model(model_path, out_dir, *, opset=17, batch=None, sample_files=None
                     "preprocessing": preprocessing, "class_names": list(card.class_names)})
     if not parity["passed"]:
         raise DataError(f"{onnx_path}: ONNX differs from PyTorch: max relative error "
-                        f"{parity['max_rel_error']:.3g} > {max_rel_error:g} (see {out_dir / 'parity.json'}; "
+                        f"{parity['max_rel_error']:.3g} > {max_rel_error:g} (see {out_dir / PARITY_JSON}; "
                         "--max-rel-error to accept)")
     return report
 
@@ -148,7 +149,7 @@ def parity_html(report: dict, per_sample) -> str:
             f"{p['max_rel_error_allowed']:g}, relative to the largest PyTorch logit), top-1 agreement "
             f"{p['top1_agreement'] * 100:.2f}%.</p>"
             + columns_svg("max |pytorch - onnxruntime| logit per sample", [float(v) for v in per_sample]))
-    return page("ONNX export parity", "appliance export", "parity.json", p["passed"], body)
+    return page("ONNX export parity", "appliance export", PARITY_JSON, p["passed"], body)
 
 
 def _version() -> str:
@@ -168,8 +169,9 @@ class ExportResult:
         model = out_dir / EXPORTED_MODEL
         return cls(out_dir, model, model.stat().st_size if model.exists() else 0, read_result_json(out_dir / PARITY_JSON))
 
-    def figures(self) -> dict:
-        return {"model": str(self.model), "bytes": self.bytes, "parity": self.parity}
+    def figures(self) -> Figures:
+        """The model, its size and parity.json flat ("parity.top1_agreement", "parity.max_rel_error", ...)."""
+        return {"model": str(self.model), "bytes": self.bytes, **flat_figures(self.parity)}
 
 
 def export_stage(model_dir: Path, out_dir: Path, *, opset: int, sample_files, max_rel_error: float,

@@ -35,13 +35,13 @@ from appliance.assets.edge_runner import (RUNTIME_LIBS, build_runner, extract_ru
                                    runner_key, wheel_of)
 from appliance.core.errors import DataError, EnvironmentProblem
 from appliance.core.manifest import sha256_file, read_manifest, atomic_write_text, check_outputs, write_manifest
-from appliance.core.stage import read_result_json
+from appliance.core.stage import Figures, flat_figures, read_result_json
 from appliance.core.progress import quiet
+from appliance.deploy.compiled import COMPILE_JSON, COMPILED_LIBRARY, REFERENCE_MODEL
 from appliance.deploy.samples import check_input_shape, load_samples, synthetic_samples
 from appliance.deploy.tolerance import qdq_allowance
 from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
 from data_tools import preprocessing
-from appliance.core.stage import read_result_json
 from appliance.tasks import task_of_metadata
 
 PACKAGE_RESULT_JSON = "package.json"
@@ -111,7 +111,7 @@ def golden_samples(compiled: Path, sample_files, preprocessing: dict, shape: lis
                 return load_samples(files, preprocessing, limit=count)
             except DataError:
                 break  # not image samples after all: fall back to synthetic ones
-    return synthetic_samples(preprocessing, shape[1], count, shape, compiled / "compile.json")
+    return synthetic_samples(preprocessing, shape[1], count, shape, compiled / COMPILE_JSON)
 
 
 def write_selftest(root: Path, samples, reference: Path, precision: str, count: int, task=None) -> dict:
@@ -190,9 +190,9 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
                   sample_files=None, golden_count=GOLDEN_SAMPLES, key=None) -> dict:
     compiled, out = Path(compiled), Path(out)
     glibc_floor = parse_floor(glibc_floor)
-    info_path = compiled / "compile.json"
+    info_path = compiled / COMPILE_JSON
     if not info_path.is_file():
-        raise DataError(f"{compiled}: not a compile directory (no compile.json; run `appliance compile` first)")
+        raise DataError(f"{compiled}: not a compile directory (no {COMPILE_JSON}; run `appliance compile` first)")
     check_outputs(compiled, "changed since it was compiled")  # compile.json among them
     info = read_result_json(info_path)
     if not isinstance(info, dict) or not str(info.get("target", "")).startswith("aarch64"):
@@ -212,7 +212,7 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
     # A pool to choose clear-cut golden samples from (see write_selftest).
     samples = golden_samples(compiled, sample_files, info.get("preprocessing") or {}, info["input"]["shape"],
                              golden_count * 8)
-    check_input_shape(samples, info["input"]["shape"], info["input"]["name"], compiled / "model.so")
+    check_input_shape(samples, info["input"]["shape"], info["input"]["name"], compiled / COMPILED_LIBRARY)
 
     with tempfile.TemporaryDirectory(prefix="edge-package-") as tmp:
         root = Path(tmp) / ROOT_NAME
@@ -224,11 +224,11 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
                                 glibc_floor, origin={f"lib/{Path(m).name}": f"{wheel_of(wheels, prefix)}:{m}"
                                                      for prefix, m in RUNTIME_LIBS.items()})
         glibcxx = max((n["GLIBCXX"] for n in tvm_needs.values() if "GLIBCXX" in n), key=version_key, default=None)
-        elf_needs = {**tvm_needs, **check_floor({"model.so": compiled / "model.so"}, glibc_floor, glibcxx, {"model.so"})}
+        elf_needs = {**tvm_needs, **check_floor({"model.so": compiled / COMPILED_LIBRARY}, glibc_floor, glibcxx, {"model.so"})}
         runner = ship_runner(Path(tmp) / "sdk", root / "lib", root / "bin" / "run", glibc_floor)
         elf_needs.update(check_floor({"bin/run": root / "bin" / "run"}, glibc_floor, glibcxx, {"bin/run"}))
-        shutil.copyfile(compiled / "model.so", root / "model.so")
-        shutil.copyfile(compiled / "model.onnx", root / "reference" / "model.onnx")
+        shutil.copyfile(compiled / COMPILED_LIBRARY, root / "model.so")
+        shutil.copyfile(compiled / REFERENCE_MODEL, root / "reference" / "model.onnx")
         shutil.copyfile(HERE / "edge" / "install.sh", root / "install.sh")
         shutil.copyfile(pub, root / CARRIED_PUB)  # for trust on first use only; devices trust their own copy
         (root / "install.sh").chmod(0o755)
@@ -242,11 +242,11 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
             shutil.copyfile(HERE / "edge" / "run.py", root / "python" / "run.py")
             shipped_wheels = python_runner_wheels(wheels, root / "wheels")
         task = task_of_metadata({"model_card": info.get("model_card")})
-        selftest = write_selftest(root, samples, compiled / "model.onnx", info.get("precision", "fp32"), golden_count,
+        selftest = write_selftest(root, samples, compiled / REFERENCE_MODEL, info.get("precision", "fp32"), golden_count,
                                   task)
         atomic_write_text(root / "model.json", json.dumps(model_json(info, task, selftest, glibc_floor, glibcxx),
                                                           indent=2) + "\n")
-        write_manifest(root, "package", [compiled / "model.so", info_path, compiled / "model.onnx", *shipped_wheels,
+        write_manifest(root, "package", [compiled / COMPILED_LIBRARY, info_path, compiled / REFERENCE_MODEL, *shipped_wheels,
                                          *samples.files],
                        {"target": info["target"], "glibc_floor": glibc_floor, "elf_needs": elf_needs, "runner": runner,
                         "with_python": with_python, "wheels": [w.name for w in shipped_wheels],
@@ -282,8 +282,11 @@ class PackageResult:
         return cls(Path(out_dir), Path(out_dir) / record["package"], record["target"], record["bytes"],
                    record.get("info", {}))
 
-    def figures(self) -> dict:
-        return {"package": str(self.package), "bytes": self.bytes, "info": self.info}
+    def figures(self) -> Figures:
+        """The package, its target and size, and what build_package reported, flat ("glibc_floor",
+        "elf_needs.<file>", "selftest_samples", ...)."""
+        rest = {k: v for k, v in self.info.items() if k not in ("path", "bytes")}
+        return {"package": str(self.package), "target": self.target, "bytes": self.bytes, **flat_figures(rest)}
 
 
 def package_file_name(target: str) -> str:
@@ -304,7 +307,7 @@ def package_stage(compiled, out_dir: Path | None = None, *, tar: Path | None = N
         tar = Path(out_dir) / package_file_name(compiled.target)
     tar = Path(tar)
     info = build_package(compile_dir, tar, sample_files=list(sample_files) if sample_files else None, **options)
-    target = json.loads((compile_dir / "compile.json").read_text())["target"]  # build_package checked it
+    target = read_result_json(compile_dir / COMPILE_JSON)["target"]  # build_package checked it
     if out_dir is None:
         return PackageResult(tar.parent, tar, target, tar.stat().st_size, info)
     out_dir = Path(out_dir)

@@ -21,7 +21,7 @@ import numpy as np
 
 from appliance.core.errors import DataError
 from appliance.core.manifest import read_manifest, write_manifest
-from appliance.deploy.accuracy_report import evaluate, write_reports
+from appliance.deploy.accuracy_report import ACCURACY_JSON, evaluate, write_reports
 from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session
 from appliance.deploy.samples import check_input_shape, load_samples
 from appliance.core.stage import read_result_json
@@ -89,7 +89,7 @@ def add_qat(quantize_dir: Path, qat_model: Path, val_files, calib_files, *, val_
     """The QAT model evaluated next to the quantize report's FP32 and INT8 models; accuracy.json/.html
     rewritten with a "qat" section and the shipped model chosen (see the module docstring)."""
     quantize_dir = Path(quantize_dir)
-    report = read_result_json(quantize_dir / "accuracy.json")
+    report = read_result_json(quantize_dir / ACCURACY_JSON)
     fp32_path = Path(report["fp32"]["model"])
     qat_model = Path(qat_model)
     model = load_onnx(qat_model)

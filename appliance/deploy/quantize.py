@@ -18,18 +18,16 @@ from pathlib import Path
 
 from appliance.core.errors import DataError, GateFailed
 from appliance.core.manifest import write_manifest
-from appliance.deploy.accuracy_report import compare, evaluate, write_reports
+from appliance.deploy.accuracy_report import ACCURACY_HTML, ACCURACY_JSON, compare, evaluate, write_reports
 from appliance.deploy.fallback import Attempt, find_passing
 from appliance.deploy.int8_builder import METHODS, CalibrationSet, Int8Builder, Recipe, quantized_layers
 from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, quantize_fp16
 from appliance.deploy.options import FALLBACKS, MAX_FLOAT_LAYERS, SCHEMES
 from appliance.deploy.samples import check_input_shape, load_samples
 from appliance.deploy.sensitivity import ERROR_SAMPLES, measure_sensitivity
-from appliance.core.stage import read_result_json
+from appliance.core.stage import Figures, flat_figures, read_result_json
 from appliance.tasks import task_of_metadata
 
-ACCURACY_JSON = "accuracy.json"
-ACCURACY_HTML = "accuracy.html"
 
 __all__ = ["METHODS", "SCHEMES", "FALLBACKS", "MAX_FLOAT_LAYERS", "ERROR_SAMPLES", "CalibrationSet", "quantize_model", "quantize_int8", "quantize_fp16"]
 
@@ -197,8 +195,9 @@ class QuantizeResult:
     def html(self) -> Path:
         return self.out_dir / ACCURACY_HTML
 
-    def figures(self) -> dict:
-        return {"model": str(self.model), "report": self.report}
+    def figures(self) -> Figures:
+        """The model the edge gets and accuracy.json flat ("fp32.top1", "quantized.top1", "top1_drop_points", ...)."""
+        return {"model": str(self.model), **flat_figures(self.report)}
 
 
 def quantize_stage(model: Path, calib_files, val_files, out_dir: Path, *, mode: str, method: str,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from appliance.core.errors import DataError
+from appliance.deploy.accuracy_report import ACCURACY_HTML
 
 from appliance.deploy.compiler.check import QDQ_UNITS
 from appliance.deploy.compiler.passes.int8_arith import output_scale
@@ -30,4 +31,4 @@ def refuse_failed_gate(model_path) -> None:
         return
     if data.get("stage") == "quantize" and data.get("params", {}).get("gate_passed") is False:
         raise DataError(f"{model_path}: failed the accuracy gate of `appliance quantize` (see "
-                        f"{manifest.parent / 'accuracy.html'}); re-quantize, or pass --allow-failed-gate")
+                        f"{manifest.parent / ACCURACY_HTML}); re-quantize, or pass --allow-failed-gate")

@@ -30,12 +30,13 @@ from appliance.deploy.samples import check_input_shape, load_samples, synthetic_
 from appliance.deploy.tolerance import qdq_allowance
 from appliance.core.manifest import atomic_write_text, write_manifest
 from appliance.core.html_report import PALETTE, columns_svg, page
-from appliance.core.stage import read_result_json
+from appliance.core.stage import Figures, flat_figures, read_result_json
 from data_tools.preprocessing import PREPROCESSING_KEYS
 from appliance.tasks import task_of_metadata
 from appliance.deploy.verify_pixels import check_class_maps, pixel_figures, segmentation_html
 
 VERIFY_JSON = "verify.json"
+VERIFY_HTML = "verify.html"
 
 if TYPE_CHECKING:
     import numpy as np
@@ -211,8 +212,8 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
     if out_dir:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out_dir / "verify.json", json.dumps(report, indent=2) + "\n")
-        atomic_write_text(out_dir / "verify.html", verify_html(report))
+        atomic_write_text(out_dir / VERIFY_JSON, json.dumps(report, indent=2) + "\n")
+        atomic_write_text(out_dir / VERIFY_HTML, verify_html(report))
         write_manifest(out_dir, "verify", [package, *samples.files],
                        {"min_agreement": run["min_agreement"], "max_logit_diff": run["max_logit_diff"],
                         "sysroot": sysroot, "python": python, "bench_runs": bench_runs})
@@ -292,12 +293,12 @@ def verify_html(report: dict) -> str:
             f"<table><tr><th>runner</th><th>{'pixel' if report.get('task') == 'segmentation' else 'top-1'} agreement"
             "</th><th>max logit difference</th><th>time</th><th></th></tr>"
             + "".join(rows) + "</table>" + segmentation_html(report) + device_proof_html(report) + "".join(charts))
-    return page("Edge package vs host", "appliance edge verify", "verify.json", report["passed"], body)
+    return page("Edge package vs host", "appliance edge verify", VERIFY_JSON, report["passed"], body)
 
 
 @dataclass(frozen=True)
 class VerifyResult:
-    out_dir: Path | None  # None: `appliance edge verify` without --out wrote no report
+    out_dir: Path  # without --out (no report written): the package's directory
     report: dict
 
     @property
@@ -308,8 +309,9 @@ class VerifyResult:
     def load(cls, out_dir: Path) -> "VerifyResult":
         return cls(Path(out_dir), read_result_json(Path(out_dir) / VERIFY_JSON))
 
-    def figures(self) -> dict:
-        return {"report": self.report}
+    def figures(self) -> Figures:
+        """verify.json flat ("samples", "passed", "routes.0.top1_agreement", "selftest.passed", ...)."""
+        return flat_figures(self.report)
 
 
 def verify_stage(package, out_dir: Path | None = None, *, sample_files=None, num_samples: int = 32,
@@ -322,7 +324,7 @@ def verify_stage(package, out_dir: Path | None = None, *, sample_files=None, num
     report = verify_package(tar, sample_files=list(sample_files) if sample_files else None,
                             num_samples=num_samples or 1_000_000, min_agreement=min_agreement, out_dir=out_dir,
                             **options)
-    result = VerifyResult.load(out_dir) if out_dir else VerifyResult(None, report)
+    result = VerifyResult.load(out_dir) if out_dir else VerifyResult(tar.parent, report)
     if on_result is not None:
         on_result(result)
     if not result.passed:

@@ -20,7 +20,7 @@ from appliance.core.errors import GateFailed
 from appliance.pipeline.config import PipelineConfig
 from appliance.pipeline.qat import qat_after_gate
 from appliance.tasks import task_for
-from appliance.train.launcher import TrainResult
+from appliance.train.result import TrainResult
 from appliance.train.quality import GATE_KEYS, GateResult, Thresholds, gate_stage
 from appliance.train.stage import stage_config, train_stage
 from data_tools.check.stage import CheckResult, check_stage

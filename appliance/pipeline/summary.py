@@ -11,7 +11,7 @@ from pathlib import Path
 
 from appliance.core.html_report import bars_svg, page
 from appliance.core.manifest import read_manifest
-from appliance.core.stage import html_reports
+from appliance.core.stage import figures_under, html_reports
 from appliance.deploy.edge.cycles import describe as describe_estimate
 from appliance.pipeline.config import PipelineConfig
 from appliance.pipeline.plan import Results
@@ -22,84 +22,96 @@ INDEX_HTML = "index.html"
 
 
 def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds: float) -> dict:
-    """Accuracy at each stage, sizes, latencies, where every artifact is, and the lineage. The task
-    (appliance/tasks/) names the figures: top-1 for classification, mIoU for segmentation."""
-    task = pipeline_task(cfg, results)
+    """Accuracy at each stage, sizes, latencies, where every artifact is, and the lineage, composed from
+    each stage's figures() only. The task (appliance/tasks/) names the figures: top-1 for
+    classification, mIoU for segmentation."""
+    stages = {name: result.figures() for name, result in results.items()}
+    task = pipeline_task(cfg, stages)
     m = task.metric
     summary = {"made_by": "appliance pipeline", "config": str(cfg.source), "out_dir": str(cfg.out_dir),
-               "seconds": round(seconds, 1), "ran": ran, "stages": {n: r.figures() for n, r in results.items()},
+               "seconds": round(seconds, 1), "ran": ran, "stages": stages,
                "accuracy": {}, "sizes_bytes": {}, "latency_ms": {}, "artifacts": {}}
     if task.kind != "classification":  # a classification summary reads as before tasks existed
         summary["task"] = {"kind": task.kind, "metric": m, "metric_label": task.metric_label}
     accuracy = summary["accuracy"]
-    train, gate, quantized = results.train, results.gate, results.quantize
+    train, gate, quantized = stages.get("train"), stages.get("gate"), stages.get("quantize")
     if train is not None:
         accuracy.update(task.train_summary(train))
-    if gate is not None and task.gate_summary(gate.quality):
-        accuracy.update(task.gate_summary(gate.quality))
-        summary["quality_gate"] = {"passed": gate.quality["passed"], "line": gate.quality.get("line", "")}
-    if results.export is not None and "parity" in results.export.parity:
-        accuracy.update(task.export_summary(results.export.parity["parity"]))
+    if gate is not None and task.gate_summary(gate):
+        accuracy.update(task.gate_summary(gate))
+        summary["quality_gate"] = {"passed": gate["passed"], "line": gate.get("line", "")}
+    if "export" in stages:
+        accuracy.update(task.export_summary(stages["export"]))
     if quantized is not None:
-        q = quantized.report
-        if m in q["fp32"]:  # a report made before quantize counted this task's metric has none of it
-            accuracy[f"fp32_{m}"] = q["fp32"][m]
-            accuracy[f"{q['mode']}_{m}"] = q["quantized"][m]
-            accuracy[f"quantized_{m}_drop_points"] = q[f"{m}_drop_points"]
-        for row in q.get("schemes", []):  # segmentation: symmetric and asymmetric activations side by side
-            if row["scheme"] != "FP32":
-                accuracy[f"{row['scheme'].lower().replace(' ', '_')}_{m}"] = row[m]
-        if q["mode"] == "int8":  # which path made the model the edge runs (fallback: which layers stayed float)
-            summary["quantize_path"] = {"produced_by": q.get("produced_by", "ptq"), "method": q.get("method"),
-                                        "per_channel": q.get("per_channel", False), "float_layers": q.get("float_layers", [])}
-            if "activation_scheme" in q:
-                summary["quantize_path"]["activation_scheme"] = q["activation_scheme"]
-            if "qat" in q:  # QAT ran: its figures next to PTQ's
-                summary["quantize_path"]["qat"] = {k: q["qat"][k] for k in (m, f"{m}_drop_points", "passed")}
-                summary["quantize_path"][f"ptq_{m}_drop_points"] = q["ptq"][f"{m}_drop_points"]
-        summary["sizes_bytes"].update({"onnx_fp32": q["fp32"]["bytes"], f"onnx_{q['mode']}": q["quantized"]["bytes"]})
-        summary["latency_ms"].update({"host_ort_fp32": q["fp32"]["latency_ms_median"],
-                                      f"host_ort_{q['mode']}": q["quantized"]["latency_ms_median"]})
-    elif train is not None and train.val_acc is not None:
+        add_quantize_figures(summary, quantized, m)
+    elif train is not None and task.train_summary(train):
         accuracy[f"fp32_{m}"] = task.train_summary(train).get(f"train_val_{m}")
-    if results.verify is not None:
-        add_verify_figures(summary, results.verify.report, task)
-    for target, build in results.compiled.items():  # what each build computes: int8 or simulated, size, speed
+    if "verify" in stages:
+        add_verify_figures(summary, stages["verify"], task)
+    for name, build in stages.items():  # what each build computes: int8 or simulated, size, speed
+        if not name.startswith("compile-"):
+            continue
+        target = name[len("compile-"):]
         summary.setdefault("builds", {})[target] = {
-            k: build.info.get(k) for k in ("int8_compute", "layers", "int8_kernels", "fp32_kernels", "tuned_tasks",
-                                           "library_bytes", "host_latency_ms", "device_estimate")}
-        check = build.info.get("check") or {}
-        if task.kind != "classification" and "top1_agreement" in check:  # argmax per pixel, on (N, K, H, W)
-            accuracy[f"compile_{target}_{task.agreement_key}_with_ort"] = check.get(task.agreement_key,
-                                                                                   check["top1_agreement"])
-    if results.package is not None:
-        summary["sizes_bytes"]["edge_package"] = results.package.bytes
+            k: figures_under(build, k) for k in ("int8_compute", "layers", "int8_kernels", "fp32_kernels",
+                                                 "tuned_tasks", "library_bytes", "host_latency_ms", "device_estimate")}
+        if task.kind != "classification" and "check.top1_agreement" in build:  # argmax per pixel, on (N, K, H, W)
+            accuracy[f"compile_{target}_{task.agreement_key}_with_ort"] = build.get(
+                f"check.{task.agreement_key}", build["check.top1_agreement"])
+    if "package" in stages:
+        summary["sizes_bytes"]["edge_package"] = stages["package"]["bytes"]
         summary["lineage"] = lineage(results.package.out_dir, results.check)
     for name, result in results.items():
         summary["artifacts"][name] = str(result.out_dir)
     return summary
 
 
-def pipeline_task(cfg: PipelineConfig, results: Results):
+def add_quantize_figures(summary: dict, q: dict, m: str) -> None:
+    """The quantize stage's figures: FP32 and quantized metric, the drop, which path made the model."""
+    accuracy, mode = summary["accuracy"], q["mode"]
+    if f"fp32.{m}" in q:  # a report made before quantize counted this task's metric has none of it
+        accuracy[f"fp32_{m}"] = q[f"fp32.{m}"]
+        accuracy[f"{mode}_{m}"] = q[f"quantized.{m}"]
+        accuracy[f"quantized_{m}_drop_points"] = q[f"{m}_drop_points"]
+    for row in figures_under(q, "schemes") or []:  # segmentation: symmetric and asymmetric activations side by side
+        if row["scheme"] != "FP32":
+            accuracy[f"{row['scheme'].lower().replace(' ', '_')}_{m}"] = row[m]
+    if mode == "int8":  # which path made the model the edge runs (fallback: which layers stayed float)
+        path = summary["quantize_path"] = {"produced_by": q.get("produced_by", "ptq"), "method": q.get("method"),
+                                           "per_channel": q.get("per_channel", False),
+                                           "float_layers": q.get("float_layers", [])}
+        if "activation_scheme" in q:
+            path["activation_scheme"] = q["activation_scheme"]
+        if f"qat.{m}" in q:  # QAT ran: its figures next to PTQ's
+            path["qat"] = {k: q[f"qat.{k}"] for k in (m, f"{m}_drop_points", "passed")}
+            path[f"ptq_{m}_drop_points"] = q[f"ptq.{m}_drop_points"]
+    summary["sizes_bytes"].update({"onnx_fp32": q["fp32.bytes"], f"onnx_{mode}": q["quantized.bytes"]})
+    summary["latency_ms"].update({"host_ort_fp32": q["fp32.latency_ms_median"],
+                                  f"host_ort_{mode}": q["quantized.latency_ms_median"]})
+
+
+def pipeline_task(cfg: PipelineConfig, stages: dict):
     """The task of the trained model (its card), or of the config before anything was trained."""
-    if results.train is not None and results.train.task is not None:
-        return task_for(results.train.task)
-    if results.quantize is not None:  # the model card's, as quantize read it (a classification report names none)
-        return task_for({"kind": results.quantize.report.get("task", "classification")})
+    trained = figures_under(stages.get("train", {}), "task")
+    if trained:
+        return task_for(trained)
+    if "quantize" in stages:  # the model card's, as quantize read it (a classification report names none)
+        return task_for({"kind": stages["quantize"].get("task", "classification")})
     return task_for(cfg.training.get("task"))
 
 
-def add_verify_figures(summary: dict, report: dict, task=None) -> None:
-    """The edge verification's figures: agreement, accuracy and (emulated, never gated) speed."""
+def add_verify_figures(summary: dict, figures: dict, task=None) -> None:
+    """The edge verification's figures (the verify stage's): agreement, accuracy and (emulated, never
+    gated) speed."""
     task = task or task_for(None)
-    route = report["routes"][0]
+    route = figures_under(figures, "routes.0")
     summary["accuracy"]["edge_agreement_with_host"] = route.get(task.agreement_key, route["top1_agreement"])
     if task.metric in route:
         summary["accuracy"][f"edge_{task.metric}"] = route[task.metric]
     summary["accuracy"]["edge_max_logit_diff"] = route["max_logit_diff"]
-    summary["latency_ms"]["edge_qemu_per_sample"] = round(1000 * route["seconds"] / max(1, report["samples"]), 2)
-    summary["verified_samples"] = report["samples"]
-    selftest, bench = report.get("selftest"), report.get("bench")
+    summary["latency_ms"]["edge_qemu_per_sample"] = round(1000 * route["seconds"] / max(1, figures["samples"]), 2)
+    summary["verified_samples"] = figures["samples"]
+    selftest, bench = figures_under(figures, "selftest"), figures_under(figures, "bench")
     if selftest:
         summary["edge_selftest"] = {k: selftest.get(k) for k in ("passed", "samples", "top1_agreement",
                                                                   "max_abs_diff", "allowed_abs_diff")}

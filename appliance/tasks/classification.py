@@ -68,14 +68,20 @@ class Classification:
     # ---- the pipeline summary: each stage's figures under this task's names ----
     agreement_key = "top1_agreement"  # what verify and the compile check call host-vs-build agreement
 
-    def train_summary(self, train) -> dict:
-        return {} if train.val_acc is None else {"train_val_top1": train.val_acc}
+    # Each takes the stage's figures (its result's figures()) and returns what the summary shows.
 
-    def gate_summary(self, quality: dict) -> dict:
-        if "val_acc" not in quality:
+    def train_figures(self, val_acc, confusion, names=()) -> dict:
+        """The train stage's validation figures under this task's names (val_acc: top-1)."""
+        return {"val_acc": val_acc}
+
+    def train_summary(self, figures: dict) -> dict:
+        return {} if figures.get("val_acc") is None else {"train_val_top1": figures["val_acc"]}
+
+    def gate_summary(self, figures: dict) -> dict:
+        if "val_acc" not in figures:
             return {}
-        return {"val_majority_baseline_top1": quality["majority_baseline"],
-                "quality_gate_required_top1": quality["required_val_acc"]}
+        return {"val_majority_baseline_top1": figures["majority_baseline"],
+                "quality_gate_required_top1": figures["required_val_acc"]}
 
-    def export_summary(self, parity: dict) -> dict:
+    def export_summary(self, figures: dict) -> dict:
         return {}  # the exported model's top-1 is the quantize stage's fp32_top1

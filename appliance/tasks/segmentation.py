@@ -111,18 +111,28 @@ class Segmentation:
     # ---- the pipeline summary: each stage's figures under this task's names ----
     agreement_key = "pixel_agreement"  # what verify and the compile check call host-vs-build agreement
 
-    def train_summary(self, train) -> dict:
-        if train.val_confusion is None:
-            return {}
-        f = iou_figures(train.val_confusion, train.class_names)
-        return {"train_val_miou": f["miou"], "train_val_pixel_acc": f["pixel_acc"]}
+    # Each takes the stage's figures (its result's figures()) and returns what the summary shows.
 
-    def gate_summary(self, quality: dict) -> dict:
-        if "val_miou" not in quality:
-            return {}
-        return {"val_most_common_class_baseline_miou": quality["baseline_miou"],
-                "quality_gate_required_miou": quality["required_miou"]}
+    def train_figures(self, val_acc, confusion, names=()) -> dict:
+        """The train stage's validation figures: mIoU and pixel accuracy (the loop's val_acc counts pixels)."""
+        if confusion is None:
+            return {"val_pixel_acc": val_acc}
+        f = iou_figures(confusion, names)
+        return {"val_miou": f["miou"], "val_pixel_acc": f["pixel_acc"]}
 
-    def export_summary(self, parity: dict) -> dict:
+    def train_summary(self, figures: dict) -> dict:
+        if "val_miou" not in figures:
+            return {}
+        return {"train_val_miou": figures["val_miou"], "train_val_pixel_acc": figures["val_pixel_acc"]}
+
+    def gate_summary(self, figures: dict) -> dict:
+        if "val_miou" not in figures:
+            return {}
+        return {"val_most_common_class_baseline_miou": figures["baseline_miou"],
+                "quality_gate_required_miou": figures["required_miou"]}
+
+    def export_summary(self, figures: dict) -> dict:
         """The ONNX model's class maps against PyTorch's, per pixel (its mIoU: the quantize stage's fp32_miou)."""
-        return {"export_pixel_agreement_with_pytorch": parity["top1_agreement"]}
+        if "parity.top1_agreement" not in figures:
+            return {}
+        return {"export_pixel_agreement_with_pytorch": figures["parity.top1_agreement"]}

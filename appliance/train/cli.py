@@ -18,17 +18,17 @@ MAX_RESTARTS = 1000  # each restart resumes from a checkpoint: more is a loop, n
 
 
 def run(args) -> int:
-    from appliance.train.stage import train_stage  # late: torch, at the CLI boundary
+    from appliance.train.stage import train_command_line, train_stage  # late: torch, at the CLI boundary
 
     if args.preflight:
         return preflight(args)
-    result = train_stage(args.config, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes[1],
-                         min_nnodes=args.nnodes[0], node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                         max_restarts=args.max_restarts, resume=args.resume, iface=args.iface, profile=args.profile,
-                         dry_run=args.dry_run)
-    if isinstance(result, str):
-        print(result)
+    launch = dict(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes[1], min_nnodes=args.nnodes[0],
+                  node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
+                  resume=args.resume, iface=args.iface, profile=args.profile)
+    if args.dry_run:
+        print(train_command_line(args.config, **launch))
         return 0
+    result = train_stage(args.config, **launch)
 
     if result.quality is None:
         print(f"run {result.run_dir}: no validation pass recorded ([data] val): quality gate not applied")

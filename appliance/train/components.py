@@ -17,6 +17,7 @@ from torch import nn
 
 from appliance.core.errors import ApplianceError
 from appliance.train.collectives import broadcast_int
+from appliance.train.result import METRICS_NAME
 from appliance.train.determinism import rng_state
 from appliance.tasks import task_for
 from appliance.train.step import Guard, TrainWindow, to_device
@@ -27,7 +28,7 @@ class TrainingDiverged(ApplianceError):
 
 
 def log_line(run_dir: Path, record: dict) -> None:
-    with open(run_dir / "metrics.jsonl", "a") as f:
+    with open(run_dir / METRICS_NAME, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 

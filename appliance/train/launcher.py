@@ -10,7 +10,6 @@ under srun. We use torchrun as is: no home-made scheduler.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import shlex
 import signal
@@ -25,7 +24,6 @@ from appliance.core.manifest import atomic_write_text
 from appliance.core.progress import quiet
 from appliance.core.values import nproc_problem, shown
 from appliance.train.checkpoint_files import check_resume
-from appliance.tasks import task_for
 from appliance.train import faults, reaper, worker_error
 from appliance.train.preflight import check_loopback, interface_address, network_env, split_endpoint
 from appliance.train.config import check_data_report, load_config
@@ -35,7 +33,7 @@ from data_tools.tfrecord import read_records
 from appliance.train.ddp import prepare_model
 from appliance.core.dirlock import directory_lock
 from appliance.train.quality import QUALITY_JSON, Thresholds, write_quality, quality_figures
-from appliance.core.manifest import MANIFEST_NAME, read_manifest
+from appliance.train.result import TrainResult  # noqa: F401 (what launch_training returns)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 FINISHED = worker_error.FINISHED_NAME
@@ -158,75 +156,6 @@ class LaunchSpec:
     profile: int | None = None  # steps to profile; overrides [profile] steps
 
 
-@dataclass(frozen=True)
-class TrainResult:
-    """What a finished training run produced: its directories and its final validation figures."""
-
-    run_dir: Path
-    model_dir: Path
-    checkpoints_dir: Path
-    metrics_path: Path
-    manifest_path: Path
-    steps: int
-    val_acc: float | None  # top-1 on the validation set at the last evaluation (None without [data] val)
-    val_loss: float | None
-    val_confusion: tuple | None = None  # [true][predicted] counts at the last evaluation
-    class_names: tuple[str, ...] = ()
-    quality: dict | None = None  # the quality gate's figures (appliance.train.quality), once judged
-    task: dict | None = None  # the model card's [task] (None: classification)
-
-    def judged(self, thresholds) -> "TrainResult":
-        """This result with the quality gate's figures for thresholds (a Thresholds); quality stays
-        None without a validation pass that recorded its confusion counts."""
-        from dataclasses import replace
-
-        if self.val_confusion is None:
-            return self
-        return replace(self, quality=task_for(self.task).quality(self.val_confusion, self.class_names, thresholds))
-
-    @property
-    def out_dir(self) -> Path:
-        return self.run_dir
-
-    def figures(self) -> dict:
-        return {"run_dir": str(self.run_dir), "model_dir": str(self.model_dir), "steps": self.steps,
-                "val_acc": self.val_acc}
-
-    @classmethod
-    def load(cls, out_dir: Path) -> "TrainResult":
-        """The result of a finished run in out_dir (its run directory): the StageResult contract."""
-        return cls.from_run_dir(out_dir)
-
-    @classmethod
-    def from_run_dir(cls, run_dir: Path) -> "TrainResult":
-        run_dir = Path(run_dir)
-        metrics_path = run_dir / METRICS_NAME
-        evals = []
-        if metrics_path.is_file():
-            for line in metrics_path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a kill mid-write
-                if isinstance(record, dict) and "val_acc" in record:
-                    evals.append(record)
-        last = evals[-1] if evals else {}
-        confusion = last.get("val_confusion")
-        try:
-            card = json.loads((run_dir / MODEL_DIR_NAME / "model.json").read_text())
-            names, task = card.get("class_names", []), card.get("extra", {}).get("task")
-        except (OSError, ValueError, AttributeError):
-            names, task = [], None
-        return cls(run_dir=run_dir, model_dir=run_dir / MODEL_DIR_NAME, checkpoints_dir=run_dir / "checkpoints",
-                   metrics_path=metrics_path, manifest_path=run_dir / MANIFEST_NAME,
-                   steps=int(read_manifest(run_dir)["params"].get("steps", 0)),
-                   val_acc=last.get("val_acc"), val_loss=last.get("val_loss"),
-                   val_confusion=tuple(map(tuple, confusion)) if isinstance(confusion, list) else None,
-                   class_names=tuple(map(str, names or ())), task=task if isinstance(task, dict) else None)
-
-
-METRICS_NAME = "metrics.jsonl"
-MODEL_DIR_NAME = "model"
 
 
 def check_before_start(cfg) -> None:
@@ -265,10 +194,14 @@ def check_nodes(spec: LaunchSpec) -> None:
         split_endpoint(spec.rdzv_endpoint)
 
 
-def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult | str:
-    """Validate, preflight, then run torchrun to its end on this node. Returns the run's result
-    (or, with dry_run, the command line that would run). Raises ApplianceError with one line on
-    any failure, a worker's own error line included."""
+def launch_command(spec: LaunchSpec) -> str:
+    """The command line (environment first) that launch_training would run, after every check a real
+    start makes (`appliance train --dry-run`)."""
+    return _prepared(spec)[3]
+
+
+def _prepared(spec: LaunchSpec):
+    """(config, torchrun command, environment, printable line), validated and preflighted."""
     config = Path(spec.config)
     cfg = load_config(config)  # fail here, with one line, rather than in every worker
     nproc = resolve_nproc(spec.nproc_per_node)
@@ -289,8 +222,13 @@ def launch_training(spec: LaunchSpec, *, dry_run: bool = False) -> TrainResult |
     env = launch_env(cmd, nproc, network_env(iface, cfg.distributed.env))
     printable = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
     check_before_start(cfg)  # --dry-run too: it promises what a real start would accept
-    if dry_run:
-        return printable
+    return cfg, cmd, env, printable
+
+
+def launch_training(spec: LaunchSpec) -> TrainResult:
+    """Validate, preflight, then run torchrun to its end on this node: the run's result. Raises
+    ApplianceError with one line on any failure, a worker's own error line included."""
+    cfg, cmd, env, printable = _prepared(spec)
     if "--standalone" in cmd or "127.0.0.1" in cmd:  # the rendezvous runs over loopback
         check_loopback()
 

@@ -37,6 +37,7 @@ from appliance.train.components import (Checkpointing, MetricsLog, TrainingDiver
 from appliance.train.config import Config, load_config
 from appliance.train.profile_report import PROFILE_HTML, PROFILE_JSON, write_profile_report
 from appliance.train.report import REPORT_HTML, REPORT_JSON, write_training_report
+from appliance.train.result import METRICS_NAME
 from appliance.train.setup import INIT_REPORT, STORAGE_WORDS, Run, build, printer, resume as resume_run, start_processes
 from appliance.train.step import Guard, TrainWindow, train_step
 
@@ -53,7 +54,7 @@ def write_run_manifest(cfg: Config, run_dir: Path, step: int, checkpoint_storage
     model torch.compile'd and its kernels replayed as CUDA graphs ([train] compile as resolved here)."""
     outputs = sorted((run_dir / "model").iterdir())
     # metrics.jsonl and the training report are on rank 0's node only, with per-node storage.
-    outputs += [path for path in (run_dir / "metrics.jsonl", run_dir / REPORT_JSON, run_dir / REPORT_HTML,
+    outputs += [path for path in (run_dir / METRICS_NAME, run_dir / REPORT_JSON, run_dir / REPORT_HTML,
                                   run_dir / PROFILE_JSON, run_dir / PROFILE_HTML) if path.is_file()]
     inputs = [cfg.source, *cfg.data.train, *cfg.data.val] + ([cfg.data.check_report] if cfg.data.check_report else [])
     if init_report is not None:

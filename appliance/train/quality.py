@@ -25,6 +25,7 @@ from appliance.core.errors import ConfigError, GateFailed
 from appliance.tasks.classification_figures import pct as _pct, quality_figures  # noqa: F401 (re-exported)
 from appliance.tasks.thresholds import GATE_KEYS, Thresholds  # noqa: F401 (re-exported)
 from appliance.core.manifest import atomic_write_text, write_manifest
+from appliance.core.stage import Figures, flat_figures, read_result_json
 
 QUALITY_JSON = "quality.json"
 
@@ -70,14 +71,13 @@ class GateResult:
     out_dir: Path
     quality: dict
 
-    def figures(self) -> dict:
-        keys = ("samples", "val_acc", "majority_baseline", "majority_class", "required_val_acc",
-                "top_predicted_class", "top_predicted_share", "class_recall", "passed", "failures")
-        return {k: self.quality[k] for k in keys if k in self.quality}
+    def figures(self) -> Figures:
+        """quality.json flat, its verdict line included, without the confusion counts and the run's path."""
+        return flat_figures({k: v for k, v in self.quality.items() if k not in ("run", "confusion")})
 
     @classmethod
     def load(cls, out_dir: Path) -> "GateResult":
-        return cls(Path(out_dir), json.loads((Path(out_dir) / QUALITY_JSON).read_text()))
+        return cls(Path(out_dir), read_result_json(Path(out_dir) / QUALITY_JSON))
 
 
 def gate_stage(train, thresholds: Thresholds, out_dir: Path) -> GateResult:

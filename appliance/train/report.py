@@ -16,6 +16,7 @@ from pathlib import Path
 
 from appliance.train.metrics import class_names, per_class
 from appliance.core.html_report import page
+from appliance.train.result import METRICS_NAME
 
 REPORT_HTML, REPORT_JSON = "report.html", "report.json"
 MADE_BY = "appliance train (appliance/train/report.py); remake with a finished run's metrics.jsonl"
@@ -60,7 +61,7 @@ def training_report(metrics_path: Path, names=()) -> dict:
 
 def write_training_report(run_dir: Path, names=()) -> tuple[Path, Path]:
     """Write run_dir/report.json and run_dir/report.html from run_dir/metrics.jsonl."""
-    report = training_report(run_dir / "metrics.jsonl", names)
+    report = training_report(run_dir / METRICS_NAME, names)
     json_path, html_path = run_dir / REPORT_JSON, run_dir / REPORT_HTML
     json_path.write_text(json.dumps(report, indent=1) + "\n")
     html_path.write_text(render_html(report, run_dir.name))

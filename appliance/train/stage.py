@@ -8,7 +8,8 @@ from pathlib import Path
 
 from appliance.core.errors import ConfigError
 from appliance.core.manifest import atomic_write_text
-from appliance.train.launcher import LaunchSpec, TrainResult, launch_training
+from appliance.train.launcher import LaunchSpec, launch_command, launch_training
+from appliance.train.result import TrainResult
 
 CONFIG_NAME = "config.toml"
 
@@ -64,9 +65,14 @@ def stage_config(training: dict, source: Path, run_dir: Path, *, train_files, va
     return config
 
 
-def train_stage(config: Path, *, dry_run: bool = False, **launch) -> TrainResult | str:
+def train_stage(config: Path, **launch) -> TrainResult:
     """`appliance train` and the pipeline's train stage: train as config says (resuming its newest good
-    checkpoint) and return the run's result (with dry_run, the command line that would run). launch: the
-    other fields of LaunchSpec (nproc_per_node, nnodes, max_restarts, resume, ...). Raises ApplianceError
-    with one line. The quality gate is the gate's (appliance.train.quality)."""
-    return launch_training(LaunchSpec(config=Path(config), **launch), dry_run=dry_run)
+    checkpoint) and return the run's result. launch: the other fields of LaunchSpec (nproc_per_node,
+    nnodes, max_restarts, resume, ...). Raises ApplianceError with one line. The quality gate is the
+    gate's (appliance.train.quality)."""
+    return launch_training(LaunchSpec(config=Path(config), **launch))
+
+
+def train_command_line(config: Path, **launch) -> str:
+    """`appliance train --dry-run`: the command train_stage would run, after the same checks."""
+    return launch_command(LaunchSpec(config=Path(config), **launch))

@@ -6,7 +6,7 @@ import json
 import sys
 
 from appliance.core import values
-from appliance.core.errors import ConfigError
+from appliance.core.errors import ConfigError, DataError, GateFailed
 from data_tools.labels import MAX_CLASSES
 
 MAX_JOBS = 256  # worker processes; --jobs 100000 forked until the box gave out (each is a whole Python)
@@ -46,7 +46,7 @@ def register_data_verb(data_subparsers) -> None:
 
 
 def check_command(args) -> int:
-    from data_tools.check.stage import CheckFailed, check_stage  # late: PIL and numpy, at the CLI boundary
+    from data_tools.check.stage import check_stage  # late: PIL and numpy, at the CLI boundary
 
     inputs = [(f, None) for f in args.files] + [(f, "train") for f in args.train] + [(f, "val") for f in args.val]
     if not inputs:
@@ -58,11 +58,11 @@ def check_command(args) -> int:
         raise ConfigError("data check: --val needs --train (leakage is checked between the two)")
     sizes = {"max_pixels": args.max_pixels} if args.max_pixels else {}  # else run_check's default
     try:
-        check_stage(inputs, args.out, fail_on=args.fail_on, on_report=(lambda r: print(json.dumps(r))) if args.json
+        check_stage(inputs, args.out, fail_on=args.fail_on, on_result=(lambda r: print(json.dumps(r.report))) if args.json
                     else None, schema_path=args.schema, image_key=args.image_key, label_key=args.label_key,
                     near_distance=args.near_distance, jobs=args.jobs, progress=not (args.no_progress or args.quiet),
                     command=["appliance", *sys.argv[1:]], summary_stream=sys.stderr if args.json else None,
                     num_classes=args.num_classes, ignore_label=args.ignore_label, **sizes)
-    except CheckFailed as failed:  # its lines (each unreadable file, each failed rule) are printed already
+    except (GateFailed, DataError) as failed:  # its lines (each unreadable file, each failed rule) are printed already
         return failed.exit_code
     return 0

@@ -1,4 +1,4 @@
-"""report.json: the machine-readable result of `appliance data check` (contract in DESIGN.md).
+"""report.json: the machine-readable result of `appliance data check` (contract in docs/dev/contracts.md).
 
 records_total = records_valid + records_quarantined = every record whose framing could be read;
 bytes that held no readable record are listed in damaged_ranges.

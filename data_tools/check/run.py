@@ -1,7 +1,7 @@
 """`appliance data check`: scan every file (in parallel), then the checks that need all of them.
 
 Output directory:
-  report.json, report.html   what was found (report.json is the contract; see DESIGN.md)
+  report.json, report.html   what was found (report.json is the contract: docs/dev/contracts.md)
   schema.json                the schema used (inferred unless --schema was given)
   clean/NAME + NAME.index    per input file: the records that passed every check, in their
                              original order, uncompressed, with a DALI-format index. Train on these.
@@ -38,6 +38,9 @@ from data_tools.check.report_json import build_report, write_json
 from data_tools.check.scan import ScanTask, scan_file, shard_names
 from data_tools.check.schema import infer_num_classes, infer_schema, load_schema
 from data_tools.check.thumbnails import collect_thumbnails
+
+REPORT_JSON = "report.json"
+REPORT_HTML = "report.html"
 from appliance.core.dirlock import directory_lock
 from data_tools.example import decode_example
 from data_tools.tfrecord import read_records
@@ -126,15 +129,15 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
     thumbs = collect_thumbnails(out, report, results, names)
     if segmentation:
         thumbs["overlays"] = collect_overlays(out, report, results, names)
-    write_json(out / "report.json", report)
+    write_json(out / REPORT_JSON, report)
     atomic_write_text(out / "schema.json", json.dumps(schema, indent=2) + "\n")
-    write_html(out / "report.html", report, thumbs)
+    write_html(out / REPORT_HTML, report, thumbs)
     write_manifest(out, "check", [p for p, r in zip(paths, results) if not r.error],
                    params=report["params"])
 
     print(f"checked {report['records_total']} records in {len(paths)} files: "
           f"{report['records_valid']} valid, {report['records_quarantined']} quarantined, "
-          f"{len(report['damaged_ranges'])} unreadable byte ranges; report: {out / 'report.html'}",
+          f"{len(report['damaged_ranges'])} unreadable byte ranges; report: {out / REPORT_HTML}",
           file=summary_stream or sys.stdout)
     for line in report["gate"]["failed"]:
         print(f"gate failed: {line}", file=sys.stderr)

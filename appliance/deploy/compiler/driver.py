@@ -16,6 +16,7 @@ from pathlib import Path
 from appliance.assets.tuning_db import FILES
 from appliance.core.errors import DataError, EnvironmentProblem
 from appliance.core.manifest import atomic_write_text, write_manifest
+from appliance.deploy.compiled import COMPILE_JSON, COMPILED_LIBRARY, REFERENCE_MODEL
 from appliance.deploy.compiler.check import check_against_ort, host_latency_ms
 from appliance.deploy.compiler.frontend import import_relax
 from appliance.deploy.compiler.passes import Build
@@ -67,7 +68,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     library = _build(tvm.compile(mod, target=tvm.target.Target(build.tvm_target)), out_dir, cross)
     seconds = time.perf_counter() - start
     shutil.copyfile(model_path, out_dir / ".model.onnx.tmp")
-    (out_dir / ".model.onnx.tmp").replace(out_dir / "model.onnx")  # the reference edge verify compares with
+    (out_dir / ".model.onnx.tmp").replace(out_dir / REFERENCE_MODEL)  # the reference edge verify compares with
 
     info = _info(build, inp, shape, library, seconds, meta, passes)
     if not cross:
@@ -80,14 +81,14 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     else:
         info["device_estimate"] = not_estimated("not requested (appliance compile without --no-device-estimate "
                                                 "estimates it)")
-    atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2) + "\n")
+    atomic_write_text(out_dir / COMPILE_JSON, json.dumps(info, indent=2) + "\n")
     _write_manifest(build, sample_files, shape, tolerance)
     if not cross and not info["check"]["passed"]:
         c = info["check"]
         pixels = (f", class maps agree on {c['pixel_agreement'] * 100:.2f}% of the pixels (need "
                   f"{c['min_pixel_agreement'] * 100:.1f}%)" if "pixel_agreement" in c else "")
         raise DataError(f"{library}: TVM output differs from onnxruntime by {c['max_abs_diff']:.3g} "
-                        f"(allowed {c['allowed']:.3g}){pixels}; see {out_dir / 'compile.json'}")
+                        f"(allowed {c['allowed']:.3g}){pixels}; see {out_dir / COMPILE_JSON}")
     return info
 
 
@@ -105,7 +106,7 @@ def _build(executable, out_dir: Path, cross: bool) -> Path:
     """model.so in out_dir: the executable exported (cross-compiled for aarch64), checked to be an ELF for it."""
     import tvm.support.cc
 
-    library, tmp = out_dir / "model.so", out_dir / ".model.so.tmp.so"
+    library, tmp = out_dir / COMPILED_LIBRARY, out_dir / ".model.so.tmp.so"
     if cross:
         executable.export_library(str(tmp), fcompile=tvm.support.cc.cross_compiler(CROSS_COMPILER))
     else:

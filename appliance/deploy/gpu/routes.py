@@ -21,11 +21,11 @@ from pathlib import Path
 
 from appliance.core.errors import DataError, EnvironmentProblem
 from appliance.deploy.options import GPU_TARGETS  # noqa: F401 (the routes this module serves; tests list them here)
-from appliance.deploy.tolerance import refuse_failed_gate
 from appliance.deploy.accuracy_report import compare, write_reports
 from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, precision, quantize_fp16, run_ort
 from appliance.deploy.samples import check_input_shape, load_samples
 from appliance.core.manifest import atomic_write_text, write_manifest
+from appliance.deploy.compiled import COMPILE_JSON
 
 OPT_BATCH = 32  # TensorRT optimisation profile: batch 1..OPT_BATCH, tuned for OPT_BATCH
 WORKSPACE_BYTES = 2 << 30
@@ -69,23 +69,20 @@ def require_gpu(target: str, model_path) -> None:
                                  "GPU host, or use --target x86_64/aarch64 (TVM)") from None
 
 
-def run(args) -> int:
-    require_gpu(args.target, args.model)
-    if not args.allow_failed_gate:
-        refuse_failed_gate(args.model)
-    info = compile_gpu(args.model, args.target, args.out, sample_files=args.samples, tolerance=args.tolerance,
-                       calib_files=args.int8_calib, max_drop=args.max_drop)
+def build_lines(info: dict) -> list[str]:
+    """What `appliance compile` prints for a GPU route's compile.json: one line per build."""
+    lines = []
     for build in info["builds"]:
         c = build["check"]
         acc = build.get("accuracy")
-        line = (f"wrote {build['artifact']} ({args.target} {build['precision']}, {build['bytes'] / 1e6:.2f} MB) in "
+        line = (f"wrote {build['artifact']} ({info['target']} {build['precision']}, {build['bytes'] / 1e6:.2f} MB) in "
                 f"{build['build_seconds']:.1f} s; vs onnxruntime CPU FP32 on {c['samples']} samples: max abs diff "
                 f"{c['max_abs_diff']:.3g}, top-1 agreement {c['top1_agreement']:.4f}; latency "
                 f"{build['latency_ms']['batch1_median']:.3f} ms (batch 1)")
         if acc:
             line += f"; top-1 {acc['fp32']['top1'] * 100:.2f}% -> {acc['quantized']['top1'] * 100:.2f}%"
-        print(line)
-    return 0
+        lines.append(line)
+    return lines
 
 
 # --- the two runtimes, behind one callable: x (N,C,H,W float32) -> logits float32 -----------------
@@ -256,8 +253,11 @@ def _accuracy(model_path, artifact, fp32_logits, logits, y, fp32_latency, latenc
 
 def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, tolerance=None, calib_files=None,
                 max_drop: float = 1.0) -> dict:
+    """The compile stage's builder for the GPU targets: refuses with one line, before touching out_dir,
+    when this host cannot run target; returns compile.json's content."""
     import numpy as np
 
+    require_gpu(target, model_path)
     model_path, out_dir = Path(model_path), Path(out_dir)
     model = load_onnx(model_path)
     inp = image_input(model, model_path)
@@ -291,7 +291,7 @@ def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, toleranc
             "input": {"name": inp.name, "shape": ["batch", *chw], "dtype": "float32"},
             "reference": {"runtime": "onnxruntime CPUExecutionProvider, FP32", "latency_ms": cpu_ms},
             "versions": _runtime_versions(target), "builds": results, **meta}
-    atomic_write_text(out_dir / "compile.json", json.dumps(info, indent=2, default=float) + "\n")
+    atomic_write_text(out_dir / COMPILE_JSON, json.dumps(info, indent=2, default=float) + "\n")
     write_manifest(out_dir, "compile", inputs, {"target": target, "input_shape": ["batch", *chw],
                                                 "tolerance": tolerance, "max_drop": max_drop,
                                                 "builds": [b["precision"] for b in results]})
@@ -300,7 +300,7 @@ def compile_gpu(model_path, target: str, out_dir, *, sample_files=None, toleranc
             c = build["check"]
             raise DataError(f"{build['artifact']}: {target} {build['precision']} failed the parity gate (max abs "
                             f"diff {c['max_abs_diff']:.3g}, allowed {c['allowed'] if c['allowed'] is not None else 'any'}; top-1 agreement "
-                            f"{c['top1_agreement']:.4f}); see {out_dir / 'compile.json'}")
+                            f"{c['top1_agreement']:.4f}); see {out_dir / COMPILE_JSON}")
     return info
 
 
