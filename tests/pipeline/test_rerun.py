@@ -215,11 +215,12 @@ def test_a_damaged_output_reruns_that_stage(site):
 
 
 def test_every_stage_result_keeps_the_one_contract_and_loads_back_equal(site):
-    from appliance.core.stage import StageResult
+    from appliance.core.stage import StageResult, is_flat
 
     _, results, _ = run(site)
     for name, result in results.items():
         assert isinstance(result, StageResult), name
+        assert isinstance(result.out_dir, Path) and is_flat(result.figures()), name
         again = type(result).load(result.out_dir)
         assert again.figures() == result.figures(), name
 
