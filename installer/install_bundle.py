@@ -449,13 +449,11 @@ def build_release(args, copy, comment: str | None, manifest: dict, name: str,
             "edge_runner": runner["key"] if runner else None}
 
 
-def install(args) -> int:
-    bundle, prefix = Path(args.bundle).resolve(), Path(args.prefix).resolve()
-    started = time.monotonic()
+def check_start(bundle: Path, prefix: Path) -> None:
+    """Refuse before anything is copied: BUNDLE not a file, PREFIX writable by all, no room for the copy."""
     if not bundle.is_file():
         raise Refusal(f"{bundle}: " + ("not a regular file (a folder, device or pipe), so not a bundle"
                                        if bundle.exists() else "no such file"))
-    created = not prefix.exists()
     prefix.mkdir(parents=True, exist_ok=True)
     if prefix.lstat().st_mode & 0o002:  # a renamed staging or release directory would undo every check
         raise Refusal(f"{prefix}: writable by every user: anyone could change what gets installed "
@@ -464,6 +462,21 @@ def install(args) -> int:
     if free < size:
         raise Refusal(f"{prefix}: {free / 1e9:.1f} GB free, the private copy of {bundle.name} alone needs "
                       f"{size / 1e9:.1f} GB")
+
+
+def keep_current_and_previous(prefix: Path) -> None:
+    keep = {linked_release(prefix, "current"), linked_release(prefix, "previous")}
+    for old in sorted((prefix / "releases").iterdir()):
+        if old.name not in keep:
+            shutil.rmtree(old, ignore_errors=True)
+            log(f"removed old release {old.name} (only current and previous are kept)")
+
+
+def install(args) -> int:
+    bundle, prefix = Path(args.bundle).resolve(), Path(args.prefix).resolve()
+    started = time.monotonic()
+    created = not prefix.exists()
+    check_start(bundle, prefix)
     staging = new_staging(prefix)
     copy, release_dir = None, None
     try:
@@ -515,11 +528,7 @@ def install(args) -> int:
             flip(prefix, "previous", current)
         flip(prefix, "current", release)
         release_dir = None  # installed: nothing to undo
-        keep = {linked_release(prefix, "current"), linked_release(prefix, "previous")}
-        for old in sorted((prefix / "releases").iterdir()):
-            if old.name not in keep:
-                shutil.rmtree(old, ignore_errors=True)
-                log(f"removed old release {old.name} (only current and previous are kept)")
+        keep_current_and_previous(prefix)
         log(f"done in {time.monotonic() - started:.0f} s: {prefix / 'current'} -> releases/{release}; "
             f"run {prefix / 'current' / 'venv' / 'bin' / 'appliance'}")
         return 0

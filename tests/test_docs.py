@@ -155,3 +155,57 @@ def test_every_docs_page_is_in_the_index():
     for page in DOCS.glob("*.md"):
         if page.name != "README.md":
             assert f"]({page.name})" in index, f"docs/README.md does not list {page.name}"
+
+
+# Every repository path a page, a docstring or a comment cites exists (a `*` in it: some file matches).
+# Paths under the bundle's layout are not the repository's: the bundle carries appliance/core/minisign.py
+# as installer/minisign.py (appliance/bundle/build.py, INSTALLER_FILES).
+CITED_TOPS = ("appliance", "data_tools", "tests", "benchmarks", "installer", "docs", "manifests")
+CITED_PATH = re.compile(r"(?<![\w./$<{-])((?:%s)/[\w./*-]*[\w/*])" % "|".join(CITED_TOPS))
+BUNDLE_PATHS = {"installer/minisign.py"}
+
+
+def prose_of_python(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of the docstrings and comments of a Python file."""
+    import ast
+    import io
+    import tokenize
+
+    text = path.read_text()
+    found = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+             if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                found += [(node.body[0].lineno + i, line) for i, line in enumerate(doc.splitlines())]
+    return found
+
+
+def missing_cited_paths(root: Path = ROOT) -> list[str]:
+    sources = [(p, list(enumerate(p.read_text().splitlines(), 1)))
+               for p in [*root.glob("*.md"), *root.glob("docs/**/*.md"), *root.glob("benchmarks/*.md")]]
+    sources += [(p, prose_of_python(p)) for top in CITED_TOPS[:5] for p in sorted((root / top).rglob("*.py"))]
+    problems = []
+    for path, lines in sources:
+        for number, line in lines:
+            for match in CITED_PATH.finditer(line):
+                cited = match.group(1).rstrip(".")
+                exists = any(root.glob(cited)) if "*" in cited else (root / cited).exists()
+                if not exists and cited not in BUNDLE_PATHS:
+                    problems.append(f"{path.relative_to(root)}:{number}: {cited} is not in the repository")
+    return problems
+
+
+def test_every_cited_repository_path_exists():
+    problems = missing_cited_paths()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_planted_citation_of_a_missing_file_fails(tmp_path):
+    (tmp_path / "docs" / "dev").mkdir(parents=True)
+    (tmp_path / "appliance").mkdir()
+    (tmp_path / "appliance" / "real.py").write_text('"""See appliance/real.py and appliance/gone.py."""\n# and docs/dev/*.md\n')
+    (tmp_path / "docs" / "dev" / "page.md").write_text("the contracts: docs/dev/contracts.md; appliance/re*.py\n")
+    assert missing_cited_paths(tmp_path) == ["docs/dev/page.md:1: docs/dev/contracts.md is not in the repository",
+                                             "appliance/real.py:1: appliance/gone.py is not in the repository"]

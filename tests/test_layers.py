@@ -79,7 +79,7 @@ def scan(path: Path) -> tuple[list, list]:
 
 
 def our_imports(path: Path, module: str, root: Path) -> list[tuple[str, int]]:
-    """(imported module, line) for every import of appliance/data_tools in the file."""
+    """(imported module, line) for every import of appliance or data_tools in the file."""
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found = []
     for node in scan(path)[0]:
@@ -397,11 +397,11 @@ MAX_LATE_IMPORTS = 19
 LATE = re.compile(r"#\s*late:\s*\S")
 
 
-def late_imports(root: Path = ROOT) -> tuple[list[str], list[str]]:
-    """(every in-function import of appliance/data_tools as 'file:line', those without a `# late: <reason>`
-    comment on the line or the line above) in appliance/ and data_tools/."""
+def late_imports(root: Path = ROOT, packages=PACKAGES) -> tuple[list[str], list[str]]:
+    """(every in-function import of appliance or data_tools as 'file:line', those without a `# late: <reason>`
+    comment on the line or the line above) in packages (appliance/ and data_tools/)."""
     found, unexplained = [], []
-    for package in PACKAGES:
+    for package in packages:
         for path in sorted((root / package).rglob("*.py")):
             if path.parts[-2] == "edge" and path.name == "run.py":
                 continue  # the edge package's own runner, run on the device
@@ -598,3 +598,58 @@ def test_each_stage_file_name_is_spelled_by_its_stage_alone():
 def test_a_planted_stage_file_name_outside_its_stage_fails(plant, source):
     root = plant("appliance/deploy/planted.py", source)
     assert any(p.startswith("appliance/deploy/planted.py") for p in stage_file_spellings(root)), source
+
+
+# Heavy third-party libraries inside functions (docs/dev/architecture.md, rule 5): where a module must
+# import without them (a light caller, an optional library). Counted, so that a new one is a choice;
+# raise the ceiling with the reason in the commit when a module needs one more.
+HEAVY = ("torch", "torchvision", "tvm", "tvm_ffi", "onnxruntime", "onnx", "tensorflow", "tensorrt", "numpy",
+         "PIL", "safetensors", "sklearn", "scipy")
+MAX_LATE_HEAVY = 231
+
+
+def late_heavy_imports(root: Path = ROOT) -> list[str]:
+    """'file:line' of every import of a HEAVY library inside a function in appliance/ and data_tools/."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            for function in ast.walk(tree):
+                if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Import):
+                        names = [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom) and not node.level:
+                        names = [node.module or ""]
+                    else:
+                        continue
+                    where = f"{path.relative_to(root)}:{node.lineno}"
+                    if any(n.split(".")[0] in HEAVY for n in names) and where not in found:
+                        found.append(where)
+    return found
+
+
+def test_heavy_late_imports_are_counted():
+    found = late_heavy_imports()
+    assert len(found) <= MAX_LATE_HEAVY, (f"{len(found)} imports of heavy libraries inside functions, more than "
+                                          f"{MAX_LATE_HEAVY}: import at the top where every caller needs it")
+
+
+def test_a_planted_heavy_late_import_is_counted(plant):
+    before = len(late_heavy_imports(plant("data_tools/planted.py", "")))
+    root = plant("data_tools/planted_heavy.py", "def f():\n    import numpy as np\n    from torch import nn\n")
+    assert len(late_heavy_imports(root)) == before + 2
+
+
+# benchmarks/ are scripts whose one file is both the light parent (alternating rounds, starting processes,
+# writing the figures) and the worker each round runs: the worker's imports of torch and of our modules
+# sit in the worker's functions so that the parent stays light. Counted, like the library's.
+MAX_LATE_IMPORTS_BENCHMARKS = 45
+
+
+def test_benchmarks_imports_of_our_modules_are_counted(plant):
+    found = late_imports(packages=("benchmarks",))[0]
+    assert len(found) <= MAX_LATE_IMPORTS_BENCHMARKS, "\n".join(found)
+    root = plant("benchmarks/planted.py", "def f():\n    from appliance.core import errors\n")
+    assert "benchmarks/planted.py:2" in late_imports(root, packages=("benchmarks",))[0]
