@@ -62,6 +62,15 @@ def place(module: str) -> tuple[int, str]:
 
 
 _SCANS: dict[str, tuple[list, list]] = {}
+_TREES: dict[str, ast.Module] = {}
+
+
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of a file, parsed once per distinct text (a planted tree copy shares most)."""
+    text = path.read_text()
+    if text not in _TREES:
+        _TREES[text] = ast.parse(text, str(path))
+    return _TREES[text]
 
 
 def scan(path: Path) -> tuple[list, list]:
@@ -509,7 +518,7 @@ def result_fields(root: Path = ROOT) -> set[str]:
     fields = set()
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for node in ast.walk(parsed(path)):
                 if not isinstance(node, ast.ClassDef):
                     continue
                 members = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
@@ -573,7 +582,7 @@ def stage_file_spellings(root: Path = ROOT) -> list[str]:
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
-            tree = ast.parse(path.read_text(), rel)
+            tree = parsed(path)
             docstrings = {id(n.body[0].value) for n in ast.walk(tree)
                           if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                           and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
@@ -613,8 +622,7 @@ def late_heavy_imports(root: Path = ROOT) -> list[str]:
     found = []
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
-            tree = ast.parse(path.read_text(), str(path))
-            for function in ast.walk(tree):
+            for function in ast.walk(parsed(path)):
                 if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
                 for node in ast.walk(function):
