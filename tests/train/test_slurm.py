@@ -11,6 +11,7 @@ under srun."""
 
 import os
 import shutil
+import signal
 import subprocess
 import textwrap
 
@@ -23,6 +24,9 @@ from train_data import make_config
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")
 HOST = "applslurm"  # the namespace's host name: the Slurm node and the rendezvous host
+# Slurm's daemons bind through getaddrinfo(AI_ADDRCONFIG), which finds nothing with loopback alone:
+# the node gets an address on a veth pair inside its namespace.
+ADDRESS = "10.246.0.1"
 
 
 def cluster_script(workdir, job_script) -> str:
@@ -52,7 +56,7 @@ def cluster_script(workdir, job_script) -> str:
         NodeName={HOST} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN
         PartitionName=main Nodes={HOST} Default=YES MaxTime=INFINITE State=UP
         """))
-    (workdir / "hosts").write_text(f"127.0.0.1 localhost {HOST}\n")
+    (workdir / "hosts").write_text(f"127.0.0.1 localhost\n{ADDRESS} {HOST}\n")
     for d in ("state", "spool"):
         (workdir / d).mkdir()
     key = workdir / "munge.key"
@@ -61,6 +65,8 @@ def cluster_script(workdir, job_script) -> str:
     w = str(workdir)
     return textwrap.dedent(f"""\
         set -u
+        ip link set lo up && ip link add eth0 type veth peer name eth1 && ip addr add {ADDRESS}/24 dev eth0 \
+          && ip link set eth0 up && ip link set eth1 up || exit 89
         hostname {HOST} && mount --bind {w}/hosts /etc/hosts || exit 90
         export SLURM_CONF={conf}
         stop() {{ for f in slurmd slurmctld munged; do [ -f {w}/$f.pid ] && kill $(cat {w}/$f.pid) 2>/dev/null; done; }}
@@ -68,9 +74,9 @@ def cluster_script(workdir, job_script) -> str:
         munged --key-file={key} --socket={w}/munge.sock --pid-file={w}/munged.pid --log-file={w}/munged.log \\
           --seed-file={w}/munge.seed -f || exit 91
         slurmctld -f {conf} && slurmd -f {conf} || exit 92
-        for i in $(seq 100); do sinfo -h -o %T 2>/dev/null | grep -qx idle && break; sleep 0.2; done
-        sinfo -h -o %T | grep -qx idle || {{ echo "the node never became idle"; exit 93; }}
-        sbatch --wait {job_script}
+        for i in $(seq 100); do timeout 5 sinfo -h -o %T 2>/dev/null | grep -qx idle && break; sleep 0.2; done
+        timeout 5 sinfo -h -o %T | grep -qx idle || {{ echo "the node never became idle"; exit 93; }}
+        timeout 240 sbatch --wait {job_script}
         """)
 
 
@@ -100,8 +106,15 @@ def test_sbatch_runs_the_generated_script_to_the_same_weights_as_by_hand(tmp_pat
     slurm_dir = tmp_path / "slurm-cluster"
     slurm_dir.mkdir()
     body = cluster_script(slurm_dir, script)
-    cmd = ["unshare", "-n", "-u", "-m", "--propagation", "private", "sh", "-c", "ip link set lo up && " + body]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    cmd = ["unshare", "-n", "-u", "-m", "--propagation", "private", "sh", "-c", body]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    finally:  # the daemons outlive a killed shell: stop them by their pid files
+        for pid_file in slurm_dir.glob("*.pid"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            except (ValueError, ProcessLookupError):
+                pass
     run_dir = tmp_path / "runs" / "slurm"
     job_logs = "".join(p.read_text(errors="replace")[-3000:] for p in run_dir.glob("slurm-*.out"))
     daemon_logs = "".join((slurm_dir / f).read_text()[-1500:] for f in ("slurmctld.log", "slurmd.log")
