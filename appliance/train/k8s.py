@@ -119,19 +119,22 @@ def check_spec(spec: K8sSpec, cfg) -> tuple[str, int]:
     return name, processes
 
 
-def pod_command(spec: K8sSpec, cfg, name: str, processes: int) -> list[str]:
-    """The container's command: `appliance train` with the node rank and rendezvous of this kind."""
+def pod_command(spec: K8sSpec, cfg, name: str, processes: int, data_dir: Path) -> list[str]:
+    """The container's command: `appliance doctor --k8s` (this pod's name, interface, shm, volumes,
+    GPUs; one line per problem), then `appliance train` with the node rank and rendezvous of this kind."""
     rank, endpoint = {"statefulset": ("${HOSTNAME##*-}", f"{name}-0.{name}:{PORT}"),
                       "indexed-job": ("$JOB_COMPLETION_INDEX", f"{name}-0.{name}:{PORT}"),
                       "trainjob": ("$PET_NODE_RANK", "$PET_MASTER_ADDR:$PET_MASTER_PORT")}[spec.kind]
+    doctor = (f"appliance doctor --k8s --run-dir {shlex.quote(str(cfg.run_dir))} --data-dir {shlex.quote(str(data_dir))}"
+              + (f" --expect-gpus {spec.gpus_per_node}" if spec.gpus_per_node else ""))
     train = (f"appliance train {shlex.quote(cfg.source)} --nnodes {spec.nodes} --node-rank \"$rank\" "
              f"--rdzv-endpoint \"{endpoint}\" --nproc-per-node {processes} --max-restarts {spec.max_restarts}")
     if spec.kind != "statefulset":
         # The Job owns restarts (backoffLimit); the launcher is PID 1 and gets SIGTERM itself.
-        return ["sh", "-c", f"rank={rank}\nexec {train}\n"]
+        return ["sh", "-c", f"rank={rank}\n{doctor} || exit 1\nexec {train}\n"]
     # A StatefulSet restarts every container that exits, finished or not: the pod stays up after
     # the run (bounded restarts are torchrun's --max-restarts), passing SIGTERM on to the launcher.
-    return ["sh", "-c", f"rank={rank}\n{train} &\npid=$!\n"
+    return ["sh", "-c", f"rank={rank}\n{{ {doctor} && exec {train}; }} &\npid=$!\n"
             "trap 'kill -TERM \"$pid\" 2>/dev/null' TERM\n"
             "status=0; wait \"$pid\" || status=$?\n"
             "while kill -0 \"$pid\" 2>/dev/null; do status=0; wait \"$pid\" || status=$?; done\n"
@@ -146,7 +149,7 @@ def _container(spec: K8sSpec, cfg, name: str, processes: int, data_dir: Path, pe
         run_mount["subPathExpr"] = "node-$(JOB_COMPLETION_INDEX)"
     container = {
         "name": CONTAINER, "image": spec.image,
-        "command": pod_command(spec, cfg, name, processes),
+        "command": pod_command(spec, cfg, name, processes, data_dir),
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
                 {"name": "OMP_NUM_THREADS", "value": str(spec.resources.threads_per_process())}],
         "ports": [{"name": "rdzv", "containerPort": PORT, "protocol": "TCP"}],

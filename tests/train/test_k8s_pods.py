@@ -60,9 +60,9 @@ def pod_process(cluster, i, container, volumes, workdir, log):
     hosts.write_text(cluster.etc_hosts)
     setup = [f"hostname {cluster.hosts[i]}", f"mount --bind {hosts} /etc/hosts"]
     for mount in container["volumeMounts"]:
-        path, source = mount["mountPath"], volumes[mount["name"]][i]
-        if source == "tmpfs":
-            setup.append(f"mount -t tmpfs -o size=64m tmpfs {path}")
+        path, source = mount["mountPath"], str(volumes[mount["name"]][i])
+        if source.startswith("tmpfs:"):  # an emptyDir with medium Memory: tmpfs of its sizeLimit
+            setup.append(f"mount -t tmpfs -o size={source[6:].replace('i', '').lower()} tmpfs {path}")
             continue
         setup.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(path)}")
         if mount.get("readOnly"):
@@ -125,8 +125,10 @@ def test_two_pods_train_survive_a_killed_pod_and_match_a_run_by_hand(tmp_path):
     for claim in claims:
         claim.mkdir()
     data_dir = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "data")
+    shm = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "shm")["emptyDir"]
+    assert shm["medium"] == "Memory"
     volumes = {"config": [tmp_path / "configmap-train.toml"] * 2, "data": [data_dir] * 2, "run": claims,
-               "shm": ["tmpfs"] * 2}
+               "shm": [f"tmpfs:{shm['sizeLimit']}"] * 2}
     cluster = Cluster(sts["spec"]["serviceName"])
     logs = [open(tmp_path / f"pod-{i}.log", "ab") for i in (0, 1)]
     text = [lambda i=i: (tmp_path / f"pod-{i}.log").read_text(errors="replace") for i in (0, 1)]
@@ -154,6 +156,9 @@ def test_two_pods_train_survive_a_killed_pod_and_match_a_run_by_hand(tmp_path):
         cluster.close()
     logs = [t() for t in text]
     assert all("training exited with status 0" in log for log in logs), logs[1][-3000:]
+    # `appliance doctor --k8s` ran first in each pod and saw what the pod gives it.
+    assert all("ready to train" in log and "data volume" in log and ": read-only" in log for log in logs), logs[0][:3000]
+    assert "k8s-1 (k8s-1.k8s.default.svc.cluster.local -> 10.245.0.11)" in logs[1], logs[1][:3000]
     assert "resumed from " in logs[0] + logs[1], logs[1][-3000:]
     for claim in claims:  # each pod's own volume holds its own part of every checkpoint
         newest = sorted((claim / "checkpoints").glob("step-*"))[-1]
