@@ -1,8 +1,9 @@
 """Block-style YAML for generated manifests, written without a YAML library.
 
 A string of whole lines (a script, a config file) is a literal block (`|`), as people write them;
-every other scalar is written as JSON writes it (strings double-quoted, with JSON's escapes), which YAML
-1.2 and 1.1 read back as the same value: no string can turn into a number, a boolean or null
+other strings are double-quoted (YAML's escapes for what is not printable), numbers, booleans and
+null as JSON writes them (floats always with a point); YAML 1.2 and 1.1 readers read them back as
+the same value: no string can turn into a number, a boolean or null
 ("yes", "1.10", "0x1F"), and the same data always gives the same bytes. Keys keep the order the
 caller built them in, as people read Kubernetes manifests (apiVersion, kind, metadata, spec).
 """
@@ -10,6 +11,11 @@ caller built them in, as people read Kubernetes manifests (apiVersion, kind, met
 from __future__ import annotations
 
 import json
+import re
+
+_BARE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+_WORDS = {"y", "n", "yes", "no", "true", "false", "on", "off", "null", "nan", "inf"}
 
 
 def dump(data, indent: int = 2) -> str:
@@ -26,14 +32,35 @@ def dump_all(documents, header: str = "") -> str:
 def _scalar(value) -> str:
     if isinstance(value, float) and value != value:
         raise ValueError("NaN has no YAML form shared by every reader")
-    return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, float):  # YAML 1.1 reads 1e-05 as a string: its floats need a point
+        mantissa, e, exponent = repr(value).partition("e")
+        return mantissa + ("" if "." in mantissa else ".0") + e + exponent
+    return _string(value) if isinstance(value, str) else json.dumps(value)
+
+
+def _string(text: str) -> str:
+    """A double-quoted scalar: YAML's printable characters as they are, every other one escaped
+    (YAML refuses raw control characters, and reads JSON's surrogate pairs as two characters)."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif 0x20 <= code <= 0x7E or 0xA0 <= code <= 0xD7FF or 0xE000 <= code <= 0xFFFD and code != 0xFEFF \
+                or code >= 0x10000:
+            out.append(ch)
+        else:
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    return '"' + "".join(out) + '"'
 
 
 def _key(key) -> str:
+    """Bare when no reader can take it for anything but that string (YAML 1.1 reads `yes`, `on`, `n`
+    as booleans, `1e3` as a number); quoted otherwise."""
     if not isinstance(key, str):
         raise TypeError(f"YAML keys here are strings, got {type(key).__name__}")
-    return _scalar(key) if not key.replace("-", "").replace("_", "").replace(".", "").replace("/", "").isalnum() \
-        or key[0] in "-." else key
+    bare = _BARE_KEY.fullmatch(key) and key.lower() not in _WORDS
+    return key if bare else _scalar(key)
 
 
 def _literal(value) -> bool:

@@ -108,6 +108,9 @@ def check_spec(spec: K8sSpec, cfg) -> tuple[str, int]:
     if spec.data_host_path and not spec.data_host_path.startswith("/"):
         raise ConfigError(f"--data-host-path {shown(spec.data_host_path)} must be an absolute path on the nodes")
     memory_bytes(spec.run_storage, "--run-storage")
+    if spec.kind == "trainjob" and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", spec.runtime):
+        raise ConfigError(f"--runtime {shown(spec.runtime)}: must be the name of a ClusterTrainingRuntime "
+                          "(a DNS name: a-z, 0-9, '-', '.')")
     if spec.nproc_per_node == "auto":
         processes = spec.gpus_per_node or 1
     else:
