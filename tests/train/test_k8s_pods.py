@@ -109,6 +109,7 @@ def hand_run(workdir):
     return final_model(workdir / "hand0" / "runs" / "k8s")
 
 
+@pytest.mark.slow  # two 2-node trainings (by hand, then the pods with one restart)
 def test_two_pods_train_survive_a_killed_pod_and_match_a_run_by_hand(tmp_path):
     config = make_config(tmp_path, name="k8s", train_records=128, **OPTIONS)
     reference = hand_run(tmp_path)  # also builds the data's .index files, which a read-only volume must hold

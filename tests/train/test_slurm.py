@@ -89,6 +89,7 @@ def slurm():
         pytest.skip("slurmd runs jobs as their users and needs root; this test runs as an unprivileged user")
 
 
+@pytest.mark.slow  # a one-host Slurm starts in seconds; two short trainings
 def test_sbatch_runs_the_generated_script_to_the_same_weights_as_by_hand(tmp_path, slurm):
     options = dict(train={"epochs": 1}, checkpoint={"every_steps": 5, "keep_last": 2, "keep_best": 1})
     config = make_config(tmp_path, name="slurm", train_records=128, **options)
