@@ -88,8 +88,7 @@ def write_slurm(args) -> int:
 
 
 def write_k8s(args) -> int:
-    processes = args.gpus_per_node or (1 if args.nproc_per_node == "auto" else int(args.nproc_per_node))
-    resources = PodResources(gpus=args.gpus_per_node, processes=processes, cpu_request=args.cpu_request,
+    resources = PodResources(gpus=args.gpus_per_node, processes=1, cpu_request=args.cpu_request,
                              cpu_limit=args.cpu_limit, memory_request=args.memory_request,
                              memory_limit=args.memory_limit, shm_size=args.shm_size)
     spec = K8sSpec(config=Path(args.config), nodes=args.nodes, image=args.image, out=Path(args.out),

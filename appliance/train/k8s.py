@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from appliance import __version__
@@ -136,11 +136,13 @@ def pod_command(spec: K8sSpec, cfg, name: str, processes: int, data_dir: Path) -
         # The Job owns restarts (backoffLimit); the launcher is PID 1 and gets SIGTERM itself.
         return ["sh", "-c", f"rank={rank}\n{doctor} || exit 1\nexec {train}\n"]
     # A StatefulSet restarts every container that exits, finished or not: the pod stays up after
-    # the run (bounded restarts are torchrun's --max-restarts), passing SIGTERM on to the launcher.
+    # the run (bounded restarts are torchrun's --max-restarts). SIGTERM (the pod deleted) goes on to
+    # the launcher, whose workers checkpoint; then the pod exits.
     return ["sh", "-c", f"rank={rank}\n{{ {doctor} && exec {train}; }} &\npid=$!\n"
-            "trap 'kill -TERM \"$pid\" 2>/dev/null' TERM\n"
+            "term=\"\"\ntrap 'term=1; kill -TERM \"$pid\" 2>/dev/null' TERM\n"
             "status=0; wait \"$pid\" || status=$?\n"
             "while kill -0 \"$pid\" 2>/dev/null; do status=0; wait \"$pid\" || status=$?; done\n"
+            "[ -z \"$term\" ] || exit \"$status\"  # deleted: the checkpoint is saved, the pod goes\n"
             "echo \"appliance train k8s: node $rank: training exited with status $status; this pod stays up "
             "until deleted (a StatefulSet would restart it)\"\n"
             "trap 'exit 0' TERM\nsleep infinity & wait\n"]
@@ -193,6 +195,9 @@ def documents(spec: K8sSpec) -> dict[str, dict]:
     """The manifests by file name, checked: the ConfigMap, the Service, the workload (and a claim)."""
     cfg = load_config(spec.config)
     name, processes = check_spec(spec, cfg)
+    # Resources are per GPU, or per process without one: the pod's share follows the flags.
+    spec = replace(spec, resources=replace(spec.resources, gpus=spec.gpus_per_node,
+                                           processes=spec.gpus_per_node or processes))
     data_dir = data_directory(cfg, spec.data_dir)
     per_index = spec.kind != "statefulset"
     container = _container(spec, cfg, name, processes, data_dir, per_index)

@@ -185,3 +185,47 @@ def test_run_directory_inside_the_read_only_data_is_refused(tmp_path, capsys):
                  "--data-pvc", "d"]) != 0
     line = capsys.readouterr().err.strip()
     assert "is inside the data directory" in line and "\n" not in line
+
+
+def test_statefulset_script_passes_sigterm_on_and_stays_up_only_after_the_run(tmp_path, config):
+    """The StatefulSet container's own shell (under test here), with a stand-in `appliance` on PATH
+    that records its arguments and answers SIGTERM as the launcher does (exit 143 once the workers
+    saved): deleting the pod mid-run reaches the launcher and the pod exits; after a finished run
+    the pod stays up (a StatefulSet would restart it) until SIGTERM, then exits 0."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    docs = write(config, tmp_path / "m", "--nodes", "2", "--data-pvc", "d")
+    command = pod_spec(docs)["containers"][0]["command"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    launcher = bin_dir / "appliance"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOSTNAME": "demo-run-1"}
+
+    def pod(body):
+        launcher.write_text("#!/bin/sh\n" + body)
+        launcher.chmod(0o755)
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        time.sleep(1.0)
+        return proc
+
+    training = pod('[ "$1" = doctor ] && exit 0\necho "argv: $*"\n'
+                   "trap 'echo launcher got SIGTERM; exit 143' TERM\nsleep 30 >/dev/null & wait\n")
+    try:
+        assert training.poll() is None
+        training.send_signal(signal.SIGTERM)
+        out = training.communicate(timeout=10)[0]
+    finally:
+        os.killpg(training.pid, signal.SIGKILL)
+    assert training.returncode == 143 and "launcher got SIGTERM" in out
+    assert "argv: train " in out and "--node-rank 1 --rdzv-endpoint demo-run-0.demo-run:29500" in out
+    finished = pod("exit 0\n")
+    try:
+        assert finished.poll() is None  # stays up after the run
+        finished.send_signal(signal.SIGTERM)
+        assert finished.wait(timeout=10) == 0
+    finally:
+        os.killpg(finished.pid, signal.SIGKILL)
+    assert "node 1: training exited with status 0; this pod stays up" in finished.stdout.read()
