@@ -32,6 +32,7 @@ KINDS = ("statefulset", "indexed-job", "trainjob")
 PORT = 29500  # c10d rendezvous on pod 0
 CONTAINER = "node"  # Kubeflow Trainer's torch runtimes name their trainer container "node"
 _DIGEST = re.compile(r"[^@\s]+@sha256:[0-9a-f]{64}")
+_OBJECT = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain: claims, classes, runtimes
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?")
 LABEL = "appliance.example/run"
 
@@ -108,9 +109,13 @@ def check_spec(spec: K8sSpec, cfg) -> tuple[str, int]:
     if spec.data_host_path and not spec.data_host_path.startswith("/"):
         raise ConfigError(f"--data-host-path {shown(spec.data_host_path)} must be an absolute path on the nodes")
     memory_bytes(spec.run_storage, "--run-storage")
-    if spec.kind == "trainjob" and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", spec.runtime):
-        raise ConfigError(f"--runtime {shown(spec.runtime)}: must be the name of a ClusterTrainingRuntime "
-                          "(a DNS name: a-z, 0-9, '-', '.')")
+    for flag, value in (("--data-pvc", spec.data_pvc), ("--storage-class", spec.storage_class),
+                        ("--runtime", spec.runtime if spec.kind == "trainjob" else "")):
+        if value and not _OBJECT.fullmatch(value):
+            raise ConfigError(f"{flag} {shown(value)}: must name a Kubernetes object (a-z, 0-9, '-', '.'; "
+                              "at most 253 characters)")
+    if spec.kind == "trainjob" and not spec.runtime:
+        raise ConfigError("--runtime: give the ClusterTrainingRuntime's name (default torch-distributed)")
     if spec.nproc_per_node == "auto":
         processes = spec.gpus_per_node or 1
     else:

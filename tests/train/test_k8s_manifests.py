@@ -166,6 +166,7 @@ def test_the_same_flags_give_the_same_bytes(tmp_path, config):
     (("--data-pvc", "d", "--gpus-per-node", "2", "--nproc-per-node", "4"),
      "--nproc-per-node 4 is more than --gpus-per-node 2"),
     (("--data-pvc", "d", "--data-dir", "/elsewhere"), "--data-dir /elsewhere: "),
+    (("--data-pvc", "My Data"), "--data-pvc 'My Data': must name a Kubernetes object"),
 ])
 def test_bad_flags_are_one_line(tmp_path, capsys, config, flags, expected):
     argv = ["train", "k8s", str(config), "--nodes", "2", "--out", str(tmp_path / "o")]
