@@ -15,7 +15,7 @@
 #                                      wheelhouse/edge-sysroot-arm64 (`edge verify --python`)
 #   installer/bootstrap.sh --system    also apt-get install the Debian tools the tests need
 #                                      (aarch64 cross compiler, qemu-user, chromium, minisign, llvm-16,
-#                                      libglib2.0-dev, slurm-wlm, munge), when missing, and qemu-plugin.h
+#                                      libglib2.0-dev, slurm-wlm, munge, skopeo, umoci), when missing, and qemu-plugin.h
 #                                      (wheelhouse/qemu-plugin)
 #
 # Idempotent: a venv whose lock and pyproject.toml are unchanged since its last
@@ -46,8 +46,11 @@ done
 # and its block costing (tests/deploy/test_arm_cycles.py).
 # slurm-wlm and munge: tests/train/test_slurm.py submits `appliance train slurm`'s script to a real
 # one-host Slurm (slurmctld + slurmd + munged started by the test in a temporary directory).
-DEBIAN_PACKAGES=(g++-aarch64-linux-gnu qemu-user chromium minisign llvm-16 libglib2.0-dev pkg-config slurm-wlm munge)
-DEBIAN_BINARIES=(aarch64-linux-gnu-g++ qemu-aarch64 chromium minisign llvm-mca-16 gdbus-codegen pkg-config slurmd munged)
+# skopeo and umoci: tests/bundle/test_oci.py reads the appliance's OCI image archive with them.
+DEBIAN_PACKAGES=(g++-aarch64-linux-gnu qemu-user chromium minisign llvm-16 libglib2.0-dev pkg-config slurm-wlm munge
+                 skopeo umoci)
+DEBIAN_BINARIES=(aarch64-linux-gnu-g++ qemu-aarch64 chromium minisign llvm-mca-16 gdbus-codegen pkg-config slurmd munged
+                 skopeo umoci)
 
 install_system() {
   local missing=() i
