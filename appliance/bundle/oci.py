@@ -38,13 +38,21 @@ class ImageConfig:
     architecture: str = "amd64"
 
 
-def _tar_tree(root: Path, epoch: int) -> bytes:
-    """The tree under root as a tar with fixed metadata (a layer's uncompressed bytes)."""
+def _tar_tree(root: Path, epoch: int, at: str = "") -> bytes:
+    """The tree under root as a tar with fixed metadata (a layer's uncompressed bytes), placed at
+    `at` inside the image (its parent directories included) or at the image's root."""
     buffer = io.BytesIO()
+    at = at.strip("/")
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        parts = at.split("/") if at else []
+        for i in range(len(parts)):
+            info = tarfile.TarInfo("/".join(parts[:i + 1]))
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, epoch
+            tar.addfile(info)
         paths = sorted(root.rglob("*"), key=lambda p: p.relative_to(root).as_posix())
         for path in paths:
-            info = tar.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
+            name = path.relative_to(root).as_posix()
+            info = tar.gettarinfo(str(path), arcname=f"{at}/{name}" if at else name)
             if info is None:  # a socket or a device: no place in an image layer
                 raise DataError(f"{path}: neither a file, a directory nor a link; it cannot go into an image layer")
             info.mtime, info.uid, info.gid, info.uname, info.gname = epoch, 0, 0, "", ""
@@ -68,13 +76,45 @@ def _json(value) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
-def write_image(out: Path, layers: list[Path], config: ImageConfig, *, ref: str = "latest",
+@dataclass(frozen=True)
+class BaseLayer:
+    """A layer taken as it is from another image (the site's base image)."""
+
+    blob: bytes
+    diff_id: str
+    media_type: str
+
+
+def read_base(archive: Path) -> tuple[list[BaseLayer], dict]:
+    """The layers and the config of the first image in an OCI image archive."""
+    try:
+        with tarfile.open(archive) as tar:
+            def blob(digest: str) -> bytes:
+                return tar.extractfile(f"blobs/sha256/{digest.split(':', 1)[1]}").read()
+
+            index = json.loads(tar.extractfile("index.json").read())
+            manifest = json.loads(blob(index["manifests"][0]["digest"]))
+            config = json.loads(blob(manifest["config"]["digest"]))
+            layers = [BaseLayer(blob(d["digest"]), diff, d["mediaType"])
+                      for d, diff in zip(manifest["layers"], config["rootfs"]["diff_ids"])]
+    except (OSError, tarfile.TarError, KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
+        raise DataError(f"{archive}: not an OCI image archive ({type(err).__name__}: {err})") from None
+    return layers, config
+
+
+def write_image(out: Path, layers: list, config: ImageConfig, *, ref: str = "latest",
                 epoch: int = 0, annotations: dict | None = None) -> str:
-    """Write the archive to out; returns the manifest's digest (what `skopeo inspect` calls Digest)."""
+    """Write the archive to out; returns the manifest's digest (what `skopeo inspect` calls Digest).
+    layers: lowest first, each a directory (the image's root), (directory, path in the image), or a BaseLayer."""
     blobs: dict[str, bytes] = {}
     descriptors, diff_ids = [], []
-    for root in layers:
-        plain = _tar_tree(Path(root), epoch)
+    for layer in layers:
+        if isinstance(layer, BaseLayer):
+            diff_ids.append(layer.diff_id)
+            descriptors.append(_blob(blobs, layer.blob, layer.media_type))
+            continue
+        root, at = (layer, "") if isinstance(layer, (str, Path)) else layer
+        plain = _tar_tree(Path(root), epoch, at)
         diff_ids.append("sha256:" + hashlib.sha256(plain).hexdigest())
         packed = io.BytesIO()
         with gzip.GzipFile(fileobj=packed, mode="wb", mtime=0, filename="", compresslevel=6) as gz:
