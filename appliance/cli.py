@@ -14,7 +14,7 @@ from appliance import __version__
 from appliance.core.errors import ApplianceError
 from appliance.core.values import OneLineParser, one_line
 from appliance.core.manifest import remember_command
-from appliance.train.cli import slurm_parser
+from appliance.train.cli import k8s_parser, slurm_parser
 from appliance.core.progress import set_quiet
 
 # Modules that contribute verbs. Each exposes `register(subparsers)` and sets `func` on its
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["train", "slurm"]:  # a sub-verb of `train`, whose own first argument is a file
 
         args = slurm_parser().parse_args(argv[2:])
+    elif argv[:2] == ["train", "k8s"]:
+        args = k8s_parser().parse_args(argv[2:])
+        args.argv = argv[2:]  # the manifests' header says how they were made
     else:
         args = parser.parse_args(argv)
     args.debug = debug

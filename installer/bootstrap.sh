@@ -15,7 +15,8 @@
 #                                      wheelhouse/edge-sysroot-arm64 (`edge verify --python`)
 #   installer/bootstrap.sh --system    also apt-get install the Debian tools the tests need
 #                                      (aarch64 cross compiler, qemu-user, chromium, minisign, llvm-16,
-#                                      libglib2.0-dev), when missing, and qemu-plugin.h (wheelhouse/qemu-plugin)
+#                                      libglib2.0-dev, slurm-wlm, munge, skopeo, umoci), when missing, and qemu-plugin.h
+#                                      (wheelhouse/qemu-plugin)
 #
 # Idempotent: a venv whose lock and pyproject.toml are unchanged since its last
 # successful bootstrap is left alone (a stamp file records their sha256).
@@ -35,7 +36,7 @@ for arg in "$@"; do
     --edge-wheels) want_edge=1 ;;
     --edge-sysroot) want_sysroot=1 ;;
     --site-wheels) want_site=1 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "bootstrap: unknown option $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -43,8 +44,13 @@ done
 # minisign: the bundle tests check that stock minisign verifies our bundle signatures.
 # llvm-16 (llvm-mca, llvm-mc), libglib2.0-dev and pkg-config: benchmarks/arm_cycles.py's qemu plugin
 # and its block costing (tests/deploy/test_arm_cycles.py).
-DEBIAN_PACKAGES=(g++-aarch64-linux-gnu qemu-user chromium minisign llvm-16 libglib2.0-dev pkg-config)
-DEBIAN_BINARIES=(aarch64-linux-gnu-g++ qemu-aarch64 chromium minisign llvm-mca-16 gdbus-codegen pkg-config)
+# slurm-wlm and munge: tests/train/test_slurm.py submits `appliance train slurm`'s script to a real
+# one-host Slurm (slurmctld + slurmd + munged started by the test in a temporary directory).
+# skopeo and umoci: tests/bundle/test_oci.py reads the appliance's OCI image archive with them.
+DEBIAN_PACKAGES=(g++-aarch64-linux-gnu qemu-user chromium minisign llvm-16 libglib2.0-dev pkg-config slurm-wlm munge
+                 skopeo umoci)
+DEBIAN_BINARIES=(aarch64-linux-gnu-g++ qemu-aarch64 chromium minisign llvm-mca-16 gdbus-codegen pkg-config slurmd munged
+                 skopeo umoci)
 
 install_system() {
   local missing=() i

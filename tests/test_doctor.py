@@ -3,12 +3,13 @@
 import json
 import os
 import platform
+import subprocess
 
 import onnxruntime
 import torch
 
 from appliance.doctor import probes as doctor
-from conftest import run_appliance
+from conftest import VENV_BIN, run_appliance
 
 
 def test_doctor_json_reports_the_components_of_this_box():
@@ -136,3 +137,25 @@ def test_doctor_without_an_nvidia_driver_says_no_gpu(tmp_path):
     if not torch.cuda.is_available():
         assert report["gpu_summary"].startswith("no GPU")
     assert not any("NVIDIA driver" in line for line in report["problems"] + report["warnings"])
+
+
+def test_doctor_k8s_names_what_a_pod_lacks(tmp_path):
+    """A pod whose run-directory volume is read-only, whose data volume is missing, whose /dev/shm is
+    small and whose name resolves to nothing: one problem line each, exit 1 (in namespaces of its own)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = (f"hostname lost-pod && mount --bind {run_dir} {run_dir} && mount -o remount,bind,ro {run_dir} && "
+              "mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "
+              f"{VENV_BIN}/appliance doctor --k8s --json --run-dir {run_dir} "
+              f"--data-dir {tmp_path / 'data'} --expect-gpus 2")
+    proc = subprocess.run(["unshare", "-n", "-u", "-m", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["pod"]["hostname"] == "lost-pod" and report["pod"]["shm_bytes"] == 16 << 20
+    assert report["pod"]["volumes"]["run"] == {"path": str(run_dir), "exists": True, "writable": False}
+    problems = "\n".join(report["problems"])
+    assert "this pod's name lost-pod does not resolve" in problems
+    assert "/dev/shm is 16 MiB" in problems and f"the run directory {run_dir} is not writable" in problems
+    assert f"the data directory {tmp_path / 'data'} is missing" in problems
+    assert ("torch sees 0 GPU(s), the pod asked for 2" in problems) == (not torch.cuda.is_available())

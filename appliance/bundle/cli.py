@@ -1,4 +1,4 @@
-"""`appliance bundle build`, `audit` and `keygen` (argument parsing only)."""
+"""`appliance bundle build`, `audit`, `keygen` and `image` (argument parsing only)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 
 from appliance.bundle.weights import MIRROR_ENV, parse_names
 from appliance.bundle.audit import audit as audit_bundle
+from appliance.bundle.image import build_image
 from appliance import __version__
 from appliance.core import minisign
 from appliance.core.errors import ConfigError
+from appliance.core.values import output_file
 
 
 def _build(args) -> int:
@@ -30,6 +32,14 @@ def _audit(args) -> int:
     for line in result.lines:
         print(f"  {line}")
     return 1 if result.findings else 0
+
+
+def _image(args) -> int:
+    opt = {k: Path(getattr(args, k)) if getattr(args, k) else None
+           for k in ("base_oci", "base_root", "base_debs", "bundle", "sbom")}
+    digest = build_image(Path(args.out), Path(args.env), **opt)
+    print(f"{args.out} {digest}")
+    return 0
 
 
 def _keygen(args) -> int:
@@ -120,3 +130,20 @@ def register(subparsers) -> None:
     keygen.add_argument("--passphrase-file", help="encrypt with the first line of this file as the passphrase")
     keygen.add_argument("--force", action="store_true", help="overwrite existing key files")
     keygen.set_defaults(func=_keygen)
+
+    image = verbs.add_parser("image", help="write the appliance as an OCI image archive (offline, deterministic)",
+                             description="Write an OCI image archive (skopeo copy oci-archive:IMAGE.tar "
+                             "docker://REGISTRY/appliance:TAG pushes it): a base layer, the installed appliance "
+                             "environment as its own layer, the SBOM, entrypoint `appliance`, labels with the "
+                             "version and the bundle's sha256. The same inputs give the same digest "
+                             "(printed after the path).")
+    image.add_argument("--env", required=True, metavar="PREFIX", help="the installed appliance (installer/install.sh "
+                       "--prefix), placed at the same path in the image")
+    image.add_argument("--base-oci", metavar="ARCHIVE", help="base: the site's own image as an OCI archive")
+    image.add_argument("--base-root", metavar="DIR", help="base: a root directory")
+    image.add_argument("--base-debs", metavar="DIR", help="base: Debian .debs (e.g. bookworm's python3.11 and what "
+                       "it depends on), extracted with dpkg -x")
+    image.add_argument("--bundle", metavar="TAR", help="the bundle the environment came from (its sha256 is a label)")
+    image.add_argument("--sbom", metavar="FILE", help="the CycloneDX SBOM to carry at /usr/share/appliance/")
+    image.add_argument("--out", required=True, type=output_file, help="the image archive to write")
+    image.set_defaults(func=_image)

@@ -15,6 +15,8 @@ import platform
 import sys
 from dataclasses import dataclass, field
 
+from appliance.core.values import non_negative_int
+from appliance.doctor.pod import pod_facts, pod_problems, pod_rows
 from appliance.doctor.probes import (ORT_PROBE, TORCH_PROBE, TVM_PROBE, cpu_facts, disk_facts, driver_check,
                                      memory_facts, network_state, nvidia_driver, pretrained_weights, required_driver,
                                      run_probe, tool_facts)
@@ -143,7 +145,29 @@ def format_table(report: Report) -> str:
     return "\n".join(lines)
 
 
+def run_pod(args) -> int:
+    """`appliance doctor --k8s`: only what training in this pod needs (torch, GPUs, network, shm, volumes)."""
+    torch_facts = run_probe(TORCH_PROBE)
+    facts = pod_facts(args.run_dir, args.data_dir)
+    gpus = len(torch_facts.get("gpus", [])) if torch_facts.get("cuda_available") else 0
+    problems = pod_problems(facts, gpus, args.expect_gpus)
+    if "error" in torch_facts:
+        problems.insert(0, f"torch is not usable ({torch_facts['error']})")
+    if args.json:
+        print(json.dumps({"pod": facts, "torch": torch_facts, "problems": problems, "ready_to_train": not problems},
+                         indent=2))
+        return 0 if not problems else 1
+    rows = [*pod_rows(facts), ("torch", torch_facts.get("version", "unusable")),
+            ("GPUs", f"{gpus}" + (f" (expected {args.expect_gpus})" if args.expect_gpus is not None else ""))]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows] + [f"PROBLEM: {p}" for p in problems]
+    print("\n".join([*lines, "ready to train" if not problems else "NOT ready to train"]))
+    return 0 if not problems else 1
+
+
 def run(args) -> int:
+    if args.k8s:
+        return run_pod(args)
     report = collect()
     if args.json:
         print(json.dumps({**report.facts, "problems": report.problems, "warnings": report.warnings,
@@ -159,4 +183,10 @@ def register(subparsers) -> None:
                               "onnxruntime, TVM, the aarch64 cross compiler, qemu and the network. "
                               "Exit 0 when training can run here.")
     p.add_argument("--json", action="store_true", help="print JSON for machines instead of a table")
+    p.add_argument("--k8s", action="store_true", help="inside a training pod: its name and address, the NCCL/Gloo "
+                   "interface, /dev/shm, the volumes, GPUs (what `appliance train k8s` pods check first)")
+    p.add_argument("--run-dir", default="", metavar="DIR", help="--k8s: the run directory, which must be writable")
+    p.add_argument("--data-dir", default="", metavar="DIR", help="--k8s: the data directory, which must be mounted")
+    p.add_argument("--expect-gpus", type=non_negative_int, default=None, metavar="N",
+                   help="--k8s: GPUs the pod asked for (nvidia.com/gpu)")
     p.set_defaults(func=run)

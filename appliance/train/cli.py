@@ -1,15 +1,19 @@
-"""`appliance train CONFIG.toml` and `appliance train slurm CONFIG.toml --nodes N`: thin handlers
-over appliance.train.launcher."""
+"""`appliance train CONFIG.toml`, `appliance train slurm CONFIG.toml --nodes N` and `appliance train
+k8s CONFIG.toml --nodes N --image REF`: thin handlers over appliance.train.launcher and .k8s."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
 from pathlib import Path
 
 from appliance.core import values
 from appliance.train.quality import require_quality, summary_line
 from appliance.train.config import load_config
+from appliance.train import k8s_resources as q
+from appliance.train.k8s import K8sSpec, write_manifests
+from appliance.train.k8s_resources import PodResources
 from appliance.train.preflight import run_preflight
 
 PROFILE_STEPS = 10  # `--profile` without a number
@@ -83,13 +87,28 @@ def write_slurm(args) -> int:
     return 0
 
 
+def write_k8s(args) -> int:
+    resources = PodResources(gpus=args.gpus_per_node, processes=1, cpu_request=args.cpu_request,
+                             cpu_limit=args.cpu_limit, memory_request=args.memory_request,
+                             memory_limit=args.memory_limit, shm_size=args.shm_size)
+    spec = K8sSpec(config=Path(args.config), nodes=args.nodes, image=args.image, out=Path(args.out),
+                   gpus_per_node=args.gpus_per_node, kind=args.kind, name=args.name,
+                   nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts, resources=resources,
+                   data_pvc=args.data_pvc, data_host_path=args.data_host_path, data_dir=args.data_dir,
+                   run_storage=args.run_storage, storage_class=args.storage_class,
+                   grace_seconds=args.termination_grace, runtime=args.runtime)
+    print(write_manifests(spec, "appliance train k8s " + shlex.join(getattr(args, "argv", [args.config]))))
+    return 0
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="train a model from a TOML config with torchrun (DDP), resumable",
         description="Train with torchrun: `appliance train CONFIG.toml` on this machine, or with "
         "--nnodes/--node-rank/--rdzv-endpoint on several.",
         epilog="`appliance train slurm CONFIG.toml --nodes N` writes an sbatch script instead "
-        "(see `appliance train slurm --help`).")
+        "(see `appliance train slurm --help`); `appliance train k8s CONFIG.toml --nodes N --image REF@sha256:...` "
+        "writes Kubernetes manifests (see `appliance train k8s --help`).")
     p.add_argument("config", metavar="CONFIG.toml", help="the training config")
     _add_nproc_and_restarts(p)
     p.add_argument("--nnodes", type=nnodes_range, default=(1, 1), metavar="N|MIN:MAX",
@@ -126,6 +145,45 @@ def slurm_parser() -> argparse.ArgumentParser:
     _add_profile(s)
     s.set_defaults(func=write_slurm, verb="train", verb_label="train slurm")
     return s
+
+
+def k8s_parser() -> argparse.ArgumentParser:
+    """`appliance train k8s ...`: Kubernetes manifests for one multi-node run (appliance/train/k8s.py)."""
+    k = values.OneLineParser(
+        prog="appliance train k8s",
+        description="Write Kubernetes manifests (headless Service + StatefulSet, indexed Job or Kubeflow TrainJob) "
+        "whose pods run `appliance train` on N nodes; resources are per GPU (per process without a GPU).")
+    k.add_argument("config", metavar="CONFIG.toml", help="the training config")
+    k.add_argument("--nodes", type=values.int_in(values.Range(ge=1, le=MAX_NODES), "an integer"), required=True,
+                   help="number of pods (nodes)")
+    k.add_argument("--gpus-per-node", type=values.int_in(values.Range(ge=0, le=1024), "an integer"), default=0,
+                   help="GPUs per pod (nvidia.com/gpu; 0: CPU processes with gloo)")
+    k.add_argument("--image", required=True, metavar="REF@sha256:DIGEST", help="the appliance image, pinned by digest")
+    k.add_argument("--out", type=values.output_dir, required=True, help="directory for the manifests and README.md")
+    k.add_argument("--kind", choices=("statefulset", "indexed-job", "trainjob"), default="statefulset",
+                   help="the workload (default statefulset, podManagementPolicy Parallel)")
+    k.add_argument("--name", default="", help="object and pod name prefix (default: [run] name as a DNS label)")
+    k.add_argument("--data-pvc", default="", metavar="CLAIM", help="the data volume: a PersistentVolumeClaim")
+    k.add_argument("--data-host-path", default="", metavar="DIR", help="the data volume: a directory on every node")
+    k.add_argument("--data-dir", default="", metavar="DIR", help="where the pods mount the data (default: the "
+                   "directory holding the config's data files, so its paths mean the same in the pod)")
+    k.add_argument("--cpu-request", default=q.CPU_REQUEST, help=f"per GPU (default {q.CPU_REQUEST})")
+    k.add_argument("--cpu-limit", default=q.CPU_LIMIT, help=f"per GPU (default {q.CPU_LIMIT})")
+    k.add_argument("--memory-request", default=q.MEMORY_REQUEST, help=f"per GPU (default {q.MEMORY_REQUEST})")
+    k.add_argument("--memory-limit", default=q.MEMORY_LIMIT, help=f"per GPU (default {q.MEMORY_LIMIT})")
+    k.add_argument("--shm-size", default="8Gi", help="memory-backed /dev/shm per pod (default 8Gi)")
+    k.add_argument("--run-storage", default="50Gi", help="each node's run-directory volume (default 50Gi)")
+    k.add_argument("--storage-class", default="", help="storage class of the run-directory claims")
+    k.add_argument("--termination-grace", type=values.int_in(values.Range(ge=30, le=86400), "an integer"),
+                   default=600, metavar="S", help="seconds a deleted pod has to save its last checkpoint (default 600)")
+    k.add_argument("--runtime", default="torch-distributed", help="--kind trainjob: the ClusterTrainingRuntime")
+    k.add_argument("--nproc-per-node", type=nproc_flag, default="auto", help="processes per pod: N or auto "
+                   "(one per GPU; one CPU process without a GPU)")
+    k.add_argument("--max-restarts", type=values.int_in(values.Range(ge=0, le=MAX_RESTARTS), "an integer"), default=3,
+                   help="torchrun restarts per pod, each from the newest good checkpoint; an indexed Job's "
+                   "backoffLimit too (default 3: a lost pod comes back and the others wait for it)")
+    k.set_defaults(func=write_k8s, verb="train", verb_label="train k8s")
+    return k
 
 
 def _add_nproc_and_restarts(p) -> None:

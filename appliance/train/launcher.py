@@ -314,6 +314,8 @@ def slurm_script(config: Path, *, nodes: int, gpus_per_node: int = 0, nproc_per_
     line = " ".join(f'"{c}"' if "$" in c else shlex.quote(c) for c in cmd)
     out = Path(out) if out else cfg.run_dir / "train.sbatch"
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Slurm opens --output before the script runs: without the directory the job dies unstarted.
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     gpus = f"#SBATCH --gpus-per-node={gpus_per_node}\n" if gpus_per_node else ""
     profiling = "" if profile is None else f" --profile {profile}"
     script = (
