@@ -24,6 +24,7 @@ from appliance.core.manifest import atomic_write_text
 from appliance.deploy.compiler.driver import compile_model
 from appliance.deploy.edge.cycles import CLOCKS_HZ, METHOD, describe
 from appliance.deploy.export import export_model
+from appliance.deploy.options import estimate_problem
 from appliance.deploy.quantize import quantize_int8
 from appliance.models import ModelCard, build_model, save_trained_model
 
@@ -56,16 +57,21 @@ def estimate_architecture(arch: str, target: str, size: int, work: Path, *, clas
     return row
 
 
-def estimate_architectures(archs, target: str, size: int, out_dir=None, *, classes: int = 1000, log=print) -> dict:
-    """The table for archs; written as estimate.json + estimate.html into out_dir when given."""
+def estimate_architectures(archs, target: str, size: int, out_dir=None, *, classes: int = 1000, log=print,
+                           names=("--architectures", "--size", "--classes")) -> dict:
+    """The table for archs; written as estimate.json + estimate.html into out_dir when given. Names, size
+    and classes are checked first (options.estimate_problem, its line naming the flags or keys in names)."""
+    problem = estimate_problem(list(archs), size, classes, names=names)
+    if problem:
+        raise ConfigError(problem)
     if not target.startswith("aarch64"):
         raise ConfigError(f"--target {target}: the estimate is for the device's cores (aarch64, aarch64-dotprod)")
     start = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="edge-estimate-") as tmp:
-        for arch in archs:
+        for number, arch in enumerate(archs):
             log(f"{arch} at {size} px for {target}: building FP32 and INT8 (untrained, random calibration)")
-            work = Path(tmp) / arch
+            work = Path(tmp) / str(number)  # never a path made of what the user typed
             work.mkdir()
             rows.append(estimate_architecture(arch, target, size, work, classes=classes, log=log))
     table = {"made_by": "appliance edge estimate", "target": target, "size": size, "classes": classes, "method": METHOD,
@@ -124,7 +130,9 @@ def estimate_once(out_dir: Path, arch: str, target: str, size: int, classes: int
         log(f"latency budget: the estimate kept in {kept}")
         return table
     log(f"latency budget: estimating {arch} at {size} px for {target} before training")
-    return estimate_architectures([arch], target, size, out_dir, classes=classes, log=log)
+    return estimate_architectures([arch], target, size, out_dir, classes=classes, log=log,
+                                  names=("[model] architecture", "[data] image_size (for [deploy] latency_budget_ms)",
+                                         "[model] num_classes"))
 
 
 def check_latency_budget(table: dict, budget_ms: float, core: str, precision: str) -> float:
