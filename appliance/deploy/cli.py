@@ -194,6 +194,23 @@ def register_edge(subparsers) -> None:
     p.set_defaults(func="appliance.deploy.commands:verify_command")
     register_sysroot(verbs)
     register_estimate(verbs)
+    register_anchor(verbs)
+
+
+def register_anchor(verbs) -> None:
+    p = verbs.add_parser(
+        "anchor", help="the device's trust anchor: a verifier/installer holding the site key, installed once",
+        description="Write edge-anchor.tar: install-package (the edge installer), bin/verify (the aarch64 minisign "
+        "check, no other library) and the site's public key, signed by the site key. Installed once on each device, "
+        "it checks every later package's signature, sums and file list before any byte of the package runs "
+        "(docs/edge.md, 'The device's trust anchor').")
+    p.add_argument("--out", required=True, metavar="edge-anchor.tar", type=values.output_file)
+    p.add_argument("--glibc-floor", default=glibc_floor.DEFAULT_GLIBC_FLOOR, metavar="2.X",
+                   help=f"oldest glibc the device may have (default {glibc_floor.DEFAULT_GLIBC_FLOOR})")
+    p.add_argument("--key", metavar="KEY",
+                   help="the site's minisign secret key (default: $APPLIANCE_EDGE_KEY, else "
+                   "~/.config/appliance/edge-signing.key, made on first use); its .pub is the key the anchor trusts")
+    p.set_defaults(func="appliance.deploy.commands:anchor_command")
 
 
 def register_estimate(verbs) -> None:
