@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance.core.errors import ConfigError, EnvironmentProblem
-from appliance.core.html_report import bars_svg, page
+from appliance.core.html_report import bars_svg, page, table_html
 from appliance.core.manifest import atomic_write_text
 from appliance.deploy.compiler.driver import compile_model
 from appliance.deploy.edge.cycles import CLOCKS_HZ, METHOD, describe
@@ -90,29 +90,38 @@ def ms(build: dict, cpu: str) -> float | None:
     return device[cpu]["ms"] if device.get("estimated") else None
 
 
-def format_table(table: dict) -> str:
+def table_rows(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, rows, reasons a build was not estimated): what the printed table and estimate.html show."""
     cpus = list(CLOCKS_HZ)
     head = ["architecture", "params (M)", "FP32 lib MB", "INT8 lib MB", "int8 layers ours/generic",
             *(f"{p} {cpu} ms ({table['clocks_ghz'][cpu]:g} GHz)" for p in ("FP32", "INT8") for cpu in cpus)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in table["rows"]:
         cells = [r["architecture"], f"{r['parameters'] / 1e6:.2f}", f"{r['fp32']['library_bytes'] / 1e6:.1f}",
                  f"{r['int8']['library_bytes'] / 1e6:.1f}", f"{r['int8']['int8_on_our_kernels']}/{r['int8']['int8_generic']}"]
         for p in ("fp32", "int8"):
             cells += [f"{ms(r[p], cpu):.2f}" if ms(r[p], cpu) is not None else "not estimated" for cpu in cpus]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
     reasons = {describe(r[p]["device_estimate"]) for r in table["rows"] for p in ("fp32", "int8")
                if not r[p]["device_estimate"].get("estimated")}
-    return "\n".join(lines + sorted(reasons))
+    return head, rows, sorted(reasons)
+
+
+def format_table(table: dict) -> str:
+    head, rows, reasons = table_rows(table)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines + reasons)
 
 
 def estimate_html(table: dict) -> str:
+    head, rows, reasons = table_rows(table)
     bars = [(f"{r['architecture']} {p}", ms(r[p], "cortex-a76")) for r in table["rows"] for p in ("fp32", "int8")]
     chart = bars_svg(f"estimated ms per inference, Cortex-A76 at {table['clocks_ghz']['cortex-a76']:g} GHz", "ms",
                      [(label, v) for label, v in bars if v is not None], "{:.1f}")
     body = (f"<p>{html.escape(table['target'])}, {table['size']} px, batch 1, one thread; {html.escape(table['method'])}."
             f" Estimates, not timings (benchmarks/README.md says how close they come).</p>{chart}"
-            f"<pre>{html.escape(format_table(table))}</pre>")
+            f"{table_html(head, rows)}" + "".join(f"<p>{html.escape(reason)}</p>" for reason in reasons))
     return page("Estimated device speed", "appliance edge estimate", ESTIMATE_JSON, None, body)
 
 
