@@ -370,3 +370,25 @@ def test_training_report_with_long_class_names(tmp_path):
     assert_readable(m, "report.html")
     for name in names:
         assert name in m["text"]
+
+
+def test_segmentation_check_report_names_classes_from_the_config(tmp_path):
+    """issue 43: the segmentation check report showed class ids only, and "Label balance: No labels found"."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
+    from seg_data import seg_records
+
+    from appliance.tasks import task_for
+    from data_tools.check.run import run_check
+    from data_tools.tfrecord import write_records
+
+    data = tmp_path / "inspection.tfrecord"
+    write_records(data, list(seg_records(24, 0)))
+    names = ["background", "scratch-on-the-surface", "spot", "crack"]
+    options = task_for({"kind": "segmentation"}).check_options(len(names), names)  # what the pipeline passes
+    report, status = run_check([(str(data), "train")], tmp_path / "out", progress=False, **options)
+    assert status == 0 and report["segmentation"]["class_names"] == {str(i): n for i, n in enumerate(names)}
+    m = measure(tmp_path / "out" / "report.html", tmp_path)
+    assert_readable(m, "report.html")
+    assert "No labels found" not in m["text"] and "The masks are the labels" in m["text"]
+    share = next(s for s in m["svgs"] if s["id"] == "plot-pixel-share")
+    assert share["ticks"] == [f"{i} {n}" for i, n in enumerate(names)], share["ticks"]

@@ -15,6 +15,7 @@ CHAR_EM = 0.62
 MAX_WIDTH = 900
 BAR_SPAN = 300  # px of the longest bar
 BOLD = ' font-weight="bold"'
+TICK = ' class="tick"'  # a bar's label (tests read them)
 
 
 def text_px(text: str, font: float) -> float:
@@ -34,12 +35,13 @@ def wrapped(text: str, font: float, width: float) -> list[str]:
 
 
 def _text_lines(lines: list[str], x: float, y: float, font: float, step: float, extra: str = "") -> str:
+    """One <text> per line; extra: attributes added to each (a class, a weight)."""
     return "".join(f'<text x="{x:.1f}" y="{y + i * step:.1f}" font-size="{font:g}"{extra}>{html.escape(line)}</text>'
                    for i, line in enumerate(lines))
 
 
 def bars_svg(title: str, unit: str, values: list[tuple[str, float]], fmt: str, *, font: float = 13,
-             bar: float = 24, cls: str = "bars") -> str:
+             bar: float = 24, cls: str = "bars", svg_id: str | None = None) -> str:
     """Horizontal bars, one per (label, value), every label and value whole: the label column is as wide
     as the longest label, or, past MAX_WIDTH, each label sits on its own lines above its bar. A negative
     value draws no bar."""
@@ -54,17 +56,18 @@ def bars_svg(title: str, unit: str, values: list[tuple[str, float]], fmt: str, *
         length = BAR_SPAN * max(value, 0) / top
         if beside:
             x = label_w
-            rows.append(_text_lines([label], 0, y + bar * 0.7, font, 0))
+            rows.append(_text_lines([label], 0, y + bar * 0.7, font, 0, TICK))
         else:
             lines = wrapped(label, font, MAX_WIDTH)
-            rows.append(_text_lines(lines, 0, y + font, font, font * 1.25))
+            rows.append(_text_lines(lines, 0, y + font, font, font * 1.25, TICK))
             y, x = y + font * 1.25 * len(lines) + 2, 0
         rows.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{length:.1f}" height="{bar:g}" fill="{PALETTE[i % len(PALETTE)]}"/>'
                     + _text_lines([value_text], x + length + 5, y + bar * 0.7, font, 0))
         widest = max(widest, x + length + 5 + value_w)
         y += bar + 10
     width = min(max(widest, *(text_px(t, 14) for t in title_lines), label_w if beside else 0) + 4, MAX_WIDTH)
-    return (f'<svg class="{cls}" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{y + 6:.0f}" role="img">'
+    named = f' id="{html.escape(svg_id)}"' if svg_id else ""
+    return (f'<svg{named} class="{cls}" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{y + 6:.0f}" role="img">'
             f'{_text_lines(title_lines, 0, 16, 14, 18, BOLD)}'
             f'{"".join(rows)}</svg>')
 
