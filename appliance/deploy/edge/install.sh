@@ -8,6 +8,7 @@
 # The trust anchor (`appliance edge anchor`: this script as install-package, bin/verify and the site's
 # trusted.pub, installed once per device) checks every package with its own key and program: no byte
 # of the package runs before its signature, sums and file list are checked (docs/edge.md).
+#
 # Trust: KEY.pub is the site's public key, carried to the device once and checked out of band
 # (its key id is what `appliance package` printed). The first install keeps it in
 # DIR/.appliance-edge/trusted.pub; from then on every package is checked by what is ALREADY
@@ -45,7 +46,7 @@ while [ $# -gt 0 ]; do
         --pubkey=*) pubkey=${1#--pubkey=}; shift ;;
         --trust-package-key) tofu=yes; shift ;;
         --python) python=yes; shift ;;
-        -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument $1 (usage: install.sh --prefix DIR --pubkey KEY.pub [--python], or DIR/install.sh --package NEW)" ;;
     esac
 done
