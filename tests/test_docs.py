@@ -209,3 +209,25 @@ def test_a_planted_citation_of_a_missing_file_fails(tmp_path):
     (tmp_path / "docs" / "dev" / "page.md").write_text("the contracts: docs/dev/contracts.md; appliance/re*.py\n")
     assert missing_cited_paths(tmp_path) == ["docs/dev/page.md:1: docs/dev/contracts.md is not in the repository",
                                              "appliance/real.py:1: appliance/gone.py is not in the repository"]
+
+
+def test_the_readme_first_command_fetches_what_the_demo_device_estimate_needs():
+    """issue 43: the README's first command ended its demo with "device estimate aarch64: not estimated:
+    wheelhouse/edge-sysroot-arm64 missing". The demo's configs compile for aarch64 with the device
+    estimate on, which runs the build in an arm64 Python under qemu (appliance/deploy/edge/cycles.py:
+    the edge sysroot's python3.11 and the edge wheels); the first command must fetch both."""
+    from appliance.deploy.edge import cycles
+    from appliance.pipeline.config import CompileSection
+
+    command = README.read_text().split("<!-- main-command -->", 1)[1].lstrip("\n").splitlines()[1]
+    flags = set(command.split("&&")[0].split()[1:])
+    for demo in ("demo.toml", "demo_segmentation.toml"):
+        cfg = tomllib.loads((ROOT / "appliance" / "pipeline" / demo).read_text())
+        assert any(t.startswith("aarch64") for t in cfg["compile"]["targets"])
+        assert cfg["compile"].get("device_estimate", CompileSection.device_estimate), demo
+    needs = {"edge-sysroot-arm64": "--edge-sysroot", "edge-aarch64": "--edge-wheels"}
+    source = Path(cycles.__file__).read_text()
+    for folder, flag in needs.items():
+        assert f'wheelhouse("{folder}")' in source  # what the estimate reads
+        assert flag in flags, f"README's first command lacks {flag} (wheelhouse/{folder}, which the device estimate needs)"
+    assert "--system" in flags  # qemu-user, llvm-16 and the qemu plugin header

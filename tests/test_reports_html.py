@@ -37,6 +37,7 @@ addEventListener("load", () => {
   for (const svg of document.querySelectorAll("svg")) {
     const box = svg.getBoundingClientRect();
     const info = {id: svg.id, cls: svg.getAttribute("class") || "", marks: 0, rects: 0, clipped: [],
+                  texts: [...svg.querySelectorAll("text")].map(t => t.textContent),
                   ticks: [...svg.querySelectorAll("text.tick")].map(t => t.textContent)};
     for (const t of svg.querySelectorAll("text")) {
       const b = t.getBoundingClientRect();
@@ -71,6 +72,15 @@ addEventListener("load", () => {
       }
     }
   }
+  // Horizontal overflow at the window's width: the page scrolls sideways, or an element runs past its right edge.
+  out.overflow = {page: document.documentElement.scrollWidth - document.documentElement.clientWidth, elements: []};
+  for (const el of document.body.querySelectorAll("*")) {
+    if (el.closest("svg") && el.tagName.toLowerCase() !== "svg") continue;
+    const r = el.getBoundingClientRect();
+    if (r.width > 0 && r.right > document.documentElement.clientWidth + 0.5)
+      out.overflow.elements.push(el.tagName.toLowerCase() + ": " + (el.textContent || "").slice(0, 60));
+  }
+  out.pre = document.querySelectorAll("pre").length;
   for (const table of document.querySelectorAll("table"))
     if (table.rows.length < 2) out.empty_tables.push(table.outerHTML.slice(0, 200));
   const pre = document.createElement("pre");
@@ -107,6 +117,8 @@ def assert_readable(m: dict, page: str) -> None:
         assert not svg["clipped"], f"{page}: text outside chart {svg['id'] or svg['cls']}: {svg['clipped']}"
     assert not m["broken_words"], f"{page}: words broken across lines: {m['broken_words'][:10]}"
     assert not m["empty_tables"], f"{page}: a table with no rows: {m['empty_tables']}"
+    assert m["overflow"]["page"] <= 0 and not m["overflow"]["elements"], f"{page}: wider than 1,280 px: {m['overflow']}"
+    assert m["pre"] == 0, f"{page}: a preformatted block (tables are HTML tables)"
 
 
 # ---- the data check report -------------------------------------------------------------------------
@@ -270,3 +282,113 @@ def test_quantize_accuracy_report(tmp_path, mode):
     bars = [s for s in m["svgs"] if "bars" in s["cls"]]
     assert len(bars) == 3 and [s["marks"] for s in bars] == [1, 2, 2]  # a 0 % top-1 draws no bar
     assert "FAIL" in m["text"]
+
+
+# ---- the estimate, the pipeline's index, the training report -------------------------------------
+
+def estimate_row(arch: str, fp32_ms, int8_ms) -> dict:
+    def build(ms_a76, size):
+        device = ({"estimated": True, "method": "m", "instructions": 1,
+                   **{cpu: {"cycles": 1e6, "ms": ms_a76 * k, "clock_ghz": 2.0} for cpu, k in
+                      (("cortex-a76", 1.0), ("cortex-a55", 2.3))}} if ms_a76 is not None else
+                  {"estimated": False, "reason": "wheelhouse/edge-sysroot-arm64: missing"})
+        return {"library_bytes": size, "device_estimate": device, "int8_layers": 53, "int8_on_our_kernels": 53,
+                "int8_generic": 0, "int8_kernel_kind": "dotprod"}
+    return {"architecture": arch, "parameters": 5_288_548, "size": 224, "target": "aarch64-dotprod",
+            "fp32": build(fp32_ms, 21_300_000), "int8": build(int8_ms, 6_100_000), "seconds": 60.0}
+
+
+def test_estimate_report_is_a_table_with_every_bar_named_whole(tmp_path):
+    """issue 43: estimate.html printed its table as Markdown in a <pre> that ran off the page, and
+    labelled both bars of efficientnet_b0 "efficientnet_b" (labels were cut at 14 characters)."""
+    from appliance.deploy.estimate import estimate_html
+
+    table = {"made_by": "appliance edge estimate", "target": "aarch64-dotprod", "size": 224, "classes": 1000,
+             "method": "qemu-aarch64 block counts (tbcount plugin) costed by llvm-mca-16; L1 hits only, one thread",
+             "clocks_ghz": {"cortex-a76": 2.4, "cortex-a55": 1.8}, "seconds": 100.0,
+             "rows": [estimate_row("efficientnet_b0", 31.5, 12.25), estimate_row("mobilenet_v3_small", 4.0, 2.5),
+                      estimate_row("shufflenet_v2_x1_0", None, None)]}
+    page = tmp_path / "estimate.html"
+    page.write_text(estimate_html(table))
+    m = measure(page, tmp_path)
+    assert_readable(m, "estimate.html")
+    [chart] = [s for s in m["svgs"] if "bars" in s["cls"]]
+    for label in ("efficientnet_b0 fp32", "efficientnet_b0 int8", "mobilenet_v3_small fp32", "mobilenet_v3_small int8"):
+        assert label in chart["texts"], chart["texts"]
+    assert chart["marks"] == 4
+    assert "shufflenet_v2_x1_0" in m["text"] and "not estimated: wheelhouse/edge-sysroot-arm64: missing" in m["text"]
+    assert "|---|" not in m["text"] and "| architecture |" not in m["text"]
+
+
+def test_pipeline_index_names_every_stage_whole(tmp_path):
+    """issue 43: index.html showed "val_majority_b" and "quality_gate_r"."""
+    from appliance.pipeline.summary import index_html
+
+    accuracy = {"train_val_top1": 0.9512, "val_majority_baseline_top1": 0.2031, "quality_gate_reference_top1": 0.9,
+                "export_onnx_top1": 0.9512, "quantize_int8_top1": 0.9487, "edge_device_agreement_top1": 1.0,
+                "quantize_top1_drop_points": 0.25}
+    summary = {"out_dir": str(tmp_path), "ran": [], "config": str(tmp_path / ("a-long-pipeline-config-name" * 3)) + ".toml",
+               "seconds": 123.4, "accuracy": accuracy, "sizes_bytes": {"model.onnx": 1_234_567, "model.int8.onnx": 345_678},
+               "latency_ms": {"host fp32": 1.234, "host int8": 0.987}, "task": {"metric": "top1", "metric_label": "top-1"},
+               "quality_gate": {"passed": True}}
+    from types import SimpleNamespace
+
+    from appliance.core.manifest import write_manifest
+
+    results = {}
+    for stage in ("check", "train", "export", "quantize", "compile", "package", "verify"):
+        out = tmp_path / stage
+        out.mkdir()
+        (out / "report.html").write_text("<p>report</p>")
+        write_manifest(out, stage, [], {}, [out / "report.html"])
+        results[stage] = SimpleNamespace(out_dir=out)  # what index_html reads of a stage result: its directory
+    page = tmp_path / "index.html"
+    page.write_text(index_html(summary, results))
+    m = measure(page, tmp_path)
+    assert_readable(m, "index.html")
+    [chart] = [s for s in m["svgs"] if "bars" in s["cls"]]
+    for label in ("val_majority_baseline", "quality_gate_reference", "edge_device_agreement", "quantize_int8"):
+        assert label in chart["texts"], chart["texts"]
+
+
+def test_training_report_with_long_class_names(tmp_path):
+    from appliance.train.report import write_training_report
+
+    names = ["background", "scratch-on-the-left-edge", "spot", "crack_across_the_whole_part", "dent"]
+    lines = []
+    for step in range(10, 110, 10):
+        lines.append({"step": step, "loss": 2.0 / step, "train_acc": step / 120, "lr": 0.1, "grad_norm": 1.5,
+                      "clipped_fraction": 0.1})
+        if step % 50 == 0:
+            confusion = [[40 if i == j else 3 for j in range(5)] for i in range(5)]
+            lines.append({"step": step, "epoch": step // 50 - 1, "val_loss": 1.0, "val_acc": 0.8, "val_confusion": confusion})
+    run = tmp_path / "run-with-a-name"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    _, page = write_training_report(run, names)
+    m = measure(page, tmp_path)
+    assert_readable(m, "report.html")
+    for name in names:
+        assert name in m["text"]
+
+
+def test_segmentation_check_report_names_classes_from_the_config(tmp_path):
+    """issue 43: the segmentation check report showed class ids only, and "Label balance: No labels found"."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
+    from seg_data import seg_records
+
+    from appliance.tasks import task_for
+    from data_tools.check.run import run_check
+    from data_tools.tfrecord import write_records
+
+    data = tmp_path / "inspection.tfrecord"
+    write_records(data, list(seg_records(24, 0)))
+    names = ["background", "scratch-on-the-surface", "spot", "crack"]
+    options = task_for({"kind": "segmentation"}).check_options(len(names), names)  # what the pipeline passes
+    report, status = run_check([(str(data), "train")], tmp_path / "out", progress=False, **options)
+    assert status == 0 and report["segmentation"]["class_names"] == {str(i): n for i, n in enumerate(names)}
+    m = measure(tmp_path / "out" / "report.html", tmp_path)
+    assert_readable(m, "report.html")
+    assert "No labels found" not in m["text"] and "The masks are the labels" in m["text"]
+    share = next(s for s in m["svgs"] if s["id"] == "plot-pixel-share")
+    assert share["ticks"] == [f"{i} {n}" for i, n in enumerate(names)], share["ticks"]

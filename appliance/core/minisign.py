@@ -186,9 +186,20 @@ def key_id_text(key_id: bytes) -> str:
     return int.from_bytes(key_id, "little").to_bytes(8, "big").hex().upper()
 
 
+def minisign_lines(text: str) -> list[str]:
+    """A key or signature file's lines as minisign 0.11 reads them: split at LF only, never at the
+    other breaks str.splitlines() knows (a trusted comment may hold \x1c), one CR before the LF
+    dropped and nothing else trimmed, so a base64 line with a space before or after it (or "\r\r") is
+    refused here as by minisign and by the device's bin/run --verify-signature (edge/signature.h)."""
+    lines = [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
 def _b64_line(text: str, what: str, length: int) -> bytes:
     try:
-        raw = base64.b64decode(text.strip(), validate=True)
+        raw = base64.b64decode(text, validate=True)
     except ValueError:
         raise SignatureError(f"{what}: not base64") from None
     if len(raw) != length:
@@ -238,7 +249,7 @@ def read_public_key(path_or_text: str) -> tuple[bytes, bytes]:
             text = read_small_text(path_or_text, "minisign public key")
         except OSError as err:
             raise SignatureError(f"{path_or_text}: unreadable ({err.strerror or err})") from None
-        lines = [ln for ln in text.splitlines() if ln.strip()]
+        lines = minisign_lines(text)
         what = path_or_text
         line = lines[-1] if lines else ""
     else:
@@ -432,7 +443,7 @@ def verify_digest(digest: bytes, file_name: str, signature_path: str, public_key
     the bytes checked are the bytes used); file_name only names it in errors."""
     key_id, public = read_public_key(public_key)
     try:
-        lines = read_small_text(signature_path, "minisign signature").splitlines()
+        lines = minisign_lines(read_small_text(signature_path, "minisign signature"))
     except FileNotFoundError:
         raise SignatureError(f"{signature_path}: signature file missing") from None
     except OSError as err:

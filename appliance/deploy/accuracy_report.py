@@ -176,15 +176,5 @@ def _pct(value) -> str:
 
 
 def ranked_bars_svg(title: str, unit: str, values: list[tuple[str, float]]) -> str:
-    """Horizontal bars with long labels (layer names, shortened from the left), zero at the left edge."""
-    top = max((abs(v) for _, v in values), default=0) or 1.0
-    rows = []
-    for i, (label, value) in enumerate(values):
-        y, width = 30 + i * 22, 260 * max(value, 0) / top
-        short = label if len(label) <= 42 else "..." + label[-39:]
-        rows.append(f'<text x="0" y="{y + 13}" font-size="11">{html.escape(short)}<title>{html.escape(label)}</title></text>'
-                    f'<rect x="300" y="{y}" width="{width:.1f}" height="16" fill="{PALETTE[0]}"/>'
-                    f'<text x="{305 + width:.1f}" y="{y + 13}" font-size="11">{value:.3g} {unit}</text>')
-    return (f'<svg class="sensitivity" xmlns="http://www.w3.org/2000/svg" width="680" height="{40 + 22 * len(values)}" '
-            f'role="img"><text x="0" y="16" font-size="14" font-weight="bold">{html.escape(title)}</text>'
-            f'{"".join(rows)}</svg>')
+    """Horizontal bars with long labels (layer names, whole), zero at the left edge."""
+    return bars_svg(title, unit, values, "{:.3g}", font=11, bar=16, cls="sensitivity")

@@ -5,6 +5,8 @@ The handlers are in appliance/deploy/commands.py, named by string and imported w
 
 from __future__ import annotations
 
+import argparse
+
 from appliance.core import values
 from appliance.deploy import options
 from appliance.deploy import compiler as tvm_compile
@@ -192,6 +194,23 @@ def register_edge(subparsers) -> None:
     p.set_defaults(func="appliance.deploy.commands:verify_command")
     register_sysroot(verbs)
     register_estimate(verbs)
+    register_anchor(verbs)
+
+
+def register_anchor(verbs) -> None:
+    p = verbs.add_parser(
+        "anchor", help="the device's trust anchor: a verifier/installer holding the site key, installed once",
+        description="Write edge-anchor.tar: install-package (the edge installer), bin/verify (the aarch64 minisign "
+        "check, no other library) and the site's public key, signed by the site key. Installed once on each device, "
+        "it checks every later package's signature, sums and file list before any byte of the package runs "
+        "(docs/edge.md, 'The device's trust anchor').")
+    p.add_argument("--out", required=True, metavar="edge-anchor.tar", type=values.output_file)
+    p.add_argument("--glibc-floor", default=glibc_floor.DEFAULT_GLIBC_FLOOR, metavar="2.X",
+                   help=f"oldest glibc the device may have (default {glibc_floor.DEFAULT_GLIBC_FLOOR})")
+    p.add_argument("--key", metavar="KEY",
+                   help="the site's minisign secret key (default: $APPLIANCE_EDGE_KEY, else "
+                   "~/.config/appliance/edge-signing.key, made on first use); its .pub is the key the anchor trusts")
+    p.set_defaults(func="appliance.deploy.commands:anchor_command")
 
 
 def register_estimate(verbs) -> None:
@@ -200,13 +219,25 @@ def register_estimate(verbs) -> None:
         description="Build each architecture untrained (FP32, and INT8 with random calibration), compile it for "
         "TARGET and estimate its cycles per inference on Cortex-A76 and Cortex-A55 (qemu block counts costed by "
         "llvm-mca-16, at stated clocks). Prints the table; --out also writes estimate.json and estimate.html.")
-    p.add_argument("--architectures", required=True, type=lambda text: [a for a in text.split(",") if a],
-                   metavar="A,B,...", help="e.g. resnet18,mobilenet_v2")
+    sizes, classes = options.ESTIMATE_SIZES, options.ESTIMATE_CLASSES
+    p.add_argument("--architectures", required=True, type=estimate_architectures, metavar="A,B,...",
+                   help=f"some of {', '.join(options.ESTIMATE_ARCHITECTURES)} (e.g. resnet18,mobilenet_v2)")
     p.add_argument("--target", default="aarch64-dotprod", choices=("aarch64", "aarch64-dotprod"))
-    p.add_argument("--size", type=values.positive_int, default=224, help="input height and width (default 224)")
-    p.add_argument("--classes", type=values.positive_int, default=1000)
+    p.add_argument("--size", type=values.int_in(sizes, "a size in pixels"), default=224,
+                   help=f"input height and width, {sizes.ge:.0f}..{sizes.le:.0f} (default 224)")
+    p.add_argument("--classes", type=values.int_in(classes, "a number of classes"), default=1000,
+                   help=f"classes of the final layer, {classes.ge:.0f}..{classes.le:.0f} (default 1000)")
     p.add_argument("--out", metavar="DIR", type=values.output_dir, help="write estimate.json and estimate.html here")
     p.set_defaults(func="appliance.deploy.commands:estimate_command")
+
+
+def estimate_architectures(text: str) -> list[str]:
+    """--architectures A,B: names from the offered list only (checked before any path is built from them)."""
+    archs = [a.strip() for a in text.split(",") if a.strip()]
+    problem = options.estimate_problem(archs, options.ESTIMATE_SIZES.ge, options.ESTIMATE_CLASSES.ge, names=("", "", ""))
+    if problem:
+        raise argparse.ArgumentTypeError(problem.removeprefix(": "))
+    return archs
 
 
 def register_sysroot(verbs) -> None:

@@ -10,6 +10,7 @@ import json
 
 from appliance.deploy import export, options
 from appliance.deploy.compile import compile_stage
+from appliance.deploy.edge.anchor import build_anchor
 from appliance.deploy.edge.cycles import describe as describe_estimate
 from appliance.deploy.estimate import estimate_architectures, format_table
 from appliance.deploy.gpu import routes as gpu_routes
@@ -147,4 +148,12 @@ def estimate_command(args) -> int:
     print(format_table(table))
     print(f"{len(table['rows'])} architectures in {table['seconds']:.0f} s" +
           (f"; wrote {args.out}/estimate.json and estimate.html" if args.out else ""))
+    return 0
+
+
+def anchor_command(args) -> int:
+    info = build_anchor(args.out, key=args.key, glibc_floor=args.glibc_floor)
+    print(f"wrote {args.out}: the device's trust anchor, trusting key {info['key_id']} ({info['public_key']}); "
+          "check it on the device with stock minisign, copy edge-anchor/ there once, then install every package "
+          "with edge-anchor/install-package --package DIR (docs/edge.md)")
     return 0

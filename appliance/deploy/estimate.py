@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from appliance.core.errors import ConfigError, EnvironmentProblem
-from appliance.core.html_report import bars_svg, page
+from appliance.core.html_report import bars_svg, page, table_html
 from appliance.core.manifest import atomic_write_text
 from appliance.deploy.compiler.driver import compile_model
 from appliance.deploy.edge.cycles import CLOCKS_HZ, METHOD, describe
 from appliance.deploy.export import export_model
+from appliance.deploy.options import estimate_problem
 from appliance.deploy.quantize import quantize_int8
 from appliance.models import ModelCard, build_model, save_trained_model
 
@@ -56,16 +57,21 @@ def estimate_architecture(arch: str, target: str, size: int, work: Path, *, clas
     return row
 
 
-def estimate_architectures(archs, target: str, size: int, out_dir=None, *, classes: int = 1000, log=print) -> dict:
-    """The table for archs; written as estimate.json + estimate.html into out_dir when given."""
+def estimate_architectures(archs, target: str, size: int, out_dir=None, *, classes: int = 1000, log=print,
+                           names=("--architectures", "--size", "--classes")) -> dict:
+    """The table for archs; written as estimate.json + estimate.html into out_dir when given. Names, size
+    and classes are checked first (options.estimate_problem, its line naming the flags or keys in names)."""
+    problem = estimate_problem(list(archs), size, classes, names=names)
+    if problem:
+        raise ConfigError(problem)
     if not target.startswith("aarch64"):
         raise ConfigError(f"--target {target}: the estimate is for the device's cores (aarch64, aarch64-dotprod)")
     start = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="edge-estimate-") as tmp:
-        for arch in archs:
+        for number, arch in enumerate(archs):
             log(f"{arch} at {size} px for {target}: building FP32 and INT8 (untrained, random calibration)")
-            work = Path(tmp) / arch
+            work = Path(tmp) / str(number)  # never a path made of what the user typed
             work.mkdir()
             rows.append(estimate_architecture(arch, target, size, work, classes=classes, log=log))
     table = {"made_by": "appliance edge estimate", "target": target, "size": size, "classes": classes, "method": METHOD,
@@ -84,29 +90,38 @@ def ms(build: dict, cpu: str) -> float | None:
     return device[cpu]["ms"] if device.get("estimated") else None
 
 
-def format_table(table: dict) -> str:
+def table_rows(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, rows, reasons a build was not estimated): what the printed table and estimate.html show."""
     cpus = list(CLOCKS_HZ)
     head = ["architecture", "params (M)", "FP32 lib MB", "INT8 lib MB", "int8 layers ours/generic",
             *(f"{p} {cpu} ms ({table['clocks_ghz'][cpu]:g} GHz)" for p in ("FP32", "INT8") for cpu in cpus)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in table["rows"]:
         cells = [r["architecture"], f"{r['parameters'] / 1e6:.2f}", f"{r['fp32']['library_bytes'] / 1e6:.1f}",
                  f"{r['int8']['library_bytes'] / 1e6:.1f}", f"{r['int8']['int8_on_our_kernels']}/{r['int8']['int8_generic']}"]
         for p in ("fp32", "int8"):
             cells += [f"{ms(r[p], cpu):.2f}" if ms(r[p], cpu) is not None else "not estimated" for cpu in cpus]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
     reasons = {describe(r[p]["device_estimate"]) for r in table["rows"] for p in ("fp32", "int8")
                if not r[p]["device_estimate"].get("estimated")}
-    return "\n".join(lines + sorted(reasons))
+    return head, rows, sorted(reasons)
+
+
+def format_table(table: dict) -> str:
+    head, rows, reasons = table_rows(table)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines + reasons)
 
 
 def estimate_html(table: dict) -> str:
+    head, rows, reasons = table_rows(table)
     bars = [(f"{r['architecture']} {p}", ms(r[p], "cortex-a76")) for r in table["rows"] for p in ("fp32", "int8")]
     chart = bars_svg(f"estimated ms per inference, Cortex-A76 at {table['clocks_ghz']['cortex-a76']:g} GHz", "ms",
                      [(label, v) for label, v in bars if v is not None], "{:.1f}")
     body = (f"<p>{html.escape(table['target'])}, {table['size']} px, batch 1, one thread; {html.escape(table['method'])}."
             f" Estimates, not timings (benchmarks/README.md says how close they come).</p>{chart}"
-            f"<pre>{html.escape(format_table(table))}</pre>")
+            f"{table_html(head, rows)}" + "".join(f"<p>{html.escape(reason)}</p>" for reason in reasons))
     return page("Estimated device speed", "appliance edge estimate", ESTIMATE_JSON, None, body)
 
 
@@ -124,7 +139,9 @@ def estimate_once(out_dir: Path, arch: str, target: str, size: int, classes: int
         log(f"latency budget: the estimate kept in {kept}")
         return table
     log(f"latency budget: estimating {arch} at {size} px for {target} before training")
-    return estimate_architectures([arch], target, size, out_dir, classes=classes, log=log)
+    return estimate_architectures([arch], target, size, out_dir, classes=classes, log=log,
+                                  names=("[model] architecture", "[data] image_size (for [deploy] latency_budget_ms)",
+                                         "[model] num_classes"))
 
 
 def check_latency_budget(table: dict, budget_ms: float, core: str, precision: str) -> float:

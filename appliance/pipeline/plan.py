@@ -196,7 +196,8 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
     if cfg.check.enabled:
         data = cfg.training.get("data", {})
         num_classes = data.get("num_classes") or len(data.get("classes", ()))
-        task_options = task_for(cfg.training.get("task")).check_options(num_classes)  # segmentation: mask range
+        # segmentation: the mask range, and the class names its report shows
+        task_options = task_for(cfg.training.get("task")).check_options(num_classes, data.get("classes", ()))
         stages.append(CheckStage("check", out / "check", {**asdict(cfg.check), **task_options}, CheckResult))
     stages.append(TrainStage("train", out / "train", train_params(cfg), TrainResult, resumable=True))
     thresholds = Thresholds.of(cfg.training.get("train", {}))

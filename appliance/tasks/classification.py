@@ -28,7 +28,7 @@ class Classification:
     def head_prefix(self, model, architecture: str) -> str:
         return classifier_head(model)
 
-    def check_options(self, num_classes: int) -> dict:
+    def check_options(self, num_classes: int, names=()) -> dict:
         return {}  # the data check infers the label range as it always has
 
     def criterion(self):

@@ -61,9 +61,13 @@ class Segmentation:
         """The part fine-tuning starts fresh when the weights' classes differ (or have no head)."""
         return "head" if architecture == "unet_small" else "net.classifier"
 
-    def check_options(self, num_classes: int) -> dict:
-        """The data check's mask range: the config's classes (a stray id is out of range, not inferred in)."""
-        return {"num_classes": num_classes, "ignore_label": self.ignore_label} if num_classes else {}
+    def check_options(self, num_classes: int, names=()) -> dict:
+        """The data check's mask range: the config's classes (a stray id is out of range, not inferred in),
+        and their names for the report."""
+        if not num_classes:
+            return {}
+        return {"num_classes": num_classes, "ignore_label": self.ignore_label,
+                **({"class_names": list(names)} if names else {})}
 
     def criterion(self):
         import torch

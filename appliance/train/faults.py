@@ -18,11 +18,14 @@ leave before it kills them (default LATE_HANG_S), for the late-hang test.
 
 APPLIANCE_TEST_TEARDOWN="DIR": a worker that finished writes DIR/rank-RANK.json just before it
 leaves: whether the process group is still there, its live Python threads other than the main one,
-its live child processes (DataLoader workers), for the teardown-order test.
+its live child processes (DataLoader workers), for the teardown-order test. With it set, SIGUSR1
+makes a worker (and each loader worker it forks) print every thread's Python stack on stderr
+(faulthandler), so a test can see where a run that does not end is waiting before it kills it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -54,6 +57,13 @@ def load() -> None:
         raise ConfigError(f"{ENV}={spec!r} is not POINT:STEP:RANK with POINT one of {', '.join(POINTS)} "
                           "(a test hook: unset it)")
     _fault = (parts[0], int(parts[1]), int(parts[2]))
+
+
+def stacks_on_sigusr1() -> None:
+    """Under APPLIANCE_TEST_TEARDOWN, SIGUSR1 prints every thread's stack (called before the loader
+    workers are forked, so that they inherit it)."""
+    if os.environ.get(TEARDOWN_ENV):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def armed(point: str, step: int, rank: int) -> bool:

@@ -172,10 +172,20 @@ def finish(run: Run, guard: Guard, checkpoints: Checkpointing, stopped: bool, wr
 
 
 def shut_down_workers(loader) -> None:
-    """End a DataLoader's persistent worker processes now, not in a destructor at teardown."""
+    """End a DataLoader's persistent worker processes now, not in a destructor at teardown.
+
+    torch asks each worker to leave, waits 5 s, then sends SIGTERM, which our workers ignore by
+    design (data._worker_ignores_stop_signals), and waits 5 s more. A worker still there after that
+    (stuck, or starved on a loaded box) would outlive its rank: orphaned, holding the launcher's
+    pipes, in whatever wait it was in. It is killed instead: the run needs nothing more from it."""
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        workers = list(getattr(iterator, "_workers", []))
         iterator._shutdown_workers()
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=30)
         loader._iterator = None
 
 

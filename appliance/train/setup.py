@@ -99,6 +99,7 @@ def start_processes(cfg: Config, log_for_rank: Callable) -> Run:
     # group's (gloo/NCCL, store), TensorBoard's or OpenMP's threads run copies their locks into a child
     # that can never release them (a worker deadlocked at start is a rank waiting for a batch forever).
     check_data_report(cfg)
+    faults.stacks_on_sigusr1()  # a test hook: unset in production
     build_loaders(run)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if rank == 0:

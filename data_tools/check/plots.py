@@ -4,16 +4,25 @@ from __future__ import annotations
 
 from html import escape
 
+from appliance.core.html_report import bars_svg
+
 WIDTH, HEIGHT = 560, 220
 PAD_LEFT, PAD_BOTTOM, PAD_TOP = 48, 40, 32
 
 
+MAX_LABELLED_BARS = 40  # past it, vertical bars with no labels (each in its bar's tooltip)
+
+
 def bar_chart(labels: list[str], counts: list[int], title: str, plot_id: str) -> str:
-    """Vertical bars, one per label, with counts on top."""
+    """Vertical bars, one per label, with counts on top; where a label does not fit under its bar,
+    horizontal bars with every label whole (the reports' shared bars_svg)."""
     n = max(len(counts), 1)
     top = max(counts, default=0) or 1
     inner_w, inner_h = WIDTH - PAD_LEFT - 10, HEIGHT - PAD_BOTTOM - PAD_TOP
     bar_w = inner_w / n
+    if n <= MAX_LABELLED_BARS and any(_fit(label, bar_w) != label for label in labels):
+        return bars_svg(title, "", list(zip(labels, counts)), "{}", font=10, bar=max(24 - n // 2, 10),
+                        cls="plot bar-chart", svg_id=plot_id)
     parts = [_open(plot_id, title, "bar-chart")]
     for i, (label, count) in enumerate(zip(labels, counts)):
         h = inner_h * count / top

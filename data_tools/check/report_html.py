@@ -120,6 +120,8 @@ def _label_balance(report: dict) -> list[str]:
         out.append(f"<p>Imbalance (largest / smallest class): "
                    f"{'undefined (empty classes: ' + str(labels['empty_classes']) + ')' if imbalance is None else f'{imbalance:.2f}'}"
                    "</p>")
+    elif report.get("segmentation"):
+        out.append("<p>The masks are the labels: pixels and images per class are under Masks below.</p>")
     else:
         out.append("<p>No labels found.</p>")
     return out
@@ -184,17 +186,20 @@ def _segmentation(report: dict, thumbs: dict) -> list[str]:
     seg = report.get("segmentation")
     if not seg:
         return []
+    names = seg.get("class_names", {})
     classes = list(seg["pixel_share"])
+    labels = [f"{c} {names[c]}" if names.get(c, c) != c else c for c in classes]
     out = [f"<h2>Masks</h2><p>{seg['masks']} valid masks, {seg['num_classes']} classes "
            f"({escape(seg['num_classes_source'])}), ignore label {seg['ignore_label']} "
            f"({100 * seg['ignored_pixel_share']:.2f} % of pixels); {seg['empty_masks']} masks with no "
            f"foreground class; classes in no image: {seg['classes_in_no_image'] or 'none'}.</p><div class='plots'>",
-           bar_chart(classes, [round(1000 * seg["pixel_share"][c]) for c in classes],
+           bar_chart(labels, [round(1000 * seg["pixel_share"][c]) for c in classes],
                      "labelled pixels per class (per mille)", "plot-pixel-share"),
-           bar_chart(classes, [seg["images_per_class"][c] for c in classes], "images per class",
+           bar_chart(labels, [seg["images_per_class"][c] for c in classes], "images per class",
                      "plot-images-per-class"), "</div>"]
     overlays = thumbs.get("overlays") or {}
     legend = " ".join(f"<span style='background:{colour};padding:0 6px'>&nbsp;</span> class {escape(c)}"
+                      + (f" {escape(names[c])}" if names.get(c, c) != c else "")
                       for c, colour in overlays.get("colours", {}).items())
     out.append(f"<h3>Mask overlays</h3><p>{legend}; ignored pixels white.</p><div class='thumbs' id='overlays'>")
     out += [_thumb(item) for item in overlays.get("valid", [])]

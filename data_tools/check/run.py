@@ -54,10 +54,11 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
               image_key="image/encoded", label_key="image/class/label", max_pixels=DEFAULT_MAX_PIXELS,
               near_distance: int = 4, jobs: int | None = None, progress: bool = True,
               command: list[str] | None = None, summary_stream=None, num_classes: int | None = None,
-              ignore_label: int = 255) -> tuple[dict, int]:
+              ignore_label: int = 255, class_names: list[str] | None = None) -> tuple[dict, int]:
     """Check (path, split) inputs, write the output directory; returns (report, exit status).
     The one-line summary goes to summary_stream (default stdout). num_classes and ignore_label
-    apply to segmentation masks (records with image/segmentation/class/encoded)."""
+    apply to segmentation masks (records with image/segmentation/class/encoded); class_names (the
+    config's classes, in id order) name the mask classes in the report."""
     conditions = gate_rules.parse_fail_on(fail_on)
     if not 0 <= near_distance <= 7:
         raise ConfigError(f"--near-distance must be 0..7 bits (got {near_distance})")
@@ -67,11 +68,11 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
         return _run_locked(inputs, Path(out_dir), schema_path=schema_path, fail_on=fail_on, conditions=conditions,
                            image_key=image_key, label_key=label_key, max_pixels=max_pixels,
                            near_distance=near_distance, jobs=jobs, progress=progress, command=command,
-                           summary_stream=summary_stream, masks=(num_classes, ignore_label))
+                           summary_stream=summary_stream, masks=(num_classes, ignore_label, class_names))
 
 
 def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_key, label_key, max_pixels,
-                near_distance, jobs, progress, command, summary_stream, masks=(None, 255)) -> tuple[dict, int]:
+                near_distance, jobs, progress, command, summary_stream, masks=(None, 255, None)) -> tuple[dict, int]:
     stage = out / ".check-partial"
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "clean").mkdir(parents=True)
@@ -82,7 +83,7 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
         schema, schema_source = load_schema(schema_path), f"given: {schema_path}"
     else:
         schema, schema_source = infer_schema(_schema_sample(paths), image_key, label_key), "inferred"
-    schema = add_mask_keys(schema, *masks)
+    schema = add_mask_keys(schema, masks[0], masks[1])
     names = shard_names(paths)
     tasks = [ScanTask(i, p, split, names[i], str(stage), schema, max_pixels)
              for i, (p, split) in enumerate(inputs)]
@@ -122,6 +123,8 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
     report["gate"] = gate_rules.evaluate(conditions, gate_metrics)
     segmentation = segmentation_report(results, schema)
     if segmentation:
+        if masks[2]:
+            segmentation["class_names"] = {str(c): str(n) for c, n in enumerate(masks[2][:segmentation["num_classes"]])}
         report["segmentation"] = segmentation
         report["params"].update(num_classes=masks[0], ignore_label=masks[1])
 

@@ -140,3 +140,44 @@ def test_a_stock_minisign_signature_verifies(verifier, tmp_path):
     subprocess.run(["minisign", "-S", "-s", str(tmp_path / "k.key"), "-m", str(tmp_path / "SHA256SUMS"),
                     "-t", "stock"], check=True, capture_output=True)
     assert verify(verifier, tmp_path) == (0, "stock")
+
+
+def odd_variants(d):
+    """Signature and key files with a space, a tab or extra carriage returns around a base64 line, and a
+    trusted comment holding a character str.splitlines() breaks at: (name of the .minisig, of the .pub)."""
+    sig = (d / "SHA256SUMS.minisig").read_text().split("\n")
+    pub = (d / "k.pub").read_text().split("\n")
+    cases = {}
+    for name, lines, which, index, edit in [
+            ("sig-leading-space", sig, "sig", 1, lambda s: " " + s), ("sig-trailing-space", sig, "sig", 1, lambda s: s + " "),
+            ("sig-tab", sig, "sig", 3, lambda s: "\t" + s), ("global-leading-space", sig, "sig", 3, lambda s: " " + s),
+            ("sig-crlf", sig, "sig", 1, lambda s: s + "\r"), ("sig-two-cr", sig, "sig", 1, lambda s: s + "\r\r"),
+            ("pub-leading-space", pub, "pub", 1, lambda s: " " + s), ("pub-crlf", pub, "pub", 1, lambda s: s + "\r")]:
+        edited = list(lines)
+        edited[index] = edit(edited[index])
+        (d / f"{name}.{which}").write_text("\n".join(edited))
+        cases[name] = (f"{name}.sig", "k.pub") if which == "sig" else ("SHA256SUMS.minisig", f"{name}.pub")
+    return cases
+
+
+def test_the_device_python_and_stock_minisign_agree_on_odd_base64_lines(verifier, signed):
+    """issue 43: `bin/run --verify-signature` refused a base64 line with a leading space, the Python
+    verifier (str.strip) accepted it. Both now read lines as minisign does (split at LF, one CR before
+    it dropped, nothing else), and stock minisign, where installed, gives the same verdicts."""
+    d, _ = signed
+    verdicts = {}
+    for name, (sig, pub) in odd_variants(d).items():
+        device = verify(verifier, d, pub=pub, sig=sig)[0] == 0
+        try:
+            minisign.verify_file(str(d / "SHA256SUMS"), str(d / sig), str(d / pub))
+            python = True
+        except minisign.SignatureError:
+            python = False
+        verdicts[name] = (device, python)
+        if shutil.which("minisign"):
+            stock = subprocess.run(["minisign", "-Vm", str(d / "SHA256SUMS"), "-x", str(d / sig), "-p", str(d / pub)],
+                                   capture_output=True).returncode == 0
+            verdicts[name] += (stock,)
+    accepted = {"sig-crlf", "pub-crlf"}
+    for name, said in verdicts.items():
+        assert set(said) == {name in accepted}, (name, said)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -32,20 +33,40 @@ def _start(config, teardown_dir, fault=""):
                             stderr=subprocess.PIPE, text=True, env=env, cwd=config.parent, start_new_session=True)
 
 
-def _finish(proc, timeout=120):
+def _dump_stacks(teardown_dir) -> list[int]:
+    """SIGUSR1 to the run's workers and their loader workers (APPLIANCE_TEST_TEARDOWN set: each prints
+    its threads' Python stacks on stderr, faulthandler), so a run that does not end says where it waits."""
+    signalled = []
+    for entry in os.listdir("/proc"):
+        try:
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0") if entry.isdigit() else []
+        except OSError:
+            continue
+        if f"APPLIANCE_TEST_TEARDOWN={teardown_dir}".encode() in environ and any(e.startswith(b"RANK=") for e in environ):
+            try:
+                os.kill(int(entry), signal.SIGUSR1)
+                signalled.append(int(entry))
+            except OSError:
+                pass
+    time.sleep(3)
+    return signalled
+
+
+def _finish(proc, timeout=120, teardown_dir=None):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        signalled = _dump_stacks(teardown_dir) if teardown_dir is not None else []
         # torchrun's workers live in their own process groups: a hung one outlives the launcher's
         # group and holds our pipes, so every process of this run (its config on the command line) goes.
         os.killpg(proc.pid, signal.SIGKILL)
         config = proc.args[proc.args.index("train") + 1]
         subprocess.run(["pkill", "-9", "-f", config], check=False)
         try:
-            proc.communicate(timeout=30)
+            out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            pass
-        return None, "", f"did not finish in {timeout} s"
+            out, err = "", ""
+        return None, out, f"did not finish in {timeout} s; stacks of {signalled} (SIGUSR1):\n{err[-8000:]}"
     return proc.returncode, out, err
 
 
@@ -69,9 +90,9 @@ def test_repeated_short_runs_all_end_as_finished_with_an_orderly_teardown(workdi
             state.mkdir()
             procs.append((name, state, _start(_config(workdir, name), state)))
         for name, state, proc in procs:
-            status, _, err = _finish(proc)
+            status, _, err = _finish(proc, teardown_dir=state)
             if _abnormal(status, err):
-                abnormal.append(f"{name}: exit {status}: {err[-1500:]}")
+                abnormal.append(f"{name}: exit {status}: {err[-8000:] if status is None else err[-1500:]}")
             teardowns += [(name, json.loads(p.read_text())) for p in sorted(state.glob("rank-*.json"))]
     print(f"teardown: {2 * ROUNDS} runs, {len(abnormal)} abnormal exits")
     assert not abnormal, "\n".join(abnormal)
@@ -118,3 +139,22 @@ def test_a_worker_hanging_after_the_commit_is_killed_named_and_the_run_counts_as
     assert "quality gate passed" in out
     assert (run_dir / "model").is_dir() and json.loads((run_dir / "manifest.json").read_text())
     assert [p.name for p in state.iterdir()] == ["rank-0.json"]  # rank 1 never left
+
+
+def test_a_worker_under_the_teardown_hook_prints_its_stacks_on_sigusr1(tmp_path):
+    """What _dump_stacks relies on when a repeated run does not end: the worker (and a fork of it, as a
+    loader worker is) prints every thread's stack on SIGUSR1 and carries on."""
+    import sys
+
+    code = ("import os, signal, sys\n"
+            "from appliance.train import faults\n"
+            "faults.stacks_on_sigusr1()\n"
+            "pid = os.fork()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "print('child alive' if pid == 0 else 'parent alive', flush=True)\n"
+            "os._exit(0) if pid == 0 else os.waitpid(pid, 0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "APPLIANCE_TEST_TEARDOWN": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split("\n")[:2]) == ["child alive", "parent alive"]
+    assert proc.stderr.count("most recent call first") >= 2, proc.stderr

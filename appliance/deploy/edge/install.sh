@@ -3,6 +3,11 @@
 #
 #   ./install.sh --prefix DIR --pubkey KEY.pub [--python]   first install (DIR: /opt/appliance-edge by default)
 #   DIR/install.sh --package NEW_PACKAGE_DIR [--python]     every later install, by the installed copy
+#   ANCHOR/install-package --package PKG [--prefix DIR]     any install, by the device's trust anchor
+#
+# The trust anchor (`appliance edge anchor`: this script as install-package, bin/verify and the site's
+# trusted.pub, installed once per device) checks every package with its own key and program: no byte
+# of the package runs before its signature, sums and file list are checked (docs/edge.md).
 #
 # Trust: KEY.pub is the site's public key, carried to the device once and checked out of band
 # (its key id is what `appliance package` printed). The first install keeps it in
@@ -41,10 +46,16 @@ while [ $# -gt 0 ]; do
         --pubkey=*) pubkey=${1#--pubkey=}; shift ;;
         --trust-package-key) tofu=yes; shift ;;
         --python) python=yes; shift ;;
-        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument $1 (usage: install.sh --prefix DIR --pubkey KEY.pub [--python], or DIR/install.sh --package NEW)" ;;
     esac
 done
+anchor=no
+if [ -f "$here/trusted.pub" ] && [ -f "$here/bin/verify" ]; then  # the device's trust anchor
+    anchor=yes
+    [ -n "$package" ] || die "--package DIR: the package to install is needed (this is the device's trust anchor, $here)"
+    [ "$tofu" = no ] || die "--trust-package-key: the trust anchor trusts only its own key ($here/trusted.pub)"
+fi
 if [ -z "$prefix" ]; then  # the installed copy installs into its own directory
     if [ -f "$here/.appliance-edge/trusted.pub" ]; then prefix=$here; else prefix=/opt/appliance-edge; fi
 fi
@@ -94,7 +105,14 @@ cd "$stage/package"
 odd=$(find . ! -type f ! -type d | sed 's|^\./||' | head -n 1)
 [ -z "$odd" ] || die "$package/$odd: not a regular file (links and devices are refused)"
 [ -f SHA256SUMS.minisig ] || die "$package/SHA256SUMS.minisig: missing: the package is not signed (made by an \`appliance package\` without signing?); nothing installed"
-if [ -f "$state/trusted.pub" ]; then
+if [ "$anchor" = yes ]; then
+    [ -z "$pubkey" ] || cmp -s "$pubkey" "$here/trusted.pub" \
+        || die "$pubkey: not the key this trust anchor holds ($here/trusted.pub); the anchor checks packages with its own key only"
+    [ ! -f "$state/trusted.pub" ] || cmp -s "$state/trusted.pub" "$here/trusted.pub" \
+        || die "$prefix: trusts another key ($state/trusted.pub) than this trust anchor ($here/trusted.pub); nothing installed"
+    key=$here/trusted.pub
+    verifier=$here/bin/verify  # the anchor's: installed once, never a package's
+elif [ -f "$state/trusted.pub" ]; then
     [ -z "$pubkey" ] || cmp -s "$pubkey" "$state/trusted.pub" \
         || die "$pubkey: $prefix already trusts another key ($state/trusted.pub); to rotate keys replace that file out of band"
     [ -x "$prefix/bin/run" ] || die "$prefix/bin/run: missing: the installed verifier is gone; reinstall into a new directory"
@@ -116,13 +134,19 @@ cp "$key" "$stage/key.pub" || die "$keyname: cannot be read"
 key=$stage/key.pub  # the bytes checked are the bytes kept as trusted.pub
 if command -v minisign >/dev/null 2>&1 && [ "$verifier" = ./bin/run ]; then
     # A first install: the system's own minisign, where there is one, rather than the package's program.
-    out=$(minisign -Vq -m SHA256SUMS -x SHA256SUMS.minisig -p "$key" 2>&1) \
-        || die "$package/SHA256SUMS.minisig: signature check failed (minisign: $(printf '%s' "$out" | head -n 1)); nothing installed"
+    # Not -q: minisign -Vq says nothing when it refuses, and the line must say what failed.
+    if ! out=$(minisign -V -m SHA256SUMS -x SHA256SUMS.minisig -p "$key" 2>&1); then
+        why=$(printf '%s\n' "$out" | grep . | tr '\n' ' ' | sed 's/ *$//')
+        die "$package/SHA256SUMS.minisig: signature check failed (minisign: ${why:-refused, with no message}); nothing installed"
+    fi
 else
-    [ -f "$verifier" ] || die "$package/bin/run: missing; nothing installed"
+    case "$verifier" in ./*) shown=$package/${verifier#./} ;; *) shown=$verifier ;; esac
+    [ -f "$verifier" ] || die "$shown: missing; nothing installed"
     # shellcheck disable=SC2086  # EDGE_EMULATOR is a command prefix, split on purpose
-    out=$(${EDGE_EMULATOR:-} "$verifier" --verify-signature SHA256SUMS --signature SHA256SUMS.minisig --pubkey "$key" 2>&1) \
-        || die "$package/SHA256SUMS.minisig: $(printf '%s\n' "$out" | tail -n 1 | sed "s/^run: refused: SHA256SUMS.minisig: //; s/^run: [a-z]*: //; s|$key|$keyname|"); nothing installed"
+    if ! out=$(${EDGE_EMULATOR:-} "$verifier" --verify-signature SHA256SUMS --signature SHA256SUMS.minisig --pubkey "$key" 2>&1); then
+        why=$(printf '%s\n' "$out" | grep . | tail -n 1 | sed "s/^[a-z]*: refused: SHA256SUMS.minisig: //; s/^[a-z]*: [a-z]*: //; s|$key|$keyname|")
+        die "$package/SHA256SUMS.minisig: ${why:-$shown --verify-signature refused it with no message}; nothing installed"
+    fi
 fi
 
 if grep -v '^[0-9a-f]\{64\}  [A-Za-z0-9_][A-Za-z0-9_.+/-]*$' SHA256SUMS | grep -q . \
@@ -234,8 +258,9 @@ grep -v '^venv$' "$stage/new" | while read -r f; do
     mv -f "$f" "$prefix/$f"
 done
 echo "$id" > "$stage/installed"
+if [ "$anchor" = yes ]; then later=$here/install-package; else later=$prefix/install.sh; fi
 chmod 644 "$key" "$stage/new" "$stage/installed"
 [ -f "$state/trusted.pub" ] || mv -f "$key" "$state/trusted.pub"
 mv -f "$stage/new" "$state/files"
 mv -f "$stage/installed" "$state/installed"
-echo "installed in $prefix (SHA256SUMS $id, signature checked with $state/trusted.pub): run $prefix/bin/run --input tensor.npy --top-k 5; install later packages with $prefix/install.sh --package DIR"
+echo "installed in $prefix (SHA256SUMS $id, signature checked with $state/trusted.pub): run $prefix/bin/run --input tensor.npy --top-k 5; install later packages with $later --package DIR"
