@@ -188,6 +188,7 @@ def parse_tune(raw, training: dict, source: Path) -> TuneSpec:
                           'e.g. "optimizer.lr" = { low = 1e-4, high = 0.1, log = true }')
     if not training.get("data", {}).get("val"):
         raise ConfigError(f"{src}: [data] val is required: each trial is judged on the validation set")
+    config_from_dict(training, source)  # the training config's own mistakes are its own, not a tune key's
     types = _field_types()
     params = []
     for key, value in space.items():

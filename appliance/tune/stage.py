@@ -30,7 +30,7 @@ from appliance.train.launcher import Interrupted, gpu_count
 from appliance.train.stage import train_sections
 from appliance.tune.report import REPORT_HTML, REPORT_JSON, write_report
 from appliance.tune.space import TuneSpec, parse_tune, with_values
-from appliance.tune.trials import TrialRun
+from appliance.tune.trials import GATE_FAILED, TrialRun
 
 JOURNAL_NAME = "study.journal"
 BEST_CONFIG = "best.toml"
@@ -184,7 +184,7 @@ class Tuner:
                 run.stop()
         if not run.finished():
             return False
-        if self.stop_signal and not run.pruned:
+        if self.stop_signal and not run.pruned and run.proc.returncode not in (0, GATE_FAILED):
             return True  # stopped with the tuner: it stays running in the study and resumes next time
         run.trial.set_user_attr("seconds", run.earlier_seconds + run.seconds)
         run.trial.set_user_attr("exited_at", time.time())
