@@ -208,12 +208,15 @@ class Tuner:
 
     def run(self) -> None:
         deadline = time.monotonic() + self.spec.max_minutes * 60 if self.spec.max_minutes else math.inf
-        for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if self.free:
-                self.start(optuna.trial.Trial(self.study, frozen._trial_id), resumed=frozen)
+        # Trials a killed tuner left running: resumed first, as slots free up, and counted in the budget.
+        left = list(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
         while True:
+            while left and self.free and not self.stop_signal and time.monotonic() < deadline:
+                frozen = left.pop(0)
+                self.study.sampler = sampler_for(self.spec, frozen.number)  # for values it had not drawn yet
+                self.start(optuna.trial.Trial(self.study, frozen._trial_id), resumed=frozen)
             done = len(self.study.get_trials(deepcopy=False, states=FINISHED))
-            while (self.free and not self.stop_signal and time.monotonic() < deadline
+            while (self.free and not left and not self.stop_signal and time.monotonic() < deadline
                    and done + len(self.running) < self.spec.trials):
                 self.study.sampler = sampler_for(self.spec, len(self.study.get_trials(deepcopy=False)))
                 self.start(self.study.ask())
