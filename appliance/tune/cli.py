@@ -22,5 +22,5 @@ def register(subparsers) -> None:
                    metavar="K", help="trials at once, each on a share of the GPUs (CPU: of the cores); default 1")
     p.add_argument("--nproc-per-node", type=nproc_flag, default="auto",
                    help="processes per trial: N or auto (its share of the GPUs; one CPU process without a GPU)")
-    p.add_argument("--quiet", action="store_true", help="no progress output of the trials (results and errors still print)")
+    p.add_argument("--quiet", action="store_true", help="no progress output (the trials' lines; results and errors still print)")
     p.set_defaults(func="appliance.tune.commands:tune_command")

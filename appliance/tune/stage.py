@@ -25,6 +25,7 @@ from optuna.trial import TrialState
 from appliance.core.dirlock import directory_lock
 from appliance.core.errors import ApplianceError, ConfigError
 from appliance.core.manifest import atomic_write_text, write_manifest
+from appliance.core.progress import quiet
 from appliance.core.stage import read_result_json
 from appliance.train.launcher import Interrupted, gpu_count
 from appliance.train.stage import train_sections
@@ -138,7 +139,8 @@ class Tuner:
         self.stop_signal = ""
 
     def say(self, line: str) -> None:
-        print(f"tune: {line}", file=sys.stderr, flush=True)
+        if not quiet():
+            print(f"tune: {line}", file=sys.stderr, flush=True)
 
     def start(self, trial: optuna.trial.Trial, resumed=None) -> None:
         """Start trial's run; resumed: its FrozenTrial when it was left running by a killed tuner."""
