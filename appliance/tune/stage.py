@@ -275,6 +275,10 @@ def tune_stage(training: dict, source: Path, tune: dict, out_dir: Path, *, train
         raise Interrupted(f"stopped by {tuner.stop_signal}; run the same command to continue the study "
                           f"(the running trials resume from their checkpoints)",
                           exit_code=128 + getattr(signal, tuner.stop_signal))
+    if not best and tuner.stop_signal == "max_minutes":
+        raise ApplianceError(f"[tune] max_minutes {spec.max_minutes:g} ran out before a trial completed; "
+                             f"{report['counts']['running']} trial(s) stopped at their checkpoints: run the same "
+                             "command to continue the study")
     if not best:
         raise ApplianceError(f"no trial completed ({report['counts']}); the reasons are in {out_dir / REPORT_HTML}")
     return TuneResult.load(out_dir)
