@@ -188,6 +188,9 @@ def parse_tune(raw, training: dict, source: Path) -> TuneSpec:
                           'e.g. "optimizer.lr" = { low = 1e-4, high = 0.1, log = true }')
     if not training.get("data", {}).get("val"):
         raise ConfigError(f"{src}: [data] val is required: each trial is judged on the validation set")
+    # Checked as the trials' configs will be: each trial's run is named by the tuner (a pipeline config may
+    # leave [run] name out: its train stage names the run too).
+    training = with_values(training, {"run.name": training.get("run", {}).get("name", "trial")})
     config_from_dict(training, source)  # the training config's own mistakes are its own, not a tune key's
     types = _field_types()
     params = []

@@ -79,6 +79,8 @@ def test_a_good_space_parses_with_kinds_from_the_training_config(training):
                                                                                           "model": {"architecture": "unet_small"}},
                      training)
     assert seg.objective == "val_miou"  # the task's metric, by name
+    unnamed = {k: v for k, v in raw.items() if k != "run"}  # a pipeline config may leave [run] out
+    assert parse_tune({"space": {"optimizer.lr": {"low": 0.1, "high": 1.0}}}, unnamed, training).params
 
 
 def _pipeline(tmp_path: Path, training: Path, extra: str) -> Path:
