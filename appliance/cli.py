@@ -24,6 +24,7 @@ VERB_MODULES = [  # in the order of the pipeline, as `appliance --help` lists th
     "appliance.doctor",
     "data_tools.cli",
     "appliance.train.cli",
+    "appliance.tune.cli",
     "appliance.deploy.cli",  # export, quantize, compile, package, edge
     "appliance.pipeline.cli",
     "appliance.bundle.cli",

@@ -24,7 +24,7 @@ def test_data_verbs_on_a_directory(tmp_path, verb):
     assert line == f"appliance data {verb}: error: {tmp_path}: is a directory, not a file"
 
 
-@pytest.mark.parametrize("verb", ["train", "pipeline"])
+@pytest.mark.parametrize("verb", ["train", "pipeline", "tune"])
 def test_config_verbs_on_a_directory(tmp_path, verb):
     line = one_line(run_appliance(verb, str(tmp_path)))
     assert line.startswith(f"appliance {verb}: error: {tmp_path}: is a directory, not a ")

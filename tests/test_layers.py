@@ -26,6 +26,7 @@ LAYERS = [
     ("models", ["appliance.models"]),
     ("tasks", ["appliance.tasks"]),  # per task: samples, model, loss, figures, gate (docs/dev/architecture.md, the picture)
     ("stages", ["appliance.train", "appliance.deploy", "appliance.bundle"]),
+    ("search", ["appliance.tune"]),  # `appliance tune`: trials are training runs (appliance.train's stage)
     ("pipeline", ["appliance.pipeline"]),
     ("cli", ["appliance.cli", "appliance.doctor", "*.cli"]),
     ("tools", ["benchmarks", "installer"]),  # scripts over the whole product; nothing of ours imports them
@@ -168,7 +169,7 @@ STAGE_MODULES = {
 # edge of the import graph, so the layer rules apply to it.
 STRING_IMPORTS = {
     **{("appliance.cli", verbs): "VERB_MODULES: the CLI registers each package's verbs with importlib"
-       for verbs in ("appliance.doctor", "data_tools.cli", "appliance.train.cli", "appliance.deploy.cli",
+       for verbs in ("appliance.doctor", "data_tools.cli", "appliance.train.cli", "appliance.tune.cli", "appliance.deploy.cli",
                      "appliance.pipeline.cli", "appliance.bundle.cli")},
     ("data_tools.cli", "data_tools.check.cli"): "DATA_VERB_MODULES: `appliance data` sub-verbs, with importlib",
     ("data_tools.cli", "data_tools.preview"): "DATA_VERB_MODULES: `appliance data` sub-verbs, with importlib",
@@ -176,6 +177,8 @@ STRING_IMPORTS = {
                                                              "when their verb runs",
     ("appliance.deploy.cli", "appliance.pipeline.qat"): "`quantize --qat` composes train, export and quantize; "
                                                          "its handler is the pipeline's, imported when it runs",
+    ("appliance.tune.cli", "appliance.tune.commands"): "the handler of `appliance tune` (optuna, the launcher), imported "
+                                                       "when its verb runs",
     ("data_tools.cli", "data_tools.commands"): "the handlers of `data index/cat/convert` (numpy, PIL), imported when "
                                                "their verb runs",
     ("appliance.train.launcher", "appliance.train.agent"): "run as `python -m` under torchrun: a process",

@@ -19,8 +19,9 @@ from appliance.deploy.compiler.targets import TARGETS
 from appliance.deploy.options import METHODS, OPSETS
 from data_tools.check.gate import parse_fail_on
 from appliance.train.config import config_from_dict
+from appliance.tune.space import parse_tune
 
-STAGES = ("check", "train", "gate", "export", "quantize", "compile", "package", "verify")  # in the order they run
+STAGES = ("check", "tune", "train", "gate", "export", "quantize", "compile", "package", "verify")  # in the order they run
 TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "checkpoint", "augment", "distributed",
                   "profile", "task")
 
@@ -30,6 +31,7 @@ class PipelineSection:
     out: Annotated[str, PATH] = "pipeline-out"  # each stage writes OUT/<stage>/; relative to the config file
     nproc_per_node: str = "auto"
     max_restarts: Annotated[int, COUNT] = 3  # elastic restarts of training after a crash
+    tune: bool = False  # search [tune]'s hyperparameters (appliance tune) before train; train uses the best
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class PipelineConfig:
     package: PackageSection = field(default_factory=PackageSection)
     verify: VerifySection = field(default_factory=VerifySection)
     deploy: DeploySection = field(default_factory=DeploySection)
+    tune: dict = field(default_factory=dict)  # the [tune] section, as read (checked by appliance.tune.space at load)
 
     @property
     def out_dir(self) -> Path:
@@ -109,10 +112,10 @@ _STAGE_SECTIONS = {"pipeline": PipelineSection, "check": CheckSection, "export":
 def load_pipeline_config(path: str | Path) -> PipelineConfig:
     source = Path(path).resolve()
     raw = read_toml(path, "pipeline config")
-    unknown = set(raw) - set(TRAIN_SECTIONS) - set(_STAGE_SECTIONS)
+    unknown = set(raw) - set(TRAIN_SECTIONS) - set(_STAGE_SECTIONS) - {"tune"}
     if unknown:
         raise ConfigError(f"{path}: unknown section [{sorted(unknown)[0]}] (known: "
-                          f"{', '.join(TRAIN_SECTIONS + tuple(_STAGE_SECTIONS))})")
+                          f"{', '.join(TRAIN_SECTIONS + tuple(_STAGE_SECTIONS))}, tune)")
     for name in _STAGE_SECTIONS:
         if not isinstance(raw.get(name, {}), dict):
             raise ConfigError(f"{path}: [{name}] must be a table")
@@ -147,8 +150,12 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
 
     parse_fail_on(sections["check"].fail_on, where=f"{source}: [check] fail_on")
     train_cfg = validate_training(training, source)
+    if sections["pipeline"].tune:
+        if "tune" not in raw:
+            raise ConfigError(f"{path}: [pipeline] tune = true needs a [tune] section (what to search)")
+        parse_tune(raw["tune"], training, source)  # a bad [tune] fails now, not after the data check
     return PipelineConfig(source=source, training=training, train_files=tuple(map(Path, train_cfg.data.train)),
-                          val_files=tuple(map(Path, train_cfg.data.val)), **sections)
+                          val_files=tuple(map(Path, train_cfg.data.val)), tune=raw.get("tune", {}), **sections)
 
 
 def validate_training(training: dict, source: Path):

@@ -23,6 +23,7 @@ from appliance.tasks import task_for
 from appliance.train.result import TrainResult
 from appliance.train.quality import GATE_KEYS, GateResult, Thresholds, gate_stage
 from appliance.train.stage import stage_config, train_stage
+from appliance.tune.stage import TuneResult, tune_stage
 from data_tools.check.stage import CheckResult, check_stage
 
 
@@ -32,6 +33,7 @@ class Results:
 
     cfg: PipelineConfig
     check: CheckResult | None = None
+    tune: TuneResult | None = None
     train: TrainResult | None = None
     gate: GateResult | None = None
     export: ExportResult | None = None
@@ -52,7 +54,7 @@ class Results:
 
     def items(self) -> list[tuple[str, StageResult]]:
         """(stage name, result) for every stage that has a result, in pipeline order."""
-        named = [("check", self.check), ("train", self.train), ("gate", self.gate), ("export", self.export),
+        named = [("check", self.check), ("tune", self.tune), ("train", self.train), ("gate", self.gate), ("export", self.export),
                  ("quantize", self.quantize),
                  *((f"compile-{target}", build) for target, build in self.compiled.items()),
                  ("package", self.package), ("verify", self.verify)]
@@ -97,14 +99,27 @@ class CheckStage(Stage):
         return check_stage(files, out_dir, fail_on=res.cfg.check.fail_on, **options)
 
 
-class TrainStage(Stage):
-    # Training reads the data files; their content is in its fingerprint whether or not a check ran.
+class TuneStage(Stage):
     def inputs(self, res: Results) -> list[Path]:
         return [*res.data("train"), *res.data("val")]
 
+    def action(self, out_dir: Path, res: Results) -> TuneResult:
+        cfg = res.cfg
+        return tune_stage(cfg.training, cfg.source, cfg.tune, out_dir, train_files=res.data("train"),
+                          val_files=res.data("val"), check_report=res.check.report_json if res.check else None,
+                          nproc_per_node=cfg.pipeline.nproc_per_node)
+
+
+class TrainStage(Stage):
+    # Training reads the data files; their content is in its fingerprint whether or not a check ran,
+    # and, after a tune stage, the best config it wrote (its values are the ones trained).
+    def inputs(self, res: Results) -> list[Path]:
+        return [*res.data("train"), *res.data("val"), *([res.tune.best_config] if res.tune else [])]
+
     def action(self, out_dir: Path, res: Results) -> TrainResult:
         cfg = res.cfg
-        config = stage_config(cfg.training, cfg.source, out_dir, train_files=res.data("train"),
+        training = res.tune.tuned(cfg.training) if res.tune else cfg.training
+        config = stage_config(training, cfg.source, out_dir, train_files=res.data("train"),
                               val_files=res.data("val"), check_report=res.check.report_json if res.check else None)
         return train_stage(config, nproc_per_node=cfg.pipeline.nproc_per_node, max_restarts=cfg.pipeline.max_restarts)
 
@@ -199,6 +214,9 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
         # segmentation: the mask range, and the class names its report shows
         task_options = task_for(cfg.training.get("task")).check_options(num_classes, data.get("classes", ()))
         stages.append(CheckStage("check", out / "check", {**asdict(cfg.check), **task_options}, CheckResult))
+    if cfg.pipeline.tune:
+        stages.append(TuneStage("tune", out / "tune", {"training": train_params(cfg), "tune": cfg.tune}, TuneResult,
+                                resumable=True))
     stages.append(TrainStage("train", out / "train", train_params(cfg), TrainResult, resumable=True))
     thresholds = Thresholds.of(cfg.training.get("train", {}))
     stages.append(GateStage("gate", out / "gate", asdict(thresholds), GateResult))

@@ -15,6 +15,7 @@ from appliance.tasks.deploy_metrics import argmax_agreement, top1
 class Classification:
     kind = "classification"
     architectures = ARCHITECTURES
+    val_metric = "val_acc"  # the validation figure metrics.jsonl records that `appliance tune` maximizes by default
 
     def build_model(self, architecture: str, num_classes: int, in_channels: int = 3, onnx_graph=None):
         return build_model(architecture, num_classes, in_channels, onnx_graph=onnx_graph)

@@ -21,6 +21,7 @@ SEGMENTATION_ARCHITECTURES = ("unet_small", "lraspp_mobilenet_v3_large", "deepla
 class Segmentation:
     kind = "segmentation"
     architectures = SEGMENTATION_ARCHITECTURES
+    val_metric = "val_miou"  # the validation figure metrics.jsonl records that `appliance tune` maximizes by default
 
     def __init__(self, ignore_label: int = IGNORE_LABEL, class_weights: tuple[float, ...] = ()):
         self.ignore_label, self.class_weights = int(ignore_label), tuple(class_weights)
