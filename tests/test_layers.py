@@ -563,8 +563,8 @@ def test_a_planted_summary_reading_a_report_fails(tree_copy):
 # the stage's result. report.json / report.html are the names of two stages' reports (data check,
 # training). benchmarks/ and installer/ read outputs as a user does and are not held to it.
 STAGE_FILES = {
-    "report.json": {"data_tools/check/run.py", "appliance/train/report.py"},
-    "report.html": {"data_tools/check/run.py", "appliance/train/report.py"},
+    "report.json": {"data_tools/check/run.py", "appliance/train/report.py", "appliance/tune/report.py"},
+    "report.html": {"data_tools/check/run.py", "appliance/train/report.py", "appliance/tune/report.py"},
     "metrics.jsonl": {"appliance/train/result.py"},
     "quality.json": {"appliance/train/quality.py"},
     "parity.json": {"appliance/deploy/export.py"},

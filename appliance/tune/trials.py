@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.core.dirlock import DirectoryInUse, directory_lock
+from appliance.train.result import METRICS_NAME  # what `appliance train` appends in its run directory
 
 LOG_NAME = "train.log"
-METRICS_NAME = "metrics.jsonl"  # what `appliance train` appends in its run directory
 GATE_FAILED = 3  # `appliance train`'s exit status when the run finished and its quality gate did not pass
 PR_SET_PDEATHSIG = 1
 
