@@ -7,13 +7,13 @@ will see before spending GPU hours on it.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 
 from appliance.core import values
 from appliance.core.errors import ConfigError, DataError
 from appliance.core.manifest import refuse_to_replace
+from data_tools.image_decode import ImageProblem, decode_image
 
 
 # A grid a person looks at: --size 1000000 asked for terabytes (MemoryError), --variants 10^8 overflowed Pillow.
@@ -76,8 +76,8 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
         try:
             encoded = example.decode_example(bytes(data), keys=[image_key]).get(image_key)
             if encoded:
-                originals.append((number, Image.open(io.BytesIO(encoded[0])).convert("RGB")))
-        except (DataError, OSError, ValueError, Image.DecompressionBombError):
+                originals.append((number, decode_image(encoded[0], "RGB")))  # bounded: a bomb is skipped
+        except (DataError, ImageProblem):
             continue  # `appliance data check` reports these; a preview shows what decodes
         if len(originals) >= count:
             break

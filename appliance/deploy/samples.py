@@ -17,6 +17,7 @@ import numpy as np
 from data_tools.preprocessing import preprocess_image
 from appliance.core.errors import DataError
 from data_tools.example import decode_example
+from data_tools.image_decode import ImageProblem, decode_image
 from data_tools.segmentation import MASK_KEY, MaskProblem, decode_mask
 from data_tools.tfrecord import read_records
 
@@ -81,8 +82,12 @@ def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -
             if IMAGE_KEY not in features or target not in features:
                 raise DataError(f"{f}: record {number}: needs {IMAGE_KEY} and {LABEL_KEY} (or {MASK_KEY}); "
                                 f"found {sorted(features)}")
+            try:  # the bounded decoder (data_tools.image_decode): a bomb is refused before it is decoded
+                image = decode_image(features[IMAGE_KEY][0])
+            except ImageProblem as err:
+                raise DataError(f"{f}: record {number}: {IMAGE_KEY}: {err.check}: {err.detail}") from None
             try:
-                xs.append(preprocess_image(features[IMAGE_KEY][0], preprocessing))
+                xs.append(preprocess_image(image, preprocessing))
             except Exception as err:
                 raise DataError(f"{f}: record {number}: {IMAGE_KEY} is not a decodable image ({err})") from None
             ys.append(int(features[LABEL_KEY][0]) if target == LABEL_KEY
@@ -101,7 +106,7 @@ def _mask(encoded: bytes, size: int, path: Path, number: int) -> np.ndarray:
     try:
         mask = decode_mask(bytes(encoded))
     except MaskProblem as err:
-        raise DataError(f"{path}: record {number}: {err.detail}") from None
+        raise DataError(f"{path}: record {number}: {err.check}: {err.detail}") from None
     if mask.shape != (size, size):
         mask = np.asarray(Image.fromarray(mask).resize((size, size), Image.NEAREST))
     return mask

@@ -24,6 +24,7 @@ from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.tasks import TASK_KINDS, task_for
 from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, PATH, POSITIVE, SEED, Range
 from appliance.train.quality import GATE_KEYS, check_thresholds
+from data_tools.image_decode import DEFAULT_MAX_PIXELS, MAX_PIXELS_LIMIT
 from data_tools.labels import MAX_CLASSES
 from data_tools.check.gate import require_passing_report
 
@@ -64,6 +65,9 @@ class DataSection:
     std: tuple[Annotated[float, POSITIVE], ...] = (0.229, 0.224, 0.225)
     num_workers: Annotated[int, Range(ge=0, le=MAX_WORKERS)] = 2
     decode: str = "auto"  # where JPEGs are decoded and augmented: "cpu" (workers), "gpu" (device_decode.py), "auto"
+    # An image or mask past it is refused before it is decoded (data_tools.image_decode), as `data check
+    # --max-pixels` quarantines it; it decides what is refused, not the weights (not in the training hash).
+    max_pixels: Annotated[int, Range(ge=1, le=MAX_PIXELS_LIMIT)] = DEFAULT_MAX_PIXELS
     check_report: Annotated[str, PATH] = ""  # a data-check report.json whose gate must have passed
 
 
@@ -214,6 +218,7 @@ class Config:
             d["ddp_bucket_cap_mb"] = bucket_cap_mb
         if d["data"]["decode"] == "auto":  # the hashes of runs made before [data] decode existed stay valid
             d["data"].pop("decode")
+        d["data"].pop("max_pixels")  # what is refused, not what is computed
         d["model"]["init"] = self.init_sha256  # the weights decide, not where the file lies
         d.pop("profile")  # measuring a run does not change it
         if self.task == TaskSection():
