@@ -37,7 +37,8 @@ def register_data_verb(data_subparsers) -> None:
                         "training's [data] max_pixels)")
     p.add_argument("--near-distance", type=values.non_negative_int, default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
     p.add_argument("--num-classes", type=values.int_in(values.Range(ge=1, le=MAX_CLASSES), "an integer"), default=None,
-                   help="segmentation masks: class ids are 0..N-1 (default: inferred from all masks; strays quarantined)")
+                   help="class labels (or masks' class ids) are 0..N-1, as the training config's classes; others are "
+                        f"quarantined (default: inferred from all records, and said so; at most {MAX_CLASSES})")
     p.add_argument("--ignore-label", type=values.int_in(values.Range(ge=0, le=255), "an integer"), default=255,
                    help="segmentation masks: the class id of pixels that count for nothing (default 255)")
     p.add_argument("--jobs", type=values.int_in(values.Range(ge=1, le=MAX_JOBS), "an integer"), default=None, help="worker processes (default: one per file, up to the cores)")
