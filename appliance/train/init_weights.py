@@ -121,6 +121,10 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
         if not any(_covered(k, [prefix]) for k in own):
             raise ConfigError(f"[model] reset: {prefix!r} matches no parameter of {architecture} "
                               f"(e.g. {', '.join(list(own)[:3])})")
+    trained = [name for name, _ in model.named_parameters()]
+    if reset and trained and all(_covered(k, reset) for k in trained):
+        raise ConfigError(f"[model] reset re-initialises every parameter of {architecture}: nothing of [model] init "
+                          "would be loaded (remove init, or reset only the layers to learn afresh)")
     if architecture == ONNX_ARCHITECTURE:  # the module was built from the graph, weights included
         state, mapping = {k: v for k, v in own.items()}, None
         mismatched, missing, unexpected = [], [], []
