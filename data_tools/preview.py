@@ -38,8 +38,8 @@ def register_data_verb(data_subparsers) -> None:
     p.add_argument("--variants", type=_int(1, MAX_VARIANTS), default=4,
                    help=f"augmented versions per record (epochs, at most {MAX_VARIANTS})")
     p.add_argument("--size", type=_int(1, MAX_TILE), default=128, help=f"output image size in pixels (at most {MAX_TILE})")
-    p.add_argument("--seed", type=values.non_negative_int, default=0)
-    p.add_argument("--epoch", type=values.non_negative_int, default=0, help="first epoch shown")
+    p.add_argument("--seed", type=values.int_in(values.SEED, "an integer"), default=0)
+    p.add_argument("--epoch", type=values.int_in(values.EPOCHS, "an integer"), default=0, help="first epoch shown")
     # The ranges of the config's [augment] keys (appliance/train/config.py AugmentSection).
     p.add_argument("--degrees", type=_float(values.Range(ge=0, le=180)), default=15.0, help="rotation range, +/- degrees")
     p.add_argument("--hue", type=_float(values.Range(ge=0, le=0.5)), default=0.1,

@@ -22,7 +22,8 @@ from appliance.core.errors import ConfigError
 from appliance.core.inputs import describe
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.tasks import TASK_KINDS, task_for
-from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, PATH, POSITIVE, SEED, Range
+from appliance.core.values import (EPOCHS, FRACTION, LEARNING_RATE, PATH, SCALE, SEED, SMALL_COUNT, SMALL_COUNT_AT_LEAST_ONE,
+                                   MAX_SCALE, STEPS, STEPS_AT_LEAST_ONE, TOLERANCE, WEIGHT_DECAY, Range)
 from appliance.train.quality import GATE_KEYS, check_thresholds
 from data_tools.image_decode import DEFAULT_MAX_PIXELS, MAX_PIXELS_LIMIT
 from data_tools.labels import MAX_CLASSES
@@ -48,7 +49,7 @@ class RunSection:
     out_dir: Annotated[str, PATH] = "runs"
     seed: Annotated[int, SEED] = 0
     deterministic: bool = True
-    log_every: Annotated[int, AT_LEAST_ONE] = 10
+    log_every: Annotated[int, STEPS_AT_LEAST_ONE] = 10
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,9 @@ class DataSection:
     image_key: str = "image/encoded"
     label_key: str = "image/class/label"
     image_size: Annotated[int, Range(ge=1, le=MAX_IMAGE_SIZE)] = 224
-    channels: int = 3
-    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
-    std: tuple[Annotated[float, POSITIVE], ...] = (0.229, 0.224, 0.225)
+    channels: Annotated[int, Range(ge=1, le=3)] = 3  # 1 or 3 (checked below)
+    mean: tuple[Annotated[float, Range(ge=-MAX_SCALE, le=MAX_SCALE)], ...] = (0.485, 0.456, 0.406)
+    std: tuple[Annotated[float, SCALE], ...] = (0.229, 0.224, 0.225)
     num_workers: Annotated[int, Range(ge=0, le=MAX_WORKERS)] = 2
     decode: str = "auto"  # where JPEGs are decoded and augmented: "cpu" (workers), "gpu" (device_decode.py), "auto"
     # An image or mask past it is refused before it is decoded (data_tools.image_decode), as `data check
@@ -84,29 +85,29 @@ class ModelSection:
 @dataclass(frozen=True)
 class OptimizerSection:
     name: str = "adamw"
-    lr: Annotated[float, POSITIVE] = 1e-3
-    weight_decay: Annotated[float, NON_NEGATIVE] = 0.0
+    lr: Annotated[float, LEARNING_RATE] = 1e-3
+    weight_decay: Annotated[float, WEIGHT_DECAY] = 0.0
     momentum: Annotated[float, Range(ge=0, lt=1)] = 0.9  # sgd only
     betas: tuple[Annotated[float, Range(ge=0, lt=1)], ...] = (0.9, 0.999)  # adamw only
     zero_redundancy: bool = False
     no_decay_norm_and_bias: bool = True  # no weight decay on biases and norm weights (1-D parameters)
-    lr_mult: dict[str, Annotated[float, POSITIVE]] = field(default_factory=dict)  # {prefix = multiplier of lr}
+    lr_mult: dict[str, Annotated[float, SCALE]] = field(default_factory=dict)  # {prefix = multiplier of lr}
 
 
 @dataclass(frozen=True)
 class ScheduleSection:
-    warmup_steps: Annotated[int, COUNT] = 0
+    warmup_steps: Annotated[int, STEPS] = 0
     min_lr_ratio: Annotated[float, FRACTION] = 0.0  # the cosine ends at lr * min_lr_ratio
 
 
 @dataclass(frozen=True)
 class TrainSection:
-    epochs: Annotated[int, COUNT] = 1
-    max_steps: Annotated[int, COUNT] = 0  # 0: epochs decide
+    epochs: Annotated[int, EPOCHS] = 1
+    max_steps: Annotated[int, STEPS] = 0  # 0: epochs decide
     batch_size: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 32  # per process
     grad_accum: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 1
     precision: str = "auto"
-    grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # 0 disables clipping
+    grad_clip: Annotated[float, TOLERANCE] = 0.0  # 0 disables clipping
     compile: str = "auto"  # torch.compile the model: "on", "off", "cuda-graphs", "auto" (off so far: see ddp.use_compile)
     # The quality gate on the trained model (appliance/train/quality.py); they judge, not train.
     # (ranges checked by quality.check_thresholds, which names them as the gate's)
@@ -122,14 +123,14 @@ class TaskSection:
 
     kind: str = "classification"  # or "segmentation"
     ignore_label: Annotated[int, Range(ge=0, le=255)] = 255  # segmentation: mask pixels that count for nothing
-    class_weights: tuple[Annotated[float, POSITIVE], ...] = ()  # segmentation: per-class loss weights
+    class_weights: tuple[Annotated[float, SCALE], ...] = ()  # segmentation: per-class loss weights
 
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    every_steps: Annotated[int, AT_LEAST_ONE] = 500
-    keep_last: Annotated[int, AT_LEAST_ONE] = 3
-    keep_best: Annotated[int, COUNT] = 1
+    every_steps: Annotated[int, STEPS_AT_LEAST_ONE] = 500
+    keep_last: Annotated[int, SMALL_COUNT_AT_LEAST_ONE] = 3
+    keep_best: Annotated[int, SMALL_COUNT] = 1
     monitor: str = "val_loss"
     mode: str = "min"
     min_free_gb: Annotated[float, Range(ge=0, le=MAX_FREE_GB)] = 1.0
@@ -163,10 +164,10 @@ class DistributedSection:
 class ProfileSection:
     """torch.profiler over a window of steps (appliance/train/profiling.py); never changes the weights."""
 
-    steps: Annotated[int, COUNT] = 0  # optimizer steps profiled; 0: off (`--profile [STEPS]` overrides)
-    wait: Annotated[int, COUNT] = 5  # steps first left alone: start-up, loader workers, first batches
-    warmup: Annotated[int, COUNT] = 2  # steps traced and thrown away (the profiler's own start-up)
-    top_operators: Annotated[int, AT_LEAST_ONE] = 15  # rows of the report's operator table
+    steps: Annotated[int, SMALL_COUNT] = 0  # optimizer steps profiled; 0: off (`--profile [STEPS]` overrides)
+    wait: Annotated[int, SMALL_COUNT] = 5  # steps first left alone: start-up, loader workers, first batches
+    warmup: Annotated[int, SMALL_COUNT] = 2  # steps traced and thrown away (the profiler's own start-up)
+    top_operators: Annotated[int, SMALL_COUNT_AT_LEAST_ONE] = 15  # rows of the report's operator table
 
 
 @dataclass(frozen=True)

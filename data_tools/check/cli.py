@@ -35,7 +35,7 @@ def register_data_verb(data_subparsers) -> None:
     p.add_argument("--max-pixels", type=values.int_in(values.Range(ge=1, le=MAX_PIXELS_LIMIT), "an integer"), default=None,
                    help="larger images and masks are quarantined before they are decoded (default 64M, at most 1G; "
                         "training's [data] max_pixels)")
-    p.add_argument("--near-distance", type=values.non_negative_int, default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
+    p.add_argument("--near-distance", type=values.int_in(values.Range(ge=0, le=7), "an integer"), default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
     p.add_argument("--num-classes", type=values.int_in(values.Range(ge=1, le=MAX_CLASSES), "an integer"), default=None,
                    help="class labels (or masks' class ids) are 0..N-1, as the training config's classes; others are "
                         f"quarantined (default: inferred from all records, and said so; at most {MAX_CLASSES})")
