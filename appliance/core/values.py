@@ -225,6 +225,23 @@ def output_dir(text: str) -> str:
 
 
 @_path_checked
+def input_dir(text: str) -> str:
+    """A directory argument that must exist (--qat RUN_DIR): an empty value, a file or a device is
+    refused at parse time, not found later as an internal NotADirectoryError."""
+    if not text:
+        raise argparse.ArgumentTypeError("must name a directory, got an empty value")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL character")
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    if not path.is_dir():
+        what = "a file" if path.is_file() else "a device, pipe or socket"
+        raise argparse.ArgumentTypeError(f"{text} is {what}, not a directory")
+    return text
+
+
+@_path_checked
 def output_file(text: str) -> str:
     """--out FILE: refused at parse time when it is an existing directory (or not a regular file)
     or its directory is not writable, before the work that would write it."""

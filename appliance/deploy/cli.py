@@ -72,7 +72,7 @@ def register_quantize(subparsers) -> None:
                    help="INT8: skip the per-layer sensitivity of a model that passes (fallback still measures it)")
     p.add_argument("--sensitivity-samples", type=values.int_in(values.SAMPLES, "an integer"), default=options.ERROR_SAMPLES, metavar="N",
                    help=f"validation samples the per-layer output error is measured on (default {options.ERROR_SAMPLES})")
-    p.add_argument("--qat", metavar="RUN_DIR",
+    p.add_argument("--qat", metavar="RUN_DIR", type=values.input_dir,
                    help="INT8 still over --max-drop after fallback: fine-tune this trained run with fake quantization "
                    "(same launcher and checkpoints), export it as QDQ and ship it if it passes")
     p.add_argument("--qat-epochs", type=values.int_in(values.EPOCHS_AT_LEAST_ONE, "an integer"), default=2, help="QAT epochs (default 2)")

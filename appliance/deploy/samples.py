@@ -64,8 +64,16 @@ def _load_tensors(path: Path, limit: int | None) -> Samples:
         raise DataError(f"{path}: {len(x)} tensors but labels of shape {tuple(y.shape)} (need (N,) or (N, H, W))")
     if limit:
         x, y = x[:limit], (y[:limit] if y is not None else None)
-    return Samples(np.ascontiguousarray(x, dtype=np.float32),
-                   None if y is None else np.asarray(y, dtype=np.int64), [path], "tensors")
+    if x.dtype.kind not in "fiub":
+        raise DataError(f"{path}: 'x' holds {x.dtype} values, not numbers (N, C, H, W float32)")
+    with np.errstate(over="ignore"):  # float64 past float32's range becomes inf: judged below
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+    if bad:  # calibration's scales (and every comparison) would be NaN: onnxruntime's "scale issue" assertion
+        first = np.argwhere(~np.isfinite(x))[0]
+        raise DataError(f"{path}: 'x' holds {bad} values that are NaN or infinite (the first at sample "
+                        f"{int(first[0])}, index {tuple(int(i) for i in first[1:])}); tensors must be finite")
+    return Samples(x, None if y is None else np.asarray(y, dtype=np.int64), [path], "tensors")
 
 
 def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -> Samples:
