@@ -249,4 +249,4 @@ def test_data_check_says_a_device_is_one_and_reads_nothing(capsys, tmp_path, dev
     status = main(["data", "check", device, "--out", str(tmp_path / "out"), "--no-progress", "--jobs", "1"])
     err = capsys.readouterr().err
     assert status == 2 and time.monotonic() - started < 10
-    assert f"appliance data check: {device}: is a device, not a TFRecord file" in err.splitlines()
+    assert f"appliance data check: error: {device}: is a device, not a TFRecord file" in err.splitlines()
