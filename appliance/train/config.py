@@ -22,8 +22,8 @@ from appliance.core.errors import ConfigError
 from appliance.core.inputs import describe
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.tasks import TASK_KINDS, task_for
-from appliance.core.values import (EPOCHS, FRACTION, LEARNING_RATE, PATH, SCALE, SEED, SMALL_COUNT, SMALL_COUNT_AT_LEAST_ONE,
-                                   MAX_SCALE, STEPS, STEPS_AT_LEAST_ONE, TOLERANCE, WEIGHT_DECAY, Range)
+from appliance.core.values import (EPOCHS, FRACTION, LEARNING_RATE, MAX_SCALE, PATH, SCALE, SEED, SMALL_COUNT,
+                                   SMALL_COUNT_AT_LEAST_ONE, STEPS, STEPS_AT_LEAST_ONE, TOLERANCE, WEIGHT_DECAY, Range)
 from appliance.train.quality import GATE_KEYS, check_thresholds
 from data_tools.image_decode import DEFAULT_MAX_PIXELS, MAX_PIXELS_LIMIT
 from data_tools.labels import MAX_CLASSES
@@ -38,8 +38,7 @@ MONITORED = ("val_loss", "val_acc")  # what an evaluation records, so what [chec
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Upper bounds: far above any real run, low enough that a typo cannot ask for terabytes.
 MAX_IMAGE_SIZE = 4096  # pixels per side of the model's input
-MAX_BATCH = 65536
-MAX_WORKERS = 256
+MAX_BATCH, MAX_WORKERS = 65536, 256  # per process; loader processes
 MAX_FREE_GB = 1_000_000.0  # 1 PB
 
 
@@ -66,9 +65,7 @@ class DataSection:
     std: tuple[Annotated[float, SCALE], ...] = (0.229, 0.224, 0.225)
     num_workers: Annotated[int, Range(ge=0, le=MAX_WORKERS)] = 2
     decode: str = "auto"  # where JPEGs are decoded and augmented: "cpu" (workers), "gpu" (device_decode.py), "auto"
-    # An image or mask past it is refused before it is decoded (data_tools.image_decode), as `data check
-    # --max-pixels` quarantines it; it decides what is refused, not the weights (not in the training hash).
-    max_pixels: Annotated[int, Range(ge=1, le=MAX_PIXELS_LIMIT)] = DEFAULT_MAX_PIXELS
+    max_pixels: Annotated[int, Range(ge=1, le=MAX_PIXELS_LIMIT)] = DEFAULT_MAX_PIXELS  # as data check --max-pixels
     check_report: Annotated[str, PATH] = ""  # a data-check report.json whose gate must have passed
 
 
@@ -219,7 +216,7 @@ class Config:
             d["ddp_bucket_cap_mb"] = bucket_cap_mb
         if d["data"]["decode"] == "auto":  # the hashes of runs made before [data] decode existed stay valid
             d["data"].pop("decode")
-        d["data"].pop("max_pixels")  # what is refused, not what is computed
+        d["data"].pop("max_pixels")  # what is refused, not what is computed (runs before the key keep their hash)
         d["model"]["init"] = self.init_sha256  # the weights decide, not where the file lies
         d.pop("profile")  # measuring a run does not change it
         if self.task == TaskSection():
@@ -302,8 +299,7 @@ def _check_values(cfg: Config, source: str) -> None:
             bad(f"[data] {key}", f"needs {cfg.data.channels} values (one per channel)")
     if len(cfg.optimizer.betas) != 2:
         bad("[optimizer] betas", "needs exactly two values")
-    # Single numbers were range-checked while parsing (the Annotated ranges above); here what
-    # depends on several keys.
+    # Single numbers were range-checked while parsing (the Annotated ranges above); here what depends on several.
     onnx_init = cfg.model.init.endswith(".onnx")
     if (cfg.model.architecture == "onnx") != onnx_init:
         bad("[model] architecture", '"onnx" goes with an ONNX init (init = "model.onnx"), and an ONNX init with '
@@ -401,5 +397,4 @@ def check_data_report(cfg: Config) -> dict | None:
     if not path.exists():
         raise ConfigError(f"{cfg.source}: [data] check_report: {path} does not exist "
                           "(run `appliance data check --fail-on ...` first)")
-
     return require_passing_report(path)

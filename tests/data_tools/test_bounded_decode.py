@@ -166,3 +166,15 @@ def test_every_decode_paths_peak_memory_on_the_bomb_and_the_lying_header_is_smal
             assert refused is None  # decoration: a refused image has none
         else:
             assert "image_too_large" in refused or "no record with a decodable" in refused, (name, refused)
+
+
+def test_no_other_module_opens_image_bytes():
+    """The bounded decoder is the only door: Image.open anywhere else in the product would decode
+    untrusted bytes unbounded. preprocessing.py is the edge package's own copy (numpy and Pillow only,
+    on the device); on the host every caller hands it an image the bounded decoder opened."""
+    import re
+
+    root = TESTS.parent
+    opened = sorted(str(p.relative_to(root)) for package in ("appliance", "data_tools")
+                    for p in (root / package).rglob("*.py") if re.search(r"Image\.open\(", p.read_text()))
+    assert opened == ["data_tools/image_decode.py", "data_tools/preprocessing.py"]
