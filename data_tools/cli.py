@@ -56,7 +56,7 @@ def register(subparsers) -> None:
     p.add_argument("--shards", type=values.int_in(values.SMALL_COUNT_AT_LEAST_ONE, "an integer"), default=1, help="number of output files (default 1)")
     p.add_argument("--prefix", type=shard_prefix, default="data", help="shard file name prefix (default data)")
     p.add_argument("--seed", type=values.int_in(values.SEED, "an integer"), default=0, help="shuffle seed for dealing images to shards")
-    p.add_argument("--val-fraction", type=values.fraction_float, default=0.0, metavar="F",
+    p.add_argument("--val-fraction", type=values.float_in(values.Range(ge=0, lt=1)), default=0.0, metavar="F",
                    help="split IMAGE_DIR into train-* and val-* shards: F of each class to validation, "
                    "seeded by --seed, near-duplicate images kept on one side (default 0: no split)")
     p.add_argument("--decompress", action="store_true", help="SOURCE files are GZIP/ZLIB TFRecords")
