@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance import __version__
-from appliance.core.errors import ApplianceError, ConfigError, DataError
+from appliance.core.errors import ApplianceError, ConfigError
 from appliance.core.manifest import atomic_write_text
 from appliance.core.progress import quiet
 from appliance.core.values import nproc_problem, shown
