@@ -13,7 +13,6 @@ to the same grid.
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 
 import numpy as np
@@ -25,7 +24,8 @@ from torchvision.transforms.v2 import functional as F
 from appliance.core.errors import DataError
 from data_tools.augment import AugmentParams, TrainTransform, _as_uint8_tensor
 from data_tools.preprocessing import preprocess_image
-from data_tools.segmentation import IGNORE_LABEL, IMAGE_KEY, MASK_KEY, MaskProblem, decode_mask
+from data_tools.image_decode import DEFAULT_MAX_PIXELS, ImageProblem, decode_image, record_problem
+from data_tools.segmentation import IGNORE_LABEL, IMAGE_KEY, MASK_KEY, MaskProblem, decode_mask, judge_mask
 
 log = logging.getLogger("data_tools.augment")
 
@@ -76,8 +76,10 @@ class SegmentationSamples(torch.utils.data.Dataset):
     """
 
     def __init__(self, records, *, num_classes: int, preprocessing: dict, transform: JointTrainTransform | None = None,
-                 ignore_label: int = IGNORE_LABEL, image_key: str = IMAGE_KEY, mask_key: str = MASK_KEY):
+                 ignore_label: int = IGNORE_LABEL, image_key: str = IMAGE_KEY, mask_key: str = MASK_KEY,
+                 max_pixels: int = DEFAULT_MAX_PIXELS):
         self.records, self.num_classes, self.preprocessing = records, int(num_classes), dict(preprocessing)
+        self.max_pixels = int(max_pixels)
         self.transform, self.ignore_label = transform, int(ignore_label)
         self.image_key, self.mask_key = image_key, mask_key
 
@@ -99,22 +101,18 @@ class SegmentationSamples(torch.utils.data.Dataset):
         """The sample, augmented for `epoch` (None: the one set_epoch set); persistent loader
         workers keep their copy of the dataset, so the training loader passes the epoch here."""
         sample = self.records[index]
+        # Both through the bounded decoder (data_tools.image_decode) and the mask judged by
+        # judge_mask: what the data check quarantines is refused here in its words.
         try:
-            image = Image.open(io.BytesIO(bytes(sample[self.image_key])))
-            image = image.convert(self.preprocessing["channel_order"])
-        except Exception as err:  # PIL raises several types for damaged images
-            raise self._fail(index, f"undecodable image ({err})") from None
+            image = decode_image(bytes(sample[self.image_key]), self.preprocessing["channel_order"], self.max_pixels)
+        except ImageProblem as err:
+            raise self._fail(index, record_problem(err)) from None
         try:
-            mask = decode_mask(bytes(sample[self.mask_key]))
+            mask = decode_mask(bytes(sample[self.mask_key]), self.max_pixels)
+            judge_mask(mask, image.width, image.height, self.num_classes, self.ignore_label)
         except MaskProblem as err:
-            raise self._fail(index, err.detail) from None
-        if mask.shape != (image.height, image.width):
-            raise self._fail(index, f"mask is {mask.shape[1]}x{mask.shape[0]}, the image {image.width}x{image.height}")
-        present = np.unique(mask)
-        bad = present[(present >= self.num_classes) & (present != self.ignore_label)]
-        if bad.size:
-            raise self._fail(index, f"mask holds class {int(bad[0])}, outside 0..{self.num_classes - 1} "
-                                    f"(the config has {self.num_classes} classes; ignore label {self.ignore_label})")
+            config = f" (the config has {self.num_classes} classes)" if err.check == "mask_label_range" else ""
+            raise self._fail(index, f"{err.check}: {err.detail}{config}") from None
         if self.transform is not None:
             return self.transform(image, mask, int(index), epoch)
         x = torch.from_numpy(preprocess_image(image, self.preprocessing))

@@ -43,7 +43,7 @@ def register(subparsers) -> None:
 
     p = sub.add_parser("cat", help="print records as JSON lines, for people inspecting data")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--limit", type=values.non_negative_int, default=None, metavar="N", help="stop after N records")
+    p.add_argument("--limit", type=values.int_in(values.Range(ge=0, le=10**12), "an integer"), default=None, metavar="N", help="stop after N records")
     p.add_argument("--strict", action="store_true", help="stop with an error at the first damaged byte")
     p.set_defaults(func="data_tools.commands:cat_file")
 
@@ -53,10 +53,10 @@ def register(subparsers) -> None:
                        "TFRecord files to rewrite as plain, indexed files.")
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="IMAGE_DIR, or FILE... with --decompress")
     p.add_argument("--out", required=True, type=values.output_dir, help="output directory")
-    p.add_argument("--shards", type=values.positive_int, default=1, help="number of output files (default 1)")
+    p.add_argument("--shards", type=values.int_in(values.SMALL_COUNT_AT_LEAST_ONE, "an integer"), default=1, help="number of output files (default 1)")
     p.add_argument("--prefix", type=shard_prefix, default="data", help="shard file name prefix (default data)")
-    p.add_argument("--seed", type=values.non_negative_int, default=0, help="shuffle seed for dealing images to shards")
-    p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+    p.add_argument("--seed", type=values.int_in(values.SEED, "an integer"), default=0, help="shuffle seed for dealing images to shards")
+    p.add_argument("--val-fraction", type=values.float_in(values.Range(ge=0, lt=1)), default=0.0, metavar="F",
                    help="split IMAGE_DIR into train-* and val-* shards: F of each class to validation, "
                    "seeded by --seed, near-duplicate images kept on one side (default 0: no split)")
     p.add_argument("--decompress", action="store_true", help="SOURCE files are GZIP/ZLIB TFRecords")

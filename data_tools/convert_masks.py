@@ -8,16 +8,15 @@ quarantine can name the exact record.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from appliance.core.errors import DataError
 from appliance.core.manifest import write_manifest
+from data_tools.image_decode import ImageProblem, open_image
 from data_tools.convert import IMAGE_SUFFIXES, check_val_fraction, read_image, split_images, write_shards
 from data_tools.segmentation import IGNORE_LABEL, MaskProblem, decode_mask, encode_segmentation_example, mask_png
 
@@ -105,23 +104,23 @@ def _mask_bytes(path: Path) -> bytes:
     remove_gt_colormap.py does before building its records.
     """
     data = path.read_bytes()
-    try:
-        img = Image.open(io.BytesIO(data))
+    try:  # both through the bounded decoder (data_tools.image_decode), as the check reads them later
+        img = open_image(data, what="mask")
         if img.format == "PNG" and img.mode == "L":
             return data
         classes = decode_mask(data)
-    except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise DataError(f"{path}: mask does not decode: {err}") from None
+    except ImageProblem as err:
+        raise DataError(f"{path}: {err.check}: {err.detail}") from None
     except MaskProblem as err:
-        raise DataError(f"{path}: {err.detail}") from None
+        raise DataError(f"{path}: {err.check}: {err.detail}") from None
     return mask_png(classes)
 
 
 def _image_size(path: Path, encoded: bytes) -> tuple[int, int]:
     try:
-        return Image.open(io.BytesIO(encoded)).size
-    except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise DataError(f"{path}: image header does not decode: {err}") from None
+        return open_image(encoded).size
+    except ImageProblem as err:
+        raise DataError(f"{path}: {err.check}: {err.detail}") from None
 
 
 def _write_shards(pairs: list[tuple[Path, Path]], out: Path, prefix: str, shards: int, seed: int,

@@ -14,7 +14,6 @@ checkpoint resumes on the exact next sample after `load_state_dict()`.
 
 from __future__ import annotations
 
-import io
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -24,6 +23,7 @@ from torch.utils.data import Dataset, Sampler
 
 from appliance.core.errors import ConfigError, DataError
 from data_tools.example import decode_example
+from data_tools.image_decode import ImageProblem, decode_image as bounded_decode
 from data_tools.index import RecordFile, load_index
 
 # Feature kinds a spec may ask for: a single value, or a whole list ("[]").
@@ -33,12 +33,12 @@ CLASSIFICATION_FEATURES = {"image/encoded": "image", "image/class/label": "int"}
 
 
 def decode_image(encoded: bytes, mode: str | None = None):
-    """JPEG/PNG bytes -> a loaded PIL image (converted to mode, e.g. "RGB" or "L", when given)."""
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(encoded))
-    image.load()
-    return image.convert(mode) if mode and image.mode != mode else image
+    """JPEG/PNG bytes -> a loaded PIL image (converted to mode, e.g. "RGB" or "L", when given), through
+    the bounded decoder (data_tools.image_decode); its ImageProblem is a ValueError of the feature here."""
+    try:
+        return bounded_decode(encoded, mode)
+    except ImageProblem as err:
+        raise ValueError(f"{err.check}: {err.detail}") from None
 
 
 def _one(values, kind):

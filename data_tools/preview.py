@@ -7,13 +7,13 @@ will see before spending GPU hours on it.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 
 from appliance.core import values
 from appliance.core.errors import ConfigError, DataError
 from appliance.core.manifest import refuse_to_replace
+from data_tools.image_decode import ImageProblem, decode_image
 
 
 # A grid a person looks at: --size 1000000 asked for terabytes (MemoryError), --variants 10^8 overflowed Pillow.
@@ -38,8 +38,8 @@ def register_data_verb(data_subparsers) -> None:
     p.add_argument("--variants", type=_int(1, MAX_VARIANTS), default=4,
                    help=f"augmented versions per record (epochs, at most {MAX_VARIANTS})")
     p.add_argument("--size", type=_int(1, MAX_TILE), default=128, help=f"output image size in pixels (at most {MAX_TILE})")
-    p.add_argument("--seed", type=values.non_negative_int, default=0)
-    p.add_argument("--epoch", type=values.non_negative_int, default=0, help="first epoch shown")
+    p.add_argument("--seed", type=values.int_in(values.SEED, "an integer"), default=0)
+    p.add_argument("--epoch", type=values.int_in(values.EPOCHS, "an integer"), default=0, help="first epoch shown")
     # The ranges of the config's [augment] keys (appliance/train/config.py AugmentSection).
     p.add_argument("--degrees", type=_float(values.Range(ge=0, le=180)), default=15.0, help="rotation range, +/- degrees")
     p.add_argument("--hue", type=_float(values.Range(ge=0, le=0.5)), default=0.1,
@@ -76,8 +76,8 @@ def write_preview(file, out, *, count=8, variants=4, size=128, seed=0, epoch=0, 
         try:
             encoded = example.decode_example(bytes(data), keys=[image_key]).get(image_key)
             if encoded:
-                originals.append((number, Image.open(io.BytesIO(encoded[0])).convert("RGB")))
-        except (DataError, OSError, ValueError, Image.DecompressionBombError):
+                originals.append((number, decode_image(encoded[0], "RGB")))  # bounded: a bomb is skipped
+        except (DataError, ImageProblem):
             continue  # `appliance data check` reports these; a preview shows what decodes
         if len(originals) >= count:
             break

@@ -14,7 +14,8 @@ Class ids are 0..num_classes-1; IGNORE_LABEL (255) marks pixels that count for n
 from __future__ import annotations
 
 import io
-import warnings
+
+from data_tools.image_decode import DEFAULT_MAX_PIXELS, ImageProblem, decode_image, open_image
 
 IMAGE_KEY = "image/encoded"
 MASK_KEY = "image/segmentation/class/encoded"
@@ -25,7 +26,8 @@ MASK_MODES = ("L", "P", "I;16", "I")
 
 
 class MaskProblem(Exception):
-    """A mask that cannot be trained on; .check is 'mask_decode', 'mask_size' or 'mask_label_range'."""
+    """A mask that cannot be trained on; .check is 'mask_decode', 'image_too_large', 'mask_size' or
+    'mask_label_range'."""
 
     def __init__(self, check: str, detail: str):
         super().__init__(detail)
@@ -62,25 +64,24 @@ def mask_png(classes: np.ndarray) -> bytes:
     return out.getvalue()
 
 
-def decode_mask(encoded: bytes) -> np.ndarray:
-    """(H, W) uint8 class ids of a mask PNG; MaskProblem('mask_decode') when it is not one."""
+def decode_mask(encoded: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    """(H, W) uint8 class ids of a mask PNG; MaskProblem('mask_decode') when it is not one, and
+    MaskProblem('image_too_large') past max_pixels (data_tools.image_decode, before any pixel is decoded)."""
     import numpy as np  # lazy: numpy/PIL stay out of `appliance --help`
-    from PIL import Image, UnidentifiedImageError  # lazy: numpy/PIL stay out of `appliance --help`
+
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            img = Image.open(io.BytesIO(encoded))
-            mode = img.mode
-            if mode not in MASK_MODES:
-                raise MaskProblem("mask_decode", f"mask is a {mode} image; a mask has one channel of class ids "
-                                                 f"(grey or palette PNG)")
-            classes = np.asarray(img)
-    except UnidentifiedImageError:
-        if encoded.startswith(b"\x89PNG\r\n\x1a\n"):
+        img = open_image(encoded, max_pixels, what="mask")
+        if img.mode not in MASK_MODES:
+            raise MaskProblem("mask_decode", f"mask is a {img.mode} image; a mask has one channel of class ids "
+                                             f"(grey or palette PNG)")
+        img = decode_image(encoded, None, max_pixels, what="mask")
+        classes = np.asarray(img)
+    except ImageProblem as err:
+        if err.check == "image_too_large":
+            raise MaskProblem(err.check, err.detail) from None
+        if encoded.startswith(b"\x89PNG\r\n\x1a\n") and "not an image format" in err.detail:
             raise MaskProblem("mask_decode", f"mask PNG is damaged or truncated ({len(encoded)} bytes)") from None
-        raise MaskProblem("mask_decode", f"mask is not an image format Pillow reads (starts {encoded[:8]!r})") from None
-    except (OSError, ValueError, SyntaxError) as err:
-        raise MaskProblem("mask_decode", f"mask does not decode: {err}") from None
+        raise MaskProblem("mask_decode", err.detail) from None
     if classes.dtype != np.uint8:
         if classes.size and (classes.min() < 0 or classes.max() > 255):
             raise MaskProblem("mask_label_range", f"mask holds value {int(classes.max())}; class ids are 0..255")
@@ -89,14 +90,20 @@ def decode_mask(encoded: bytes) -> np.ndarray:
 
 
 def check_mask(encoded: bytes, width: int, height: int, num_classes: int | None,
-               ignore_label: int = IGNORE_LABEL) -> tuple[np.ndarray, np.ndarray]:
+               ignore_label: int = IGNORE_LABEL, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, np.ndarray]:
     """(class ids present, their pixel counts) of a valid mask; MaskProblem otherwise.
 
-    Valid: decodes to one channel, is width x height, and every value is a class id below
-    num_classes (when known) or the ignore label.
+    Valid: decodes to one channel within max_pixels, is width x height, and every value is a class
+    id below num_classes (when known) or the ignore label (judge_mask: training's definition too).
     """
+    return judge_mask(decode_mask(encoded, max_pixels), width, height, num_classes, ignore_label)
+
+
+def judge_mask(classes: np.ndarray, width: int, height: int, num_classes: int | None,
+               ignore_label: int = IGNORE_LABEL) -> tuple[np.ndarray, np.ndarray]:
+    """check_mask on decoded class ids: the one definition of a valid mask, for the data check and training."""
     import numpy as np  # lazy: numpy/PIL stay out of `appliance --help`
-    classes = decode_mask(encoded)
+
     if classes.shape != (height, width):
         raise MaskProblem("mask_size", f"mask is {classes.shape[1]}x{classes.shape[0]}, the image is {width}x{height}")
     counts = np.bincount(classes.ravel(), minlength=256)

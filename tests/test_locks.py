@@ -91,3 +91,33 @@ def test_lock_parser_sees_a_broken_lock(tmp_path):
     req = read_in(tmp_path / "x.in")[0]
     version, hashes = read_lock(tmp_path / "x.lock")["numpy"]
     assert hashes == 1 and not req.specifier.contains(version)
+
+
+# Imports that pyproject.toml need not declare: the bundle builder's tools (a build host's, from
+# manifests/dev.in, never installed on an appliance by the package), the edge package's own copy of
+# preprocessing.py, and TensorRT (the GPU image's, probed by appliance/deploy/gpu/routes.py).
+UNDECLARED = {"cryptography", "cyclonedx", "packageurl", "packaging", "preprocessing", "tensorrt"}
+
+
+def test_every_third_party_import_is_a_pyproject_dependency():
+    """onnx2torch ([model] init from ONNX) was imported but not declared: a pip install of the package
+    alone lacked it. Every module appliance/ and data_tools/ import is stdlib, ours, or declared."""
+    import ast
+    import importlib.metadata
+    import sys
+
+    imported = set()
+    for package in ("appliance", "data_tools"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"appliance", "data_tools"} - UNDECLARED
+    declared = {canonicalize_name(Requirement(r).name)
+                for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    distributions = importlib.metadata.packages_distributions()
+    missing = sorted(m for m in third_party
+                     if not {canonicalize_name(d) for d in distributions.get(m, [])} & declared)
+    assert missing == [], f"imported but not in pyproject.toml's dependencies: {missing}"

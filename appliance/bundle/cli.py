@@ -10,7 +10,7 @@ from appliance.bundle.weights import MIRROR_ENV, parse_names
 from appliance.bundle.audit import audit as audit_bundle
 from appliance.bundle.image import build_image
 from appliance import __version__
-from appliance.core import minisign
+from appliance.core import minisign, values
 from appliance.core.errors import ConfigError
 from appliance.core.values import output_file
 
@@ -59,6 +59,19 @@ def _keygen(args) -> int:
     return 0
 
 
+def key_prefix(text: str) -> str:
+    """keygen --out PREFIX: PREFIX.key and PREFIX.pub are files we can write, checked at parse time as
+    every --out FILE is (a directory, a device or an unwritable place is one line, before a key is made)."""
+    import argparse
+
+    if not text or text.endswith(("/", os.sep)) or os.path.basename(text) in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a path prefix: give e.g. keys/site for keys/site.key "
+                                         "and keys/site.pub")
+    for suffix in (".key", ".pub"):
+        values.output_file(text + suffix)
+    return text
+
+
 def _ask_passphrase() -> str | None:
     import getpass
 
@@ -87,7 +100,7 @@ def register(subparsers) -> None:
                              "certificate and netrc settings apply.")
     build.add_argument("--profile", action="append", required=True,
                        help="profile from manifests/profiles.toml (repeat for several)")
-    build.add_argument("--out", required=True, help="output directory")
+    build.add_argument("--out", required=True, type=values.output_dir, help="output directory")
     build.add_argument("--sign-key", help="minisign secret key (from `appliance bundle keygen`)")
     build.add_argument("--source", help="source checkout holding manifests/ and installer/ "
                        "(default: the one this appliance runs from)")
@@ -123,7 +136,7 @@ def register(subparsers) -> None:
                               "so stock `minisign -S` uses it too; `bundle build` then reads the passphrase "
                               "from $APPLIANCE_SIGN_PASSPHRASE or the file named by "
                               "$APPLIANCE_SIGN_PASSPHRASE_FILE.")
-    keygen.add_argument("--out", required=True, help="path prefix of the key files")
+    keygen.add_argument("--out", required=True, type=key_prefix, help="path prefix of the key files (PREFIX.key, PREFIX.pub)")
     keygen.add_argument("--encrypt", action="store_true",
                         help="protect the secret key with a passphrase ($APPLIANCE_SIGN_PASSPHRASE, "
                         "$APPLIANCE_SIGN_PASSPHRASE_FILE, or asked on the terminal)")

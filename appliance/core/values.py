@@ -49,6 +49,30 @@ AT_LEAST_ONE = Range(ge=1)
 INT64 = Range(ge=-(2**63), le=2**63 - 1)  # every integer key: what numpy, torch and JSON readers hold
 SEED = Range(ge=0, le=2**32 - 1)  # numpy's legacy seeding and DataLoader workers take 32 bits
 
+# Upper bounds of every count, size and scale a user writes (config keys and flags name them in their
+# refusal): far above any real run, low enough that a typo cannot ask for years of steps or terabytes.
+MAX_STEPS = 1_000_000_000  # optimizer steps (and step intervals): ~30 years at one step a second
+MAX_EPOCHS = 100_000
+MAX_LR = 10.0  # SGD or AdamW past it diverges on any network we train
+MAX_WEIGHT_DECAY = 1.0  # AdamW multiplies each weight by 1 - lr x weight_decay
+MAX_SCALE = 1000.0  # a multiplier: lr_mult, class weights
+MAX_SAMPLES = 100_000  # samples held in memory at once (parity, calibration, verification): ~60 GB at 224 px
+MAX_COUNT = 100_000  # a small count: float layers, tuning trials, benchmark runs, shards, profiled steps
+STEPS = Range(ge=0, le=MAX_STEPS)
+STEPS_AT_LEAST_ONE = Range(ge=1, le=MAX_STEPS)
+EPOCHS = Range(ge=0, le=MAX_EPOCHS)
+EPOCHS_AT_LEAST_ONE = Range(ge=1, le=MAX_EPOCHS)
+LEARNING_RATE = Range(gt=0, le=MAX_LR)
+WEIGHT_DECAY = Range(ge=0, le=MAX_WEIGHT_DECAY)
+SCALE = Range(gt=0, le=MAX_SCALE)
+SAMPLES = Range(ge=1, le=MAX_SAMPLES)
+SAMPLES_OR_ALL = Range(ge=0, le=MAX_SAMPLES)  # 0: every sample there is
+SMALL_COUNT = Range(ge=0, le=MAX_COUNT)
+SMALL_COUNT_AT_LEAST_ONE = Range(ge=1, le=MAX_COUNT)
+TOLERANCE = Range(ge=0, le=1e6)  # an error allowed (relative, or in logits)
+SECONDS = Range(gt=0, le=7 * 86400.0)  # a timeout: at most a week
+QAT_LR_SCALE = Range(gt=0, le=10)  # quantization-aware fine-tuning's lr: the training lr times this
+
 
 @dataclass(frozen=True)
 class PathText:
@@ -197,6 +221,23 @@ def output_dir(text: str) -> str:
     probe = path if path.exists() else next((p for p in path.absolute().parents if p.exists()), None)
     if probe is not None and probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
+    return text
+
+
+@_path_checked
+def input_dir(text: str) -> str:
+    """A directory argument that must exist (--qat RUN_DIR): an empty value, a file or a device is
+    refused at parse time, not found later as an internal NotADirectoryError."""
+    if not text:
+        raise argparse.ArgumentTypeError("must name a directory, got an empty value")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL character")
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    if not path.is_dir():
+        what = "a file" if path.is_file() else "a device, pipe or socket"
+        raise argparse.ArgumentTypeError(f"{text} is {what}, not a directory")
     return text
 
 

@@ -37,8 +37,8 @@ def register_export(subparsers) -> None:
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="validation TFRecord files (or a .npz of tensors) for the parity check; "
                    "default: 16 seeded random images")
-    p.add_argument("--num-samples", type=values.positive_int, default=64)
-    p.add_argument("--max-rel-error", type=values.non_negative_float, default=options.DEFAULT_MAX_REL_ERROR,
+    p.add_argument("--num-samples", type=values.int_in(values.SAMPLES, "an integer"), default=64)
+    p.add_argument("--max-rel-error", type=values.float_in(values.TOLERANCE), default=options.DEFAULT_MAX_REL_ERROR,
                    help="fail when max|torch-onnx| / max|torch| exceeds this (default 1e-5)")
     p.set_defaults(func="appliance.deploy.commands:export_command")
 
@@ -62,23 +62,23 @@ def register_quantize(subparsers) -> None:
     p.add_argument("--scheme", choices=options.SCHEMES, default="s8s8",
                    help="INT8 types: s8s8 (default, accurate on any CPU) or u8s8 with 7-bit weights "
                    "(reduce_range: onnxruntime's faster x86 kernels without their AVX2 saturation)")
-    p.add_argument("--calib-samples", type=values.positive_int, default=128)
-    p.add_argument("--val-samples", type=values.positive_int, default=1000)
-    p.add_argument("--max-drop", type=values.non_negative_float, default=1.0, help="allowed drop in points of top-1, or of mIoU for a segmentation model (default 1.0)")
+    p.add_argument("--calib-samples", type=values.int_in(values.SAMPLES, "an integer"), default=128)
+    p.add_argument("--val-samples", type=values.int_in(values.SAMPLES, "an integer"), default=1000)
+    p.add_argument("--max-drop", type=values.float_in(values.Range(ge=0, le=100)), default=1.0, help="allowed drop in points of top-1, or of mIoU for a segmentation model (default 1.0)")
     p.add_argument("--fallback", choices=options.FALLBACKS, default="auto",
                    help="INT8 over --max-drop: auto (default) tries per-channel weights and the other calibrations, "
                    "then keeps the most sensitive layers in float; none: exit 3 at once")
-    p.add_argument("--max-float-layers", type=values.non_negative_int, default=options.MAX_FLOAT_LAYERS, metavar="N",
+    p.add_argument("--max-float-layers", type=values.int_in(values.SMALL_COUNT, "an integer"), default=options.MAX_FLOAT_LAYERS, metavar="N",
                    help=f"--fallback auto keeps at most N layers in float (default {options.MAX_FLOAT_LAYERS})")
     p.add_argument("--no-sensitivity", action="store_true",
                    help="INT8: skip the per-layer sensitivity of a model that passes (fallback still measures it)")
-    p.add_argument("--sensitivity-samples", type=values.positive_int, default=options.ERROR_SAMPLES, metavar="N",
+    p.add_argument("--sensitivity-samples", type=values.int_in(values.SAMPLES, "an integer"), default=options.ERROR_SAMPLES, metavar="N",
                    help=f"validation samples the per-layer output error is measured on (default {options.ERROR_SAMPLES})")
-    p.add_argument("--qat", metavar="RUN_DIR",
+    p.add_argument("--qat", metavar="RUN_DIR", type=values.input_dir,
                    help="INT8 still over --max-drop after fallback: fine-tune this trained run with fake quantization "
                    "(same launcher and checkpoints), export it as QDQ and ship it if it passes")
-    p.add_argument("--qat-epochs", type=values.positive_int, default=2, help="QAT epochs (default 2)")
-    p.add_argument("--qat-lr-scale", type=values.positive_float, default=0.1,
+    p.add_argument("--qat-epochs", type=values.int_in(values.EPOCHS_AT_LEAST_ONE, "an integer"), default=2, help="QAT epochs (default 2)")
+    p.add_argument("--qat-lr-scale", type=values.float_in(values.QAT_LR_SCALE), default=0.1,
                    help="QAT learning rate = the run's times this (default 0.1)")
     p.add_argument("--json", action="store_true", help="print the accuracy report as one JSON object on stdout")
     # QAT composes train, export and quantize: its handler is the pipeline's (deploy may not import train).
@@ -95,12 +95,12 @@ def register_compile(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
-    p.add_argument("--tolerance", type=values.non_negative_float,
+    p.add_argument("--tolerance", type=values.float_in(values.TOLERANCE),
                    help="x86_64 check: max |tvm - onnxruntime| allowed, times max(1, max |logit|) "
                    "(default 1e-4; 1e-2 for FP16 models)")
     p.add_argument("--allow-failed-gate", action="store_true",
                    help="compile a quantized model even though `appliance quantize` failed its accuracy gate")
-    p.add_argument("--tune", type=values.positive_int, metavar="N",
+    p.add_argument("--tune", type=values.int_in(values.SMALL_COUNT_AT_LEAST_ONE, "an integer"), metavar="N",
                    help="MetaSchedule-tune every kernel with N measured trials on this CPU (x86_64 target), "
                    "keeping the records as a reusable database (default DIR/tuning)")
     p.add_argument("--int8-compute", choices=tvm_compile.INT8_COMPUTE, default="int8",
@@ -130,7 +130,7 @@ def register_compile(subparsers) -> None:
     p.add_argument("--int8-calib", nargs="+", metavar="DATA",
                    help="tensorrt: also build an INT8 engine, calibrated on these TFRecord files or .npz "
                    "(the calibration data of `appliance quantize`)")
-    p.add_argument("--max-drop", type=float, default=1.0,
+    p.add_argument("--max-drop", type=values.float_in(values.Range(ge=0, le=100)), default=1.0,
                    help="cuda-ort/tensorrt: allowed top-1 drop in points against FP32 on labelled --samples "
                    "(default 1.0)")
     p.set_defaults(func="appliance.deploy.commands:compile_command")
@@ -172,11 +172,11 @@ def register_edge(subparsers) -> None:
     p.add_argument("package", metavar="edge-package.tar")
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="validation TFRecord files or a .npz of tensors (default: 16 seeded random images)")
-    p.add_argument("--num-samples", type=values.positive_int, default=32)
+    p.add_argument("--num-samples", type=values.int_in(values.SAMPLES, "an integer"), default=32)
     p.add_argument("--min-agreement", type=values.fraction_float,
                    help="required top-1 agreement, or share of pixels whose class agrees for a segmentation model "
                    "(default: 1.0 for classification, 0.995 for segmentation)")
-    p.add_argument("--max-logit-diff", type=values.non_negative_float,
+    p.add_argument("--max-logit-diff", type=values.float_in(values.TOLERANCE),
                    help="allowed max |edge - host| logit, times max(1, max |host logit|) "
                    "(default 1e-4; 1e-2 for FP16 models)")
     p.add_argument("--sysroot", default=qemu.DEFAULT_SYSROOT, help="aarch64 libc for qemu -L")
@@ -184,7 +184,7 @@ def register_edge(subparsers) -> None:
                    help="also run python/run.py inside an arm64 Python sysroot under qemu (about 15 s more)")
     p.add_argument("--sysroot-debs", metavar="DIR",
                    help="arm64 .debs from `appliance edge sysroot` (default: wheelhouse/edge-sysroot-arm64)")
-    p.add_argument("--bench-runs", type=values.non_negative_int, default=options.BENCH_RUNS, metavar="N",
+    p.add_argument("--bench-runs", type=values.int_in(values.SMALL_COUNT, "an integer"), default=options.BENCH_RUNS, metavar="N",
                    help=f"timed runs of `bin/run --bench` under qemu (default {options.BENCH_RUNS}; 0 skips it); "
                    "emulated latency, reported and not gated")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")

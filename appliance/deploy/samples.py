@@ -17,6 +17,7 @@ import numpy as np
 from data_tools.preprocessing import preprocess_image
 from appliance.core.errors import DataError
 from data_tools.example import decode_example
+from data_tools.image_decode import ImageProblem, decode_image
 from data_tools.segmentation import MASK_KEY, MaskProblem, decode_mask
 from data_tools.tfrecord import read_records
 
@@ -63,8 +64,16 @@ def _load_tensors(path: Path, limit: int | None) -> Samples:
         raise DataError(f"{path}: {len(x)} tensors but labels of shape {tuple(y.shape)} (need (N,) or (N, H, W))")
     if limit:
         x, y = x[:limit], (y[:limit] if y is not None else None)
-    return Samples(np.ascontiguousarray(x, dtype=np.float32),
-                   None if y is None else np.asarray(y, dtype=np.int64), [path], "tensors")
+    if x.dtype.kind not in "fiub":
+        raise DataError(f"{path}: 'x' holds {x.dtype} values, not numbers (N, C, H, W float32)")
+    with np.errstate(over="ignore"):  # float64 past float32's range becomes inf: judged below
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+    if bad:  # calibration's scales (and every comparison) would be NaN: onnxruntime's "scale issue" assertion
+        first = np.argwhere(~np.isfinite(x))[0]
+        raise DataError(f"{path}: 'x' holds {bad} values that are NaN or infinite (the first at sample "
+                        f"{int(first[0])}, index {tuple(int(i) for i in first[1:])}); tensors must be finite")
+    return Samples(x, None if y is None else np.asarray(y, dtype=np.int64), [path], "tensors")
 
 
 def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -> Samples:
@@ -81,8 +90,12 @@ def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -
             if IMAGE_KEY not in features or target not in features:
                 raise DataError(f"{f}: record {number}: needs {IMAGE_KEY} and {LABEL_KEY} (or {MASK_KEY}); "
                                 f"found {sorted(features)}")
+            try:  # the bounded decoder (data_tools.image_decode): a bomb is refused before it is decoded
+                image = decode_image(features[IMAGE_KEY][0])
+            except ImageProblem as err:
+                raise DataError(f"{f}: record {number}: {IMAGE_KEY}: {err.check}: {err.detail}") from None
             try:
-                xs.append(preprocess_image(features[IMAGE_KEY][0], preprocessing))
+                xs.append(preprocess_image(image, preprocessing))
             except Exception as err:
                 raise DataError(f"{f}: record {number}: {IMAGE_KEY} is not a decodable image ({err})") from None
             ys.append(int(features[LABEL_KEY][0]) if target == LABEL_KEY
@@ -101,7 +114,7 @@ def _mask(encoded: bytes, size: int, path: Path, number: int) -> np.ndarray:
     try:
         mask = decode_mask(bytes(encoded))
     except MaskProblem as err:
-        raise DataError(f"{path}: record {number}: {err.detail}") from None
+        raise DataError(f"{path}: record {number}: {err.check}: {err.detail}") from None
     if mask.shape != (size, size):
         mask = np.asarray(Image.fromarray(mask).resize((size, size), Image.NEAREST))
     return mask

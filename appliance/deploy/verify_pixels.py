@@ -12,10 +12,10 @@ import html
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from appliance.core.errors import DataError
 from appliance.core.html_report import bars_svg
+from data_tools.image_decode import ImageProblem, decode_image
 
 
 def pixel_figures(edge: np.ndarray, host: np.ndarray, labels: np.ndarray | None, task) -> dict:
@@ -33,10 +33,10 @@ def check_class_maps(root: Path, edge: np.ndarray, package) -> dict:
     """The runner's PNG class maps, decoded here: each must be the argmax of the logits it wrote."""
     for i, logits in enumerate(edge):
         path = root / "verify-masks" / f"{i:04d}.png"
-        try:
-            with Image.open(path) as image:
-                mode, decoded = image.mode, np.asarray(image)
-        except (OSError, ValueError) as err:
+        try:  # the bounded decoder: a class map is the device's output, read as untrusted bytes
+            image = decode_image(path.read_bytes(), what="class map")
+            mode, decoded = image.mode, np.asarray(image)
+        except (OSError, ImageProblem) as err:
             raise DataError(f"{package}: bin/run's class map {path.name} is not a readable PNG ({err})") from None
         if mode != "L" or not np.array_equal(decoded, logits.argmax(0)):
             raise DataError(f"{package}: bin/run's class map {path.name} ({mode}, {decoded.shape}) is not the argmax "

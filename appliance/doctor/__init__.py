@@ -15,11 +15,13 @@ import platform
 import sys
 from dataclasses import dataclass, field
 
-from appliance.core.values import non_negative_int
+from appliance.core import values
 from appliance.doctor.pod import pod_facts, pod_problems, pod_rows
 from appliance.doctor.probes import (ORT_PROBE, TORCH_PROBE, TVM_PROBE, cpu_facts, disk_facts, driver_check,
                                      memory_facts, network_state, nvidia_driver, pretrained_weights, required_driver,
                                      run_probe, tool_facts)
+
+MAX_GPUS_PER_POD = 64  # --expect-gpus: nvidia.com/gpu of one pod, far above any node's
 
 
 @dataclass
@@ -187,6 +189,6 @@ def register(subparsers) -> None:
                    "interface, /dev/shm, the volumes, GPUs (what `appliance train k8s` pods check first)")
     p.add_argument("--run-dir", default="", metavar="DIR", help="--k8s: the run directory, which must be writable")
     p.add_argument("--data-dir", default="", metavar="DIR", help="--k8s: the data directory, which must be mounted")
-    p.add_argument("--expect-gpus", type=non_negative_int, default=None, metavar="N",
+    p.add_argument("--expect-gpus", type=values.int_in(values.Range(ge=0, le=MAX_GPUS_PER_POD), "a GPU count"), default=None, metavar="N",
                    help="--k8s: GPUs the pod asked for (nvidia.com/gpu)")
     p.set_defaults(func=run)

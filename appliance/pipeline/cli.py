@@ -45,7 +45,7 @@ def register(subparsers) -> None:
         "With --task segmentation: seeded industrial inspection images (scratches, spots, cracks) and a small U-Net, "
         "its mIoU at every stage.")
     d.add_argument("--out", type=values.output_dir, default="appliance-demo", help="output directory (default: %(default)s)")
-    d.add_argument("--epochs", type=values.positive_int, metavar="N",
+    d.add_argument("--epochs", type=values.int_in(values.EPOCHS_AT_LEAST_ONE, "an integer"), metavar="N",
                    help="train for N epochs instead of the config's (12 for the digits, 10 for segmentation; a quicker run, "
                    "every stage still runs). "
                    "Applies when the demo writes its pipeline.toml, which then says N")

@@ -14,7 +14,8 @@ from typing import Annotated
 
 from appliance.core.errors import ConfigError
 from appliance.core.tomlconfig import parse_section, read_toml
-from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, PATH, Range, nproc_problem, shown
+from appliance.core.values import (EPOCHS_AT_LEAST_ONE, FRACTION, PATH, QAT_LR_SCALE, SAMPLES, SAMPLES_OR_ALL,
+                                   SMALL_COUNT, TOLERANCE, Range, nproc_problem, shown)
 from appliance.deploy.compiler.targets import TARGETS
 from appliance.deploy.options import METHODS, OPSETS
 from data_tools.check.gate import parse_fail_on
@@ -30,7 +31,7 @@ TRAIN_SECTIONS = ("run", "data", "model", "optimizer", "schedule", "train", "che
 class PipelineSection:
     out: Annotated[str, PATH] = "pipeline-out"  # each stage writes OUT/<stage>/; relative to the config file
     nproc_per_node: str = "auto"
-    max_restarts: Annotated[int, COUNT] = 3  # elastic restarts of training after a crash
+    max_restarts: Annotated[int, SMALL_COUNT] = 3  # elastic restarts of training after a crash
     tune: bool = False  # search [tune]'s hyperparameters (appliance tune) before train; train uses the best
 
 
@@ -43,7 +44,7 @@ class CheckSection:
 @dataclass(frozen=True)
 class ExportSection:
     opset: Annotated[int, OPSETS] = 17
-    max_rel_error: Annotated[float, NON_NEGATIVE] = 1e-5
+    max_rel_error: Annotated[float, TOLERANCE] = 1e-5
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,13 @@ class QuantizeSection:
     mode: str = "int8"  # "int8" | "fp16" | "none"
     method: str = "minmax"
     per_channel: bool = True
-    calib_samples: Annotated[int, AT_LEAST_ONE] = 256
+    calib_samples: Annotated[int, SAMPLES] = 256
     max_drop: Annotated[float, Range(ge=0, le=100)] = 1.0  # top-1 points
     fallback: str = "auto"  # "auto": other calibrations, then sensitive layers in float; "none": stop at once
-    max_float_layers: Annotated[int, COUNT] = 10
+    max_float_layers: Annotated[int, SMALL_COUNT] = 10
     qat: bool = False  # INT8 still over max_drop after fallback: quantization-aware fine-tuning (appliance.pipeline.qat)
-    qat_epochs: Annotated[int, AT_LEAST_ONE] = 2
-    qat_lr_scale: Annotated[float, Range(gt=0, le=10)] = 0.1  # QAT lr = the training lr times this
+    qat_epochs: Annotated[int, EPOCHS_AT_LEAST_ONE] = 2
+    qat_lr_scale: Annotated[float, QAT_LR_SCALE] = 0.1  # QAT lr = the training lr times this
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,13 @@ class PackageSection:
 
 @dataclass(frozen=True)
 class VerifySection:
-    samples: Annotated[int, COUNT] = 0  # 0: every validation sample
+    samples: Annotated[int, SAMPLES_OR_ALL] = 0  # 0: every validation sample
     min_agreement: Annotated[float, FRACTION] = 0.995
 
 
 @dataclass(frozen=True)
 class DeploySection:
-    latency_budget_ms: Annotated[float, NON_NEGATIVE] = 0.0  # 0: none; else the estimate must meet it before training
+    latency_budget_ms: Annotated[float, Range(ge=0, le=3_600_000)] = 0.0  # 0: none; else the estimate must meet it before training
     latency_core: str = "cortex-a76"  # the core the budget is for (cortex-a76 at 2.4 GHz, cortex-a55 at 1.8 GHz)
 
 

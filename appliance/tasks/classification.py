@@ -30,7 +30,9 @@ class Classification:
         return classifier_head(model)
 
     def check_options(self, num_classes: int, names=()) -> dict:
-        return {}  # the data check infers the label range as it always has
+        """The data check's label range: the config's classes (a stray label is out of range, as training
+        refuses it, not inferred into a class of its own)."""
+        return {"num_classes": num_classes} if num_classes else {}
 
     def criterion(self):
         from torch import nn

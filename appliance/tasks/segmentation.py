@@ -52,7 +52,8 @@ class Segmentation:
                                             flip_probability=a.flip_probability, mean=d.mean, std=d.std,
                                             debug=a.debug, ignore_label=self.ignore_label)
         return SegmentationSamples(records, num_classes=cfg.num_classes, preprocessing=preprocessing,
-                                   transform=transform, ignore_label=self.ignore_label, image_key=image_key)
+                                   transform=transform, ignore_label=self.ignore_label, image_key=image_key,
+                                   max_pixels=d.max_pixels)
 
     def init_state(self, state: dict, own_keys, architecture: str) -> tuple[dict, dict | None]:
         """[model] init's tensors for this model: a classification backbone's keys renamed onto it."""

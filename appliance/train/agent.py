@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from appliance.train.worker_error import LAUNCHER_ENV
+from appliance.train.worker_error import FINAL_NAME, LAUNCHER_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     _stop_signal_once()
     _signalled_worker_first()
+    _no_restart_after_a_final_error()
     # A logger's own filters see the records made on it: the failure line is made on this one.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoFailureTables())
     try:
@@ -84,6 +85,29 @@ def _signalled_worker_first() -> None:
 
     context._capture_process_failures = capture_signalled_first
     context.close = close_marked
+
+
+def _no_restart_after_a_final_error() -> None:
+    """--max-restarts restarts the workers after a crash; a worker that stopped on a bad record or a bad
+    config (its line is final, worker_error.FINAL_NAME) would stop the same way each time, so a
+    segmentation run with a damaged mask printed its line after three restarts. While that marker exists
+    the agent's remaining restarts read 0: it stops at once. Private torch API
+    (SimpleElasticAgent._remaining_restarts): with another torch, restarts stay as torchrun makes them."""
+    from torch.distributed.elastic.agent.server import api
+
+    said = os.environ.get(LAUNCHER_ENV, "")
+    agent = getattr(api, "SimpleElasticAgent", None)
+    if not said or agent is None:
+        return
+    final = os.path.join(os.path.dirname(said), FINAL_NAME)
+
+    def remaining(self) -> int:
+        return 0 if os.path.exists(final) else self.__dict__.get("_appliance_remaining_restarts", 0)
+
+    def set_remaining(self, value: int) -> None:
+        self.__dict__["_appliance_remaining_restarts"] = value
+
+    agent._remaining_restarts = property(remaining, set_remaining)
 
 
 class _NoFailureTables(logging.Filter):

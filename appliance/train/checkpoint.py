@@ -74,9 +74,10 @@ class CheckpointManager(CheckpointLoader):
     def __init__(self, directory: str | Path, *, keep_last: int = 3, keep_best: int = 0,
                  monitor: str = "val_loss", mode: str = "min", min_free_bytes: int = 0,
                  rank: int = 0, world_size: int = 1, local_rank: int | None = None, node: int = 0, log=print,
-                 model_state: dict | None = None):
+                 model_state: dict | None = None, card=None):
         self.directory = Path(directory)
         self.model_state = model_state  # the model's own state dict: a checkpoint's weights must fit it
+        self.card = card  # the ModelCard this run writes: a checkpoint's model.json must be it
         self.keep_last, self.keep_best = keep_last, keep_best
         self.monitor, self.mode = monitor, mode
         self.min_free_bytes = min_free_bytes

@@ -7,6 +7,7 @@ manager's directory, rank, node and model_state attributes, `committed()`, `_war
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -43,6 +44,7 @@ class CheckpointLoader:
                                                       if self.model_state is not None else None)
         if problem:
             raise CheckpointDamaged(f"model.safetensors: {problem}")
+        self._check_card(get("model.json"))
         name = f"optimizer-rank{self.rank}" if trainer["optimizer_sharded"] else "optimizer"
         rest = parse_json(f"{name}.json", get(f"{name}.json"), dict)
         try:
@@ -50,6 +52,28 @@ class CheckpointLoader:
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CheckpointDamaged(f"{name}.json: not optimizer state ({type(err).__name__}: {err})") from None
         return Checkpoint(path, trainer["step"], trainer, rng, model_state, optimizer_state)
+
+    def _check_card(self, data: bytes) -> None:
+        """model.json must be the card this run writes (export reads it from a checkpoint): a key added
+        or a value changed, sums rewritten, resumed silently before."""
+        card = parse_json("model.json", data, dict)
+        expected = getattr(self, "card", None)
+        if expected is None:
+            return
+        want = json.loads(expected.to_json())
+        for where, got, wanted in (("", card, want), ("extra.", card.get("extra"), want.get("extra"))):
+            if isinstance(got, dict) and isinstance(wanted, dict) and set(got) != set(wanted):
+                added, dropped = sorted(set(got) - set(wanted)), sorted(set(wanted) - set(got))
+                raise CheckpointDamaged(f"model.json: keys {', '.join(where + k for k in added) or 'none'} added, "
+                                        f"{', '.join(where + k for k in dropped) or 'none'} missing against the card "
+                                        "this run writes (changed after saving)")
+        # extra.run names the run that wrote it: --resume may take another run's checkpoint.
+        changed = sorted([k for k in want if k != "extra" and card.get(k) != want[k]]
+                         + [f"extra.{k}" for k in want.get("extra", {}) if k != "run"
+                            and card.get("extra", {}).get(k) != want["extra"][k]])
+        if changed:
+            raise CheckpointDamaged(f"model.json: {', '.join(changed)} differ from the card this run writes "
+                                    "(changed after saving)")
 
     def _verify(self, path: Path) -> list[str]:
         """Check this node's part of a checkpoint; the names of the files it holds."""
@@ -73,7 +97,7 @@ class CheckpointLoader:
                 raise CheckpointDamaged(f"{name} fails its sha256 check (damaged or changed after saving)")
         if present - set(here):
             raise CheckpointDamaged(f"unexpected files {sorted(present - set(here))}")
-        for name in ("trainer.json", "model.safetensors"):
+        for name in ("trainer.json", "model.safetensors", "model.json"):
             if name not in listed:
                 raise CheckpointDamaged(f"{name} is missing (not listed in {CHECKSUMS})")
         return here
@@ -158,7 +182,7 @@ class CheckpointLoader:
                 holders[entry["node"]] = (rank, set(entry["here"]))
         node_of = [entry["node"] for entry in table]
         listed = read_sums(path)
-        common = {"trainer.json", "model.safetensors", "optimizer.safetensors", "optimizer.json"}
+        common = {"trainer.json", "model.safetensors", "model.json", "optimizer.safetensors", "optimizer.json"}
         files: dict[str, bytes] = {}
         for name in sorted(listed):
             own = re.match(r"^(?:rng|optimizer)-rank(\d+)\.", name)

@@ -114,7 +114,7 @@ def register(subparsers) -> None:
     p.add_argument("--nnodes", type=nnodes_range, default=(1, 1), metavar="N|MIN:MAX",
                    help="number of machines (default 1: standalone); MIN:MAX lets a run go on with as few as MIN "
                    "after a node fails, or take back a replacement (with --max-restarts)")
-    p.add_argument("--node-rank", type=values.non_negative_int, default=0, help="this machine's rank; rank 0 hosts the rendezvous")
+    p.add_argument("--node-rank", type=values.int_in(values.Range(ge=0, le=MAX_NODES - 1), "an integer"), default=0, help="this machine's rank; rank 0 hosts the rendezvous")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of node rank 0 (c10d rendezvous)")
     p.add_argument("--resume", default="auto", help="auto (newest good checkpoint), none, or a checkpoint directory")
     p.add_argument("--iface", default="", metavar="NAME",
@@ -124,9 +124,9 @@ def register(subparsers) -> None:
     _add_profile(p)
     p.add_argument("--preflight", action="store_true",
                    help="check this node and agree with the others (endpoint, config, versions, disk) and exit")
-    p.add_argument("--preflight-timeout", type=values.positive_float, default=60.0, metavar="S",
+    p.add_argument("--preflight-timeout", type=values.float_in(values.SECONDS), default=60.0, metavar="S",
                    help="how long --preflight waits for the endpoint and the other nodes (default 60)")
-    p.add_argument("--expect-gpus", type=values.non_negative_int, default=None, metavar="N", help="--preflight: GPUs each node must have")
+    p.add_argument("--expect-gpus", type=values.int_in(values.Range(ge=0, le=values.MAX_NPROC), "an integer"), default=None, metavar="N", help="--preflight: GPUs each node must have")
     p.add_argument("--quiet", action="store_true", help="no progress output (results and errors still print)")
     p.set_defaults(func=run)
 
@@ -139,7 +139,7 @@ def slurm_parser() -> argparse.ArgumentParser:
     s.add_argument("config", metavar="CONFIG.toml", help="the training config")
     s.add_argument("--nodes", type=values.int_in(values.Range(ge=1, le=MAX_NODES), "an integer"), required=True,
                    help="number of nodes")
-    s.add_argument("--gpus-per-node", type=values.non_negative_int, default=0, help="GPUs per node (0: CPU)")
+    s.add_argument("--gpus-per-node", type=values.int_in(values.Range(ge=0, le=values.MAX_NPROC), "an integer"), default=0, help="GPUs per node (0: CPU)")
     s.add_argument("--out", type=values.output_file, default=None, help="script path (default RUN_DIR/train.sbatch)")
     _add_nproc_and_restarts(s)
     _add_profile(s)
@@ -195,6 +195,6 @@ def _add_nproc_and_restarts(p) -> None:
 
 
 def _add_profile(p) -> None:
-    p.add_argument("--profile", type=values.positive_int, nargs="?", const=PROFILE_STEPS, default=None, metavar="STEPS",
+    p.add_argument("--profile", type=values.int_in(values.SMALL_COUNT_AT_LEAST_ONE, "an integer"), nargs="?", const=PROFILE_STEPS, default=None, metavar="STEPS",
                    help=f"profile STEPS optimizer steps (default {PROFILE_STEPS}) after [profile] wait + warmup steps "
                    "and write RUN_DIR/profile.html + profile.json and a trace per rank (default: [profile] steps, 0 = off)")

@@ -22,8 +22,10 @@ from appliance.core.errors import ConfigError
 from appliance.core.inputs import describe
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.tasks import TASK_KINDS, task_for
-from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, PATH, POSITIVE, SEED, Range
+from appliance.core.values import (EPOCHS, FRACTION, LEARNING_RATE, MAX_SCALE, PATH, SCALE, SEED, SMALL_COUNT,
+                                   SMALL_COUNT_AT_LEAST_ONE, STEPS, STEPS_AT_LEAST_ONE, TOLERANCE, WEIGHT_DECAY, Range)
 from appliance.train.quality import GATE_KEYS, check_thresholds
+from data_tools.image_decode import DEFAULT_MAX_PIXELS, MAX_PIXELS_LIMIT
 from data_tools.labels import MAX_CLASSES
 from data_tools.check.gate import require_passing_report
 
@@ -36,8 +38,7 @@ MONITORED = ("val_loss", "val_acc")  # what an evaluation records, so what [chec
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Upper bounds: far above any real run, low enough that a typo cannot ask for terabytes.
 MAX_IMAGE_SIZE = 4096  # pixels per side of the model's input
-MAX_BATCH = 65536
-MAX_WORKERS = 256
+MAX_BATCH, MAX_WORKERS = 65536, 256  # per process; loader processes
 MAX_FREE_GB = 1_000_000.0  # 1 PB
 
 
@@ -47,7 +48,7 @@ class RunSection:
     out_dir: Annotated[str, PATH] = "runs"
     seed: Annotated[int, SEED] = 0
     deterministic: bool = True
-    log_every: Annotated[int, AT_LEAST_ONE] = 10
+    log_every: Annotated[int, STEPS_AT_LEAST_ONE] = 10
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,12 @@ class DataSection:
     image_key: str = "image/encoded"
     label_key: str = "image/class/label"
     image_size: Annotated[int, Range(ge=1, le=MAX_IMAGE_SIZE)] = 224
-    channels: int = 3
-    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
-    std: tuple[Annotated[float, POSITIVE], ...] = (0.229, 0.224, 0.225)
+    channels: Annotated[int, Range(ge=1, le=3)] = 3  # 1 or 3 (checked below)
+    mean: tuple[Annotated[float, Range(ge=-MAX_SCALE, le=MAX_SCALE)], ...] = (0.485, 0.456, 0.406)
+    std: tuple[Annotated[float, SCALE], ...] = (0.229, 0.224, 0.225)
     num_workers: Annotated[int, Range(ge=0, le=MAX_WORKERS)] = 2
     decode: str = "auto"  # where JPEGs are decoded and augmented: "cpu" (workers), "gpu" (device_decode.py), "auto"
+    max_pixels: Annotated[int, Range(ge=1, le=MAX_PIXELS_LIMIT)] = DEFAULT_MAX_PIXELS  # as data check --max-pixels
     check_report: Annotated[str, PATH] = ""  # a data-check report.json whose gate must have passed
 
 
@@ -80,29 +82,29 @@ class ModelSection:
 @dataclass(frozen=True)
 class OptimizerSection:
     name: str = "adamw"
-    lr: Annotated[float, POSITIVE] = 1e-3
-    weight_decay: Annotated[float, NON_NEGATIVE] = 0.0
+    lr: Annotated[float, LEARNING_RATE] = 1e-3
+    weight_decay: Annotated[float, WEIGHT_DECAY] = 0.0
     momentum: Annotated[float, Range(ge=0, lt=1)] = 0.9  # sgd only
     betas: tuple[Annotated[float, Range(ge=0, lt=1)], ...] = (0.9, 0.999)  # adamw only
     zero_redundancy: bool = False
     no_decay_norm_and_bias: bool = True  # no weight decay on biases and norm weights (1-D parameters)
-    lr_mult: dict[str, Annotated[float, POSITIVE]] = field(default_factory=dict)  # {prefix = multiplier of lr}
+    lr_mult: dict[str, Annotated[float, SCALE]] = field(default_factory=dict)  # {prefix = multiplier of lr}
 
 
 @dataclass(frozen=True)
 class ScheduleSection:
-    warmup_steps: Annotated[int, COUNT] = 0
+    warmup_steps: Annotated[int, STEPS] = 0
     min_lr_ratio: Annotated[float, FRACTION] = 0.0  # the cosine ends at lr * min_lr_ratio
 
 
 @dataclass(frozen=True)
 class TrainSection:
-    epochs: Annotated[int, COUNT] = 1
-    max_steps: Annotated[int, COUNT] = 0  # 0: epochs decide
+    epochs: Annotated[int, EPOCHS] = 1
+    max_steps: Annotated[int, STEPS] = 0  # 0: epochs decide
     batch_size: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 32  # per process
     grad_accum: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 1
     precision: str = "auto"
-    grad_clip: Annotated[float, NON_NEGATIVE] = 0.0  # 0 disables clipping
+    grad_clip: Annotated[float, TOLERANCE] = 0.0  # 0 disables clipping
     compile: str = "auto"  # torch.compile the model: "on", "off", "cuda-graphs", "auto" (off so far: see ddp.use_compile)
     # The quality gate on the trained model (appliance/train/quality.py); they judge, not train.
     # (ranges checked by quality.check_thresholds, which names them as the gate's)
@@ -118,14 +120,14 @@ class TaskSection:
 
     kind: str = "classification"  # or "segmentation"
     ignore_label: Annotated[int, Range(ge=0, le=255)] = 255  # segmentation: mask pixels that count for nothing
-    class_weights: tuple[Annotated[float, POSITIVE], ...] = ()  # segmentation: per-class loss weights
+    class_weights: tuple[Annotated[float, SCALE], ...] = ()  # segmentation: per-class loss weights
 
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    every_steps: Annotated[int, AT_LEAST_ONE] = 500
-    keep_last: Annotated[int, AT_LEAST_ONE] = 3
-    keep_best: Annotated[int, COUNT] = 1
+    every_steps: Annotated[int, STEPS_AT_LEAST_ONE] = 500
+    keep_last: Annotated[int, SMALL_COUNT_AT_LEAST_ONE] = 3
+    keep_best: Annotated[int, SMALL_COUNT] = 1
     monitor: str = "val_loss"
     mode: str = "min"
     min_free_gb: Annotated[float, Range(ge=0, le=MAX_FREE_GB)] = 1.0
@@ -159,10 +161,10 @@ class DistributedSection:
 class ProfileSection:
     """torch.profiler over a window of steps (appliance/train/profiling.py); never changes the weights."""
 
-    steps: Annotated[int, COUNT] = 0  # optimizer steps profiled; 0: off (`--profile [STEPS]` overrides)
-    wait: Annotated[int, COUNT] = 5  # steps first left alone: start-up, loader workers, first batches
-    warmup: Annotated[int, COUNT] = 2  # steps traced and thrown away (the profiler's own start-up)
-    top_operators: Annotated[int, AT_LEAST_ONE] = 15  # rows of the report's operator table
+    steps: Annotated[int, SMALL_COUNT] = 0  # optimizer steps profiled; 0: off (`--profile [STEPS]` overrides)
+    wait: Annotated[int, SMALL_COUNT] = 5  # steps first left alone: start-up, loader workers, first batches
+    warmup: Annotated[int, SMALL_COUNT] = 2  # steps traced and thrown away (the profiler's own start-up)
+    top_operators: Annotated[int, SMALL_COUNT_AT_LEAST_ONE] = 15  # rows of the report's operator table
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,7 @@ class Config:
             d["ddp_bucket_cap_mb"] = bucket_cap_mb
         if d["data"]["decode"] == "auto":  # the hashes of runs made before [data] decode existed stay valid
             d["data"].pop("decode")
+        d["data"].pop("max_pixels")  # what is refused, not what is computed (runs before the key keep their hash)
         d["model"]["init"] = self.init_sha256  # the weights decide, not where the file lies
         d.pop("profile")  # measuring a run does not change it
         if self.task == TaskSection():
@@ -296,8 +299,7 @@ def _check_values(cfg: Config, source: str) -> None:
             bad(f"[data] {key}", f"needs {cfg.data.channels} values (one per channel)")
     if len(cfg.optimizer.betas) != 2:
         bad("[optimizer] betas", "needs exactly two values")
-    # Single numbers were range-checked while parsing (the Annotated ranges above); here what
-    # depends on several keys.
+    # Single numbers were range-checked while parsing (the Annotated ranges above); here what depends on several.
     onnx_init = cfg.model.init.endswith(".onnx")
     if (cfg.model.architecture == "onnx") != onnx_init:
         bad("[model] architecture", '"onnx" goes with an ONNX init (init = "model.onnx"), and an ONNX init with '
@@ -395,5 +397,4 @@ def check_data_report(cfg: Config) -> dict | None:
     if not path.exists():
         raise ConfigError(f"{cfg.source}: [data] check_report: {path} does not exist "
                           "(run `appliance data check --fail-on ...` first)")
-
     return require_passing_report(path)

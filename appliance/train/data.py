@@ -16,13 +16,15 @@ import torch
 from appliance.core.errors import DataError
 from appliance.tasks import task_for
 from appliance.train import device_decode, faults
+from data_tools.image_decode import DEFAULT_MAX_PIXELS, ImageProblem, decode_image as bounded_decode, record_problem
 from data_tools.labels import image_problem, label_problem
 from data_tools.preprocessing import preprocess_image
 from data_tools.dataset import TFRecordDataset, ShardedSampler
 from data_tools.augment import SeededAugmentation, TrainTransform
 
 
-def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> torch.Tensor:
+def decode_image(encoded: bytes, image_size: int, channels: int, mean, std,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> torch.Tensor:
     """PNG/JPEG bytes -> float32 tensor [C, H, W]: resized to image_size, normalised with mean/std.
 
     The arithmetic is data_tools.preprocessing.preprocess_image, the function export
@@ -30,47 +32,35 @@ def decode_image(encoded: bytes, image_size: int, channels: int, mean, std) -> t
     """
     preprocessing = {"image_size": image_size, "mean": mean, "std": std,
                      "channel_order": "RGB" if channels == 3 else "L"}
-    # Every failure of the bytes is the record's (Pillow raises ValueError for a PNG text-chunk
-    # bomb, OSError for truncation, ...); preprocess_image's own ValueErrors are of the config.
-    image = decode_for_augmentation(encoded, channels)
+    # Every failure of the bytes is the record's (the bounded decoder's one line); preprocess_image's
+    # own ValueErrors are of the config.
+    image = decode_for_augmentation(encoded, channels, max_pixels)
     return torch.from_numpy(preprocess_image(image, preprocessing))
 
 
-def decode_pixels(encoded: bytes, image_size: int, channels: int) -> torch.Tensor:
+def decode_pixels(encoded: bytes, image_size: int, channels: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> torch.Tensor:
     """PNG/JPEG bytes -> uint8 tensor [C, H, W], resized: decode_image's first steps (channel order,
     bilinear resize); step.Normalise finishes its arithmetic on the device, bit for bit (a test holds
     them together). A quarter of float32's bytes cross to the GPU."""
-    import io
-
     import numpy as np
     from PIL import Image
 
-    try:
-        image = Image.open(io.BytesIO(encoded))
-        image.load()
-        image = image.convert("RGB" if channels == 3 else "L")
-        if image.size != (image_size, image_size):
-            image = image.resize((image_size, image_size), Image.BILINEAR)
-        pixels = np.array(image, dtype=np.uint8)  # a writable copy
-    except ValueError:
-        raise
-    except Exception as err:  # PIL raises several types for damaged images
-        raise DataError(f"undecodable image ({err})") from None
+    image = decode_for_augmentation(encoded, channels, max_pixels)
+    if image.size != (image_size, image_size):
+        image = image.resize((image_size, image_size), Image.BILINEAR)
+    pixels = np.array(image, dtype=np.uint8)  # a writable copy
     pixels = pixels[:, :, None] if pixels.ndim == 2 else pixels
     return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
 
 
-def decode_for_augmentation(encoded: bytes, channels: int):
-    """PNG/JPEG bytes -> a PIL image in the model's channel order; the augmentation resizes and normalises."""
-    import io
-
-    from PIL import Image
-
+def decode_for_augmentation(encoded: bytes, channels: int, max_pixels: int = DEFAULT_MAX_PIXELS):
+    """PNG/JPEG bytes -> a PIL image in the model's channel order; the augmentation resizes and normalises.
+    The bytes go through data_tools.image_decode, the bounded decoder the data check uses: what it
+    quarantines (image_too_large, image_decode) is refused here in the same words."""
     try:
-        image = Image.open(io.BytesIO(encoded))
-        return image.convert("RGB" if channels == 3 else "L")
-    except Exception as err:  # noqa: BLE001 - PIL raises several types for damaged images
-        raise DataError(f"undecodable image ({type(err).__name__}: {err})") from None
+        return bounded_decode(encoded, "RGB" if channels == 3 else "L", max_pixels)
+    except ImageProblem as err:
+        raise DataError(record_problem(err)) from None
 
 
 def _dataset(cfg, files, augment: bool = False, pixels: bool = False, decode: str = "cpu"):
@@ -79,15 +69,17 @@ def _dataset(cfg, files, augment: bool = False, pixels: bool = False, decode: st
     samples = task_for(cfg.task).dataset(cfg, files, augment)
     if samples is not None:  # the task makes its own samples (segmentation: image and mask, normalised here)
         return samples
+    limit = cfg.data.max_pixels
     if augment:
-        transform = functools.partial(decode_for_augmentation, channels=cfg.data.channels)
+        transform = functools.partial(decode_for_augmentation, channels=cfg.data.channels, max_pixels=limit)
     elif pixels or decode == "gpu":
-        transform = functools.partial(decode_pixels, image_size=cfg.data.image_size, channels=cfg.data.channels)
+        transform = functools.partial(decode_pixels, image_size=cfg.data.image_size, channels=cfg.data.channels,
+                                      max_pixels=limit)
     else:
         transform = functools.partial(decode_image, image_size=cfg.data.image_size, channels=cfg.data.channels,
-                                      mean=cfg.data.mean, std=cfg.data.std)
+                                      mean=cfg.data.mean, std=cfg.data.std, max_pixels=limit)
     if decode == "gpu":  # the CPU path's decode stays the fallback for what the device does not decode
-        transform = functools.partial(device_decode.encode_for_device, fallback=transform)
+        transform = functools.partial(device_decode.encode_for_device, fallback=transform, max_pixels=limit)
     slow = faults.slow_decode_seconds()
     if slow and files == cfg.data.train:
         transform = functools.partial(_slowed, transform, slow)

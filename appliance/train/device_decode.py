@@ -26,6 +26,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 from appliance.core.errors import DataError
+from data_tools.image_decode import DEFAULT_MAX_PIXELS, ImageProblem, open_image, record_problem
 from data_tools.augment import AugmentParams, TrainTransform, _as_uint8_tensor, log  # log: [augment] debug's
 from data_tools.augment_batch import augment_batch, normalisation
 
@@ -66,17 +67,16 @@ class Encoded:
     params: AugmentParams | None = None
 
 
-def encode_for_device(encoded: bytes, fallback) -> Encoded:
+def encode_for_device(encoded: bytes, fallback, max_pixels: int = DEFAULT_MAX_PIXELS) -> Encoded:
     """Worker side: a JPEG whose header PIL reads in a mode the device decodes stays encoded; anything
-    else is decoded by `fallback` (the CPU path's decode for this dataset) into uint8 pixels."""
+    else is decoded by `fallback` (the CPU path's decode for this dataset) into uint8 pixels. The header
+    is judged by the bounded decoder (data_tools.image_decode): a size past the limit never reaches nvJPEG."""
     if encoded[:3] == JPEG_MAGIC:
-        from PIL import Image  # late: Pillow in the loader's workers only
-
         try:
-            header = Image.open(io.BytesIO(encoded))  # reads the header, decodes nothing
+            header = open_image(encoded, max_pixels)  # reads the header, decodes nothing
             mode, (width, height) = header.mode, header.size
-        except Exception as err:  # noqa: BLE001 - PIL raises several types for damaged images
-            raise DataError(f"undecodable image ({type(err).__name__}: {err})") from None
+        except ImageProblem as err:
+            raise DataError(record_problem(err)) from None
         if mode in DEVICE_MODES:
             return Encoded(encoded, height, width)
     pixels = _as_uint8_tensor(fallback(encoded))

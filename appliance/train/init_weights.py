@@ -107,6 +107,18 @@ def _covered(key: str, prefixes) -> bool:
     return any(key == p or key.startswith(p if p.endswith((".", "/")) else (p + ".", p + "/")) for p in prefixes)
 
 
+def check_reset(model, own: dict, reset, architecture: str) -> None:
+    """Every [model] reset prefix names a parameter, and some parameter is left to load from init."""
+    for prefix in reset:
+        if not any(_covered(k, [prefix]) for k in own):
+            raise ConfigError(f"[model] reset: {prefix!r} matches no parameter of {architecture} "
+                              f"(e.g. {', '.join(list(own)[:3])})")
+    trained = [name for name, _ in model.named_parameters()]
+    if reset and trained and all(_covered(k, reset) for k in trained):
+        raise ConfigError(f"[model] reset re-initialises every parameter of {architecture}: nothing of [model] init "
+                          "would be loaded (remove init, or reset only the layers to learn afresh)")
+
+
 def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: str, log=print, task=None) -> dict:
     """Load init's weights into model by name; the report of what matched. Keys under `reset` (and a
     classifier head whose class count differs) keep their fresh initialisation; any other
@@ -117,10 +129,7 @@ def apply_init(model, init: InitSource, reset: tuple[str, ...], architecture: st
 
     head = task.head_prefix(model, architecture) if task is not None else classifier_head(model)
     own = model.state_dict()
-    for prefix in reset:
-        if not any(_covered(k, [prefix]) for k in own):
-            raise ConfigError(f"[model] reset: {prefix!r} matches no parameter of {architecture} "
-                              f"(e.g. {', '.join(list(own)[:3])})")
+    check_reset(model, own, reset, architecture)
     if architecture == ONNX_ARCHITECTURE:  # the module was built from the graph, weights included
         state, mapping = {k: v for k, v in own.items()}, None
         mismatched, missing, unexpected = [], [], []

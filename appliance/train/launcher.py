@@ -19,18 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance import __version__
-from appliance.core.errors import ApplianceError, ConfigError, DataError
+from appliance.core.errors import ApplianceError, ConfigError
 from appliance.core.manifest import atomic_write_text
 from appliance.core.progress import quiet
 from appliance.core.values import nproc_problem, shown
 from appliance.train.checkpoint_files import check_resume
 from appliance.train import faults, reaper, worker_error
 from appliance.train.preflight import check_loopback, interface_address, network_env, split_endpoint
-from appliance.train.config import check_data_report, load_config
-from data_tools.example import decode_example
-from data_tools.index import build_index, read_index_file
-from data_tools.tfrecord import read_records
-from appliance.train.ddp import prepare_model
+from appliance.train.config import load_config
+from appliance.train.start_checks import check_before_start
 from appliance.core.dirlock import directory_lock
 from appliance.train.quality import QUALITY_JSON, Thresholds, write_quality, quality_figures
 from appliance.train.result import TrainResult  # noqa: F401 (what launch_training returns)
@@ -156,33 +153,6 @@ class LaunchSpec:
     profile: int | None = None  # steps to profile; overrides [profile] steps
 
 
-
-
-def check_before_start(cfg) -> None:
-    """Everything that can be checked before a process starts: the data-check gate, every data
-    file opened and frame-checked (its index built, which the workers reuse), and [model] init's
-    weights matched against the model."""
-    check_data_report(cfg)
-    for key, files in (("train", cfg.data.train), ("val", cfg.data.val)):
-        for path in files:
-            damage = []
-            records = len(read_index_file(build_index(path, on_damage=damage.append)))
-            if records == 0:
-                why = f"{damage[0].reason} at byte {damage[0].start}" if damage else "no record"
-                raise DataError(f"{path}: not a TFRecord file ({why}); listed in {cfg.source} [data] {key}")
-    if cfg.task.kind == "classification" and cfg.data.train:  # a key no record has: refused before, not by every worker
-        first = next(iter(read_records(cfg.data.train[0])), None)
-        try:
-            features = decode_example(first) if first is not None else {}
-        except DataError:  # a damaged record: the worker that reads it names it
-            features = {}
-        for key in ("image_key", "label_key"):
-            if features and getattr(cfg.data, key) not in features:
-                raise ConfigError(f"{cfg.source}: [data] {key} {shown(getattr(cfg.data, key))} is no feature of the first "
-                                  f"record of {cfg.data.train[0]} (it has {', '.join(map(repr, sorted(features)))})")
-    if cfg.model.init:  # weights of another architecture, an unconvertible ONNX operator: one line, no process
-
-        prepare_model(cfg, log=lambda line: None)
 
 
 def check_nodes(spec: LaunchSpec) -> None:

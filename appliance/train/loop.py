@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from appliance.core.errors import ApplianceError, EnvironmentProblem
+from appliance.core.errors import ApplianceError, ConfigError, DataError, EnvironmentProblem
 from appliance.core.manifest import write_manifest
 from appliance.core.progress import Progress
 from appliance.models import save_trained_model
@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         line = str(err).strip().splitlines()[-1]
         line = line.split(": ", 1)[1] if line.startswith("appliance.core.errors.") else line
         _close_progress()
-        if run_dir is not None:
-            worker_error.record(run_dir, line)
+        if run_dir is not None:  # a record or the config at fault: a restart would meet it again
+            worker_error.record(run_dir, line, final=isinstance(err, (DataError, ConfigError)))
         if not os.environ.get(worker_error.LAUNCHER_ENV):  # under `appliance train` the launcher prints it
             print(f"appliance train: error: {line}", file=sys.stderr, flush=True)
         _exit_now(worker_error.EXIT_STATUS)

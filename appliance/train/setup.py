@@ -171,7 +171,7 @@ def build(run: Run) -> Run:
         monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode,
         min_free_bytes=int(cfg.checkpoint.min_free_gb * 2**30), rank=run.rank, world_size=run.world,
         local_rank=run.local_rank, node=int(os.environ.get("GROUP_RANK", 0)), log=log,
-        model_state=run.raw_model.state_dict())
+        model_state=run.raw_model.state_dict(), card=run.card)
     if run.world > int(os.environ.get("LOCAL_WORLD_SIZE", run.world)):  # several machines: say where checkpoints live
         log(f"checkpoints: {STORAGE_WORDS[run.checkpoints.storage]} ({run.checkpoints.directory})", flush=True)
     return run

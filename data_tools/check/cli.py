@@ -7,6 +7,7 @@ import sys
 
 from appliance.core import values
 from appliance.core.errors import ConfigError, DataError, GateFailed
+from data_tools.image_decode import MAX_PIXELS_LIMIT
 from data_tools.labels import MAX_CLASSES
 
 MAX_JOBS = 256  # worker processes; --jobs 100000 forked until the box gave out (each is a whole Python)
@@ -31,10 +32,13 @@ def register_data_verb(data_subparsers) -> None:
                         "leakage, outliers, unreadable_files")
     p.add_argument("--image-key", default="image/encoded", help="feature holding the encoded image (default image/encoded)")
     p.add_argument("--label-key", default="image/class/label", help="feature holding the class (default image/class/label)")
-    p.add_argument("--max-pixels", type=values.positive_int, default=None, help="larger images are quarantined (default 64M)")
-    p.add_argument("--near-distance", type=values.non_negative_int, default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
+    p.add_argument("--max-pixels", type=values.int_in(values.Range(ge=1, le=MAX_PIXELS_LIMIT), "an integer"), default=None,
+                   help="larger images and masks are quarantined before they are decoded (default 64M, at most 1G; "
+                        "training's [data] max_pixels)")
+    p.add_argument("--near-distance", type=values.int_in(values.Range(ge=0, le=7), "an integer"), default=4, help="perceptual-hash bits (0..7) that may differ in a near duplicate (default 4)")
     p.add_argument("--num-classes", type=values.int_in(values.Range(ge=1, le=MAX_CLASSES), "an integer"), default=None,
-                   help="segmentation masks: class ids are 0..N-1 (default: inferred from all masks; strays quarantined)")
+                   help="class labels (or masks' class ids) are 0..N-1, as the training config's classes; others are "
+                        f"quarantined (default: inferred from all records, and said so; at most {MAX_CLASSES})")
     p.add_argument("--ignore-label", type=values.int_in(values.Range(ge=0, le=255), "an integer"), default=255,
                    help="segmentation masks: the class id of pixels that count for nothing (default 255)")
     p.add_argument("--jobs", type=values.int_in(values.Range(ge=1, le=MAX_JOBS), "an integer"), default=None, help="worker processes (default: one per file, up to the cores)")

@@ -10,22 +10,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import warnings
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
+
+from data_tools.image_decode import DEFAULT_MAX_PIXELS, ImageProblem, decode_image, open_image
 
 
-DEFAULT_MAX_PIXELS = 64_000_000
 BLANK_CONTRAST = 1.0  # std of grey levels (0..255) below which an image carries no content
-
-
-class ImageProblem(Exception):
-    """The image cannot be used; .check names the check ('image_decode', 'image_too_large', 'blank_image')."""
-
-    def __init__(self, check: str, detail: str):
-        super().__init__(detail)
-        self.check, self.detail = check, detail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,35 +39,14 @@ def content_hash(data: bytes) -> bytes:
 def probe_image(encoded: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageProbe:
     """Decode and measure; raises ImageProblem for undecodable, oversized or blank images.
 
-    Pillow's own decompression-bomb guard stays on for the whole process (the pipeline decodes
-    calibration and verification images in it too): it is raised here, never lowered, only as far
-    as a --max-pixels above Pillow's default asks, and its errors become image_too_large."""
-    if max_pixels > (Image.MAX_IMAGE_PIXELS or max_pixels):
-        Image.MAX_IMAGE_PIXELS = max_pixels  # Pillow refuses past twice this at open(): ours decides first
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # judged below, in one line
-            img = Image.open(io.BytesIO(encoded))
-        fmt = (img.format or "unknown").lower()
-        width, height = img.size
-        channels = len(img.getbands())
-    except UnidentifiedImageError:
-        raise ImageProblem("image_decode", f"not an image format Pillow reads (starts {encoded[:8]!r})") from None
-    except Image.DecompressionBombError as err:
-        raise ImageProblem("image_too_large", f"{err} (limit {max_pixels})") from None
-    except (OSError, ValueError, SyntaxError) as err:
-        raise ImageProblem("image_decode", f"image header does not decode: {err}") from None
-    if width * height > max_pixels:
-        raise ImageProblem("image_too_large", f"{width}x{height} = {width * height} pixels > limit {max_pixels}")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            # JPEG can decode at 1/2..1/8 scale directly (DCT scaling): the statistics need
-            # no more, and the whole stream is still entropy-decoded, so truncation is caught.
-            img.draft("L", (128, 128))
-            grey = img.convert("L")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        raise ImageProblem("image_decode", f"{fmt} image does not decode: {err}") from None
+    The bytes go through data_tools.image_decode, the bounded decoder training uses too. A JPEG
+    decodes at 1/2..1/8 scale directly (DCT scaling): the statistics need no more, and the whole
+    stream is still entropy-decoded, so truncation is caught."""
+    img = open_image(encoded, max_pixels)
+    fmt = (img.format or "unknown").lower()
+    width, height = img.size
+    channels = len(img.getbands())
+    grey = decode_image(encoded, "L", max_pixels, draft=(128, 128))
     pixels = np.asarray(grey, dtype=np.float32)
     brightness, contrast = float(pixels.mean()), float(pixels.std())
     if contrast < BLANK_CONTRAST:
@@ -92,14 +63,10 @@ def difference_hash(grey: Image.Image) -> int:
 def thumbnail_png(encoded: bytes, size: int = 96) -> bytes | None:
     """A small PNG of the image for the HTML report, or None when it does not decode."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            img = Image.open(io.BytesIO(encoded))
-            img.draft("RGB", (size, size))
-            img = img.convert("RGB")
-            img.thumbnail((size, size))
-    except Exception:  # noqa: BLE001 - a thumbnail is decoration; a bad image just has none
+        img = decode_image(encoded, "RGB", draft=(size, size))
+    except ImageProblem:  # a thumbnail is decoration; a bad image just has none
         return None
+    img.thumbnail((size, size))
     out = io.BytesIO()
     img.save(out, format="PNG")
     return out.getvalue()

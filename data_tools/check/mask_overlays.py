@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import base64
 import io
-import warnings
 
 import numpy as np
 from PIL import Image
 
 from data_tools.check.image_probe import thumbnail_png
 from data_tools.example import decode_example
+from data_tools.image_decode import ImageProblem, decode_image
 from data_tools.tfrecord import read_records
 
 MAX_OVERLAYS = 12
@@ -37,12 +37,10 @@ def class_colour(c: int) -> tuple[int, int, int]:
 def overlay_png(image: bytes, mask: bytes, ignore_label: int, size: int = THUMB) -> bytes | None:
     """A small PNG: the image with each class blended in its colour (ignored pixels whitened)."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            rgb = Image.open(io.BytesIO(image)).convert("RGB")
-            classes = Image.open(io.BytesIO(mask))
-            classes = classes if classes.mode in ("L", "P") else classes.convert("L")
-    except Exception:  # noqa: BLE001 - an overlay is decoration; a record that fails has none
+        rgb = decode_image(image, "RGB")
+        classes = decode_image(mask, what="mask")
+        classes = classes if classes.mode in ("L", "P") else classes.convert("L")
+    except ImageProblem:  # an overlay is decoration; a record that fails has none
         return None
     scale = min(1.0, size / max(rgb.size))
     target = (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale)))

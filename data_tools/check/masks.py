@@ -15,6 +15,7 @@ from collections import Counter
 import numpy as np
 
 from data_tools.check.schema import infer_num_classes
+from data_tools.image_decode import DEFAULT_MAX_PIXELS
 from data_tools.segmentation import IGNORE_LABEL, MASK_KEY, MaskProblem, check_mask
 
 
@@ -31,7 +32,8 @@ def add_mask_keys(schema: dict, num_classes: int | None, ignore_label: int = IGN
     return schema
 
 
-def mask_summary(example: dict, width: int, height: int, schema: dict) -> tuple[tuple | None, dict | None]:
+def mask_summary(example: dict, width: int, height: int, schema: dict,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[tuple | None, dict | None]:
     """((check, detail), None) for a bad mask, else (None, {"classes", "pixels"}) of a good one."""
     encoded = example.get(schema["mask_key"])
     if not isinstance(encoded, list) or len(encoded) != 1:
@@ -42,7 +44,7 @@ def mask_summary(example: dict, width: int, height: int, schema: dict) -> tuple[
             return ("declared_size", f"{key} = {int(declared[0])}, the image is {width}x{height}"), None
     given = schema["num_classes"] if schema.get("num_classes_given") else None
     try:
-        classes, pixels = check_mask(encoded[0], width, height, given, schema["ignore_label"])
+        classes, pixels = check_mask(encoded[0], width, height, given, schema["ignore_label"], max_pixels)
     except MaskProblem as err:
         return (err.check, err.detail), None
     return None, {"classes": classes.tobytes(), "pixels": pixels}
@@ -85,8 +87,10 @@ def segmentation_report(results, schema: dict) -> dict | None:
     if not schema.get("mask_key"):
         return None
     ignore, k = schema["ignore_label"], schema.get("num_classes") or 0
-    pixels = np.zeros(256, dtype=np.int64)
-    images = np.zeros(256, dtype=np.int64)
+    # A mask holds ids 0..255; --num-classes may say more classes than a mask can hold (none of the
+    # ids past 255 is then in any image, and the report says so instead of indexing past the counts).
+    pixels = np.zeros(max(256, k), dtype=np.int64)
+    images = np.zeros(max(256, k), dtype=np.int64)
     empty = masks = 0
     for r in results:
         clean = set(r.clean_records)

@@ -56,9 +56,11 @@ def run_check(inputs: list[tuple[str, str | None]], out_dir, *, schema_path=None
               command: list[str] | None = None, summary_stream=None, num_classes: int | None = None,
               ignore_label: int = 255, class_names: list[str] | None = None) -> tuple[dict, int]:
     """Check (path, split) inputs, write the output directory; returns (report, exit status).
-    The one-line summary goes to summary_stream (default stdout). num_classes and ignore_label
-    apply to segmentation masks (records with image/segmentation/class/encoded); class_names (the
-    config's classes, in id order) name the mask classes in the report."""
+    The one-line summary goes to summary_stream (default stdout). num_classes: the class labels are
+    0..num_classes-1 (classification, as the training config says; segmentation: the masks' class ids,
+    records with image/segmentation/class/encoded); None: inferred, and the report says from how many
+    records. ignore_label: the masks' ignored pixels; class_names (the config's classes, in id order)
+    name the mask classes in the report."""
     conditions = gate_rules.parse_fail_on(fail_on)
     if not 0 <= near_distance <= 7:
         raise ConfigError(f"--near-distance must be 0..7 bits (got {near_distance})")
@@ -83,7 +85,7 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
         schema, schema_source = load_schema(schema_path), f"given: {schema_path}"
     else:
         schema, schema_source = infer_schema(_schema_sample(paths), image_key, label_key), "inferred"
-    schema = add_mask_keys(schema, masks[0], masks[1])
+    schema = given_label_classes(add_mask_keys(schema, masks[0], masks[1]), masks[0])
     names = shard_names(paths)
     tasks = [ScanTask(i, p, split, names[i], str(stage), schema, max_pixels)
              for i, (p, split) in enumerate(inputs)]
@@ -91,11 +93,11 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
 
     for result in results:
         if result.error:
-            print(f"appliance data check: {result.path}: {result.error}", file=sys.stderr)
+            print(f"appliance data check: error: {result.path}: {result.error}", file=sys.stderr)
         elif len(result.offsets) and not result.clean_records and result.reasons:
             check, count = result.checks.most_common(1)[0]
             detail = next(r["detail"] for r in result.reasons if r["check"] == check)
-            print(f"appliance data check: {result.path}: every record rejected "
+            print(f"appliance data check: error: {result.path}: every record rejected "
                   f"({count} x {check}, e.g. {detail})", file=sys.stderr)
 
     late = _label_range_from_all(results, schema) + mask_range_from_all(results, schema)
@@ -142,6 +144,10 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
           f"{report['records_valid']} valid, {report['records_quarantined']} quarantined, "
           f"{len(report['damaged_ranges'])} unreadable byte ranges; report: {out / REPORT_HTML}",
           file=summary_stream or sys.stdout)
+    if str(report["labels"].get("num_classes_source", "")).startswith("inferred"):
+        print(f"classes: {report['labels']['num_classes']}, {report['labels']['num_classes_source']} "
+              "(give --num-classes, or num_classes in --schema, to check labels against the config's)",
+              file=summary_stream or sys.stdout)
     for line in report["gate"]["failed"]:
         print(f"gate failed: {line}", file=sys.stderr)
     if not report["gate"]["passed"]:
@@ -228,6 +234,19 @@ class _DirectProgress:
         self.bar.set_postfix(f"{self.records} records")
 
 
+def given_label_classes(schema: dict, num_classes: int | None) -> dict:
+    """--num-classes (the training config's classes) on a classification schema: labels outside
+    0..num_classes-1 are quarantined during the scan (label_range), as training refuses them."""
+    spec = schema["features"].get(schema.get("label_key") or "")
+    if num_classes is None or schema.get("mask_key") or spec is None:
+        return schema
+    schema["num_classes"] = int(num_classes)
+    schema["num_classes_source"] = "given by --num-classes"
+    if spec.get("dtype") == "int64":
+        spec.update(min=0, max=int(num_classes) - 1)
+    return schema
+
+
 def _label_range_from_all(results, schema) -> list[tuple]:
     """With an inferred schema the label range comes from every record; the strays are rejected."""
     spec = schema["features"].get(schema.get("label_key") or "")
@@ -238,6 +257,7 @@ def _label_range_from_all(results, schema) -> list[tuple]:
     if k is None:
         return []
     schema["num_classes"] = k
+    schema["num_classes_source"] = f"inferred from the labels of {sum(histogram.values())} records"
     spec.update(min=0, max=k - 1)
     return [((r.file_index, n), "label_range", f"{schema['label_key']} = {label} outside 0..{k - 1}")
             for r in results for n, label in r.labels if not 0 <= label < k]
@@ -296,6 +316,9 @@ def _labels(results, schema) -> dict:
             if label in overall:  # not a stray label quarantined after the scan
                 names.setdefault(label, name)
     balance["class_names"] = {str(k): v for k, v in sorted(names.items())}
+    if schema.get("num_classes") and schema.get("label_key") and not schema.get("mask_key"):
+        balance["num_classes"] = int(schema["num_classes"])
+        balance["num_classes_source"] = schema.get("num_classes_source", "given by the schema")
     balance["by_split"] = {s: label_balance(c, schema.get("num_classes")) for s, c in by_split.items()}
     return balance
 

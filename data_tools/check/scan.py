@@ -204,7 +204,7 @@ def check_record(data: bytes, schema: dict, max_pixels: int) -> tuple[list, dict
         except ImageProblem as err:
             return [(err.check, err.detail)], {}
         if schema.get("mask_key"):
-            problem, summary["mask"] = mask_summary(example, probe.width, probe.height, schema)
+            problem, summary["mask"] = mask_summary(example, probe.width, probe.height, schema, max_pixels)
             if problem:
                 return [problem], {}
             summary["mask_note"] = empty_mask_note(summary["mask"], schema["ignore_label"])

@@ -81,7 +81,8 @@ def test_samples_name_file_and_record_of_a_bad_mask(tmp_path):
                                   num_classes=3, preprocessing=pre)
     x, m = samples[0]
     assert x.shape == (3, 8, 8) and m.shape == (8, 8)  # the evaluation grid of the edge preprocessing
-    with pytest.raises(DataError, match=rf"{path}: record 1: mask is 16x8, the image 16x16"):
+    with pytest.raises(DataError, match=rf"{path}: record 1: mask_size: mask is 16x8, the image is 16x16"):
         samples[1]
-    with pytest.raises(DataError, match=rf"{path}: record 2: mask holds class 9, outside 0..2"):
+    with pytest.raises(DataError, match=rf"{path}: record 2: mask_label_range: mask holds class 9 \(1 pixels\) outside 0..2 and ignore 255 "
+                                         r"\(the config has 3 classes\)"):
         samples[2]

@@ -26,10 +26,10 @@ def test_bad_files_get_one_line_each_and_the_rest_is_reported(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 4, proc.stderr
-    assert lines[0] == f"appliance data check: {missing}: cannot read: No such file or directory"
-    assert lines[1].startswith(f"appliance data check: {text}: not a TFRecord file")
-    assert lines[2] == f"appliance data check: {empty}: empty file: no records"
-    assert lines[3] == f"appliance data check: {unreadable_dir}: is a directory, not a TFRecord file"
+    assert lines[0] == f"appliance data check: error: {missing}: cannot read: No such file or directory"
+    assert lines[1].startswith(f"appliance data check: error: {text}: not a TFRecord file")
+    assert lines[2] == f"appliance data check: error: {empty}: empty file: no records"
+    assert lines[3] == f"appliance data check: error: {unreadable_dir}: is a directory, not a TFRecord file"
     report = json.loads((out / "report.json").read_text())
     assert report["records_total"] == report["records_valid"] + report["records_quarantined"] == len(
         planted.val_records)
@@ -53,7 +53,7 @@ def test_records_of_the_wrong_schema_are_rejected_with_one_line(tmp_path):
                          "--out", str(out), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert lines == [f"appliance data check: {other}: every record rejected (12 x schema, "
+    assert lines == [f"appliance data check: error: {other}: every record rejected (12 x schema, "
                      "e.g. missing required feature 'image/class/label')"]
     report = json.loads((out / "report.json").read_text())
     assert report["records_quarantined"] == 12 and report["records_valid"] == len(planted.val_records)

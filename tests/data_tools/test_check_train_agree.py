@@ -142,10 +142,40 @@ def test_training_refuses_what_the_check_quarantines_with_the_records_address(tm
              ({}, "missing required feature 'image/class/label'"),
              ({"image/class/label": 2.0}, "holds float32 numbers, not an int64 class"),
              ({"image/class/label": 2**62}, f"label {2**62} is outside 0..4 (the config has 5 classes)"),
-             ({"image/class/label": 1, "image/encoded": ztxt_bomb(rng)}, "undecodable image")]
+             ({"image/class/label": 1, "image/encoded": ztxt_bomb(rng)}, "image_decode: ")]
     write_records(tmp_path / "bad.tfrecord", [encode_example({"image/encoded": good, **f}) for f, _ in cases])
     dataset = _dataset(train_config(tmp_path, [tmp_path / "bad.tfrecord"], 3), (str(tmp_path / "bad.tfrecord"),))
     for number, (_, expected) in enumerate(cases):
         with pytest.raises(DataError) as err:
             dataset[number]
         assert str(err.value).startswith(f"{tmp_path / 'bad.tfrecord'}: record {number}: ") and expected in str(err.value)
+
+
+def test_check_judges_labels_by_the_configs_classes_as_training_does(tmp_path, capsys):
+    """A label 99 among classes 0..4 passed `data check` (it inferred 100 classes from that one record;
+    --num-classes applied to masks only) while training refused it: with --num-classes (the pipeline
+    passes the config's) it is quarantined as label_range, and an inferred class count is stated."""
+    rng = np.random.default_rng(SEED)
+    records = [encode_example({"image/encoded": png(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)),
+                               "image/class/label": label}) for label in (0, 1, 2, 3, 4, 99)]
+    write_records(tmp_path / "c.tfrecord", records)
+    report, _ = run_check([(str(tmp_path / "c.tfrecord"), None)], tmp_path / "given", jobs=1, progress=False,
+                          num_classes=NUM_CLASSES)
+    assert report["records_valid"] == 5 and report["checks"].get("label_range") == 1
+    assert report["labels"]["num_classes"] == NUM_CLASSES and report["labels"]["num_classes_source"] == \
+        "given by --num-classes"
+    clean = tmp_path / "given" / report["files"][0]["clean_shard"]
+    dataset = _dataset(train_config(tmp_path, [clean], 3), (str(clean),))
+    assert sorted(int(dataset[i][1]) for i in range(len(dataset))) == [0, 1, 2, 3, 4]
+    capsys.readouterr()
+    report, _ = run_check([(str(tmp_path / "c.tfrecord"), None)], tmp_path / "inferred", jobs=1, progress=False)
+    assert report["labels"]["num_classes_source"] == "inferred from the labels of 6 records"
+    assert f"classes: {report['labels']['num_classes']}, inferred from the labels of 6 records" in \
+        capsys.readouterr().out
+
+
+def test_the_pipeline_checks_classification_labels_against_the_configs_classes():
+    from appliance.tasks import task_for
+
+    assert task_for(None).check_options(7) == {"num_classes": 7}
+    assert task_for({"kind": "segmentation"}).check_options(3)["num_classes"] == 3

@@ -93,4 +93,5 @@ def test_a_fraction_outside_0_1_is_one_line(tmp_path):
     images = make_folder(tmp_path / "images")
     proc = run_appliance("data", "convert", str(images), "--out", str(tmp_path / "o"), "--val-fraction", "1.5")
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
-        "appliance data convert: error: --val-fraction must be in [0, 1), not 1.5"], proc.stderr
+        "appliance data convert: error: argument --val-fraction: must be less than 1, got 1.5 "
+        "(see appliance data convert --help)"], proc.stderr

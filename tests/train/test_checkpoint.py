@@ -303,3 +303,38 @@ def test_state_files_are_json_and_safetensors_only(tmp_path):
     for name in names:
         if name.endswith(".json") or name == COMMIT_MARKER:
             json.loads((path / name).read_text())
+
+
+def _card_key_added(path):
+    card = json.loads((path / "model.json").read_text())
+    (path / "model.json").write_text(json.dumps({**card, "payload": "x"}))
+    _rewrite_sums(path)
+
+
+def _card_extra_key_added(path):
+    card = json.loads((path / "model.json").read_text())
+    (path / "model.json").write_text(json.dumps({**card, "extra": {**card["extra"], "run_me": "rm -rf"}}))
+    _rewrite_sums(path)
+
+
+def _card_mean_changed(path):
+    card = json.loads((path / "model.json").read_text())
+    (path / "model.json").write_text(json.dumps({**card, "mean": [0.0]}))
+    _rewrite_sums(path)
+
+
+@pytest.mark.parametrize("damage, named", [
+    (_card_key_added, "model.json: keys payload added, none missing against the card this run writes"),
+    (_card_extra_key_added, "model.json: keys extra.run_me added, none missing"),
+    (_card_mean_changed, "model.json: mean differ from the card this run writes"),
+])
+def test_a_changed_model_card_is_refused_on_resume(tmp_path, damage, named):
+    """Extra keys in a checkpoint's model.json, sums rewritten, resumed silently: the card must be the
+    one this run writes (export reads it from the checkpoint)."""
+    model, opt = _trained()
+    messages = []
+    manager = CheckpointManager(tmp_path / "ck", log=messages.append, card=CARD)
+    _save(manager, 1, model, opt)
+    damage(_save(manager, 2, model, opt))
+    assert manager.load_latest().step == 1
+    assert len(messages) == 1 and f"skipped: {named}" in messages[0], messages

@@ -84,11 +84,14 @@ def test_worker_error_is_left_as_the_workers_own_line(workdir):
     # directory, the trigger once, is now refused before torchrun starts).
     config = make_config(workdir, name="label-past-classes", train={"epochs": 1, "max_steps": 8},
                          data={"classes": ["left", "right"]})  # a run of its own: "nan" is the NaN test's
-    status, _, err = _finish(_start(config))
+    status, _, err = _finish(_start(config, "--max-restarts", "3"))
     line = worker_error.read(workdir / "runs" / "label-past-classes")
     assert status != 0
     assert line.startswith(str(workdir / "data")) and "label 2 is outside 0..1 (the config has 2 classes)" in line, line
     assert f"appliance train: error: {line}" in err and "appliance/train/" not in err, err[-3000:]
+    # A data error is final (worker_error.FINAL_NAME): --max-restarts restarted it three times before its
+    # line (a segmentation pipeline with the check off did). Each attempt opens one TensorBoard file.
+    assert len(list((workdir / "runs" / "label-past-classes" / "tb").iterdir())) == 1
 
 
 def test_a_worker_killed_by_a_signal_is_named_as_the_cause_not_its_peer(workdir):
@@ -147,3 +150,4 @@ def test_a_network_namespace_with_loopback_down_is_one_line_before_torchrun(work
     assert "loopback interface is down" in proc.stderr and "ip link set lo up" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (workdir / "runs" / "nolo" / "checkpoints").exists()
+

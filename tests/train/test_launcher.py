@@ -97,3 +97,47 @@ def test_slurm_passes_profile_to_every_worker(tmp_path):
     assert loop_args() == [str(path), "--resume", "auto"]
     bad = run_appliance("train", "slurm", str(path), "--nodes", "2", "--profile", "0")
     assert bad.returncode == 2 and "--profile" in bad.stderr
+
+
+def _dry_run_refusal(tmp_path, extra: str) -> str:
+    """The one line `train --dry-run` gives for CONFIG + extra, in the launcher's process (no worker)."""
+    import pytest
+
+    from appliance.core.errors import ConfigError
+    from appliance.train.stage import train_stage
+
+    path = _config(tmp_path)
+    path.write_text(CONFIG + extra)
+    with pytest.raises(ConfigError) as err:
+        train_stage(path, dry_run=True)
+    return str(err.value)
+
+
+def _init_weights(tmp_path) -> str:
+    from safetensors.torch import save_file
+
+    from appliance.models import build_model
+
+    save_file(build_model("small_cnn", 2, 3).state_dict(), str(tmp_path / "init.safetensors"))
+    return str(tmp_path / "init.safetensors")
+
+
+def test_dry_run_refuses_what_a_worker_would_refuse(tmp_path):
+    """Four configs --dry-run accepted were refused by every worker after ~6 s and ~1.7 GB."""
+    line = _dry_run_refusal(tmp_path, '[optimizer]\nlr_mult = {"nosuch" = 2.0}\n')
+    assert "[optimizer] lr_mult: 'nosuch' matches no parameter" in line, line
+    line = _dry_run_refusal(tmp_path, '[model]\nfrozen_prefixes = ["nosuch"]\n')
+    assert "[model] frozen_prefixes: 'nosuch' matches no parameter" in line, line
+    line = _dry_run_refusal(tmp_path, '[model]\nreset = ["9"]\n')
+    assert "[model] reset needs [model] init" in line, line
+    every = ", ".join(f'"{i}"' for i in (0, 1, 3, 4, 6, 9))
+    line = _dry_run_refusal(tmp_path, f'[model]\ninit = "{_init_weights(tmp_path)}"\nreset = [{every}]\n')
+    assert "[model] reset re-initialises every parameter of small_cnn: nothing of [model] init" in line, line
+    (tmp_path / "runs").write_text("a file where the runs go")
+    line = _dry_run_refusal(tmp_path, "")
+    assert line.endswith(f"runs/demo: {tmp_path / 'runs'} is a file, not a directory"), line
+    (tmp_path / "runs").unlink()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "demo").write_text("a file where the run goes")
+    line = _dry_run_refusal(tmp_path, "")
+    assert "[run] out_dir and name make the run directory" in line and "exists and is not a directory" in line, line
