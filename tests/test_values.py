@@ -162,8 +162,7 @@ def test_every_numeric_flag_has_an_upper_bound():
     """`--qat-lr-scale` had no bound on the command line (the pipeline caps it at 10), and many counts none:
     every numeric flag refuses 2^62 and 1e300 now, naming its bound."""
     unbounded = [f"{verb} {flag}" for verb, flag, kind in _flags(build_parser()) if _takes_a_huge_number(kind)]
-    # `edge estimate --size/--classes` are validated by the estimate itself (its own issue's work).
-    assert [u for u in unbounded if not u.startswith("edge estimate")] == []
+    assert unbounded == []
 
 
 @pytest.mark.parametrize("argv,expected", [
