@@ -65,7 +65,7 @@ def compile_command(args) -> int:
         args.model, args.target, args.out, sample_files=args.samples, allow_failed_gate=args.allow_failed_gate,
         tolerance=args.tolerance, tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
         int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning,
-        rpc=args.rpc, rpc_key=args.rpc_key, dump_ir=args.dump_ir,
+        rpc=args.rpc, rpc_key=args.rpc_key, dump_ir=args.dump_ir, runtime=args.runtime,
         device_estimate=args.target.startswith("aarch64") and not args.no_device_estimate).info
     if "tuning" in info:
         t = info["tuning"]
@@ -92,6 +92,7 @@ def compile_command(args) -> int:
     if "device_estimate" in info:
         line += f"; device estimate: {describe_estimate(info['device_estimate'])}"
     print(line)
+    print(f"runtime of the edge package: {info['runtime']} ({info['runtime_reason']})")
     if layers["simulated_layers"]:
         print(f"simulated (float32 between dequantize/quantize): {', '.join(layers['simulated_layers'])}")
     return 0

@@ -32,8 +32,13 @@ class CompileResult:
         """compile.json: what a package of this build records as its input beside the library."""
         return self.out_dir / COMPILE_JSON
 
+    @property
+    def runtime(self) -> str:
+        """What the edge package runs: "tvm" (this build) or "onnxruntime" (compile.json's runtime_reason)."""
+        return self.info.get("runtime", "tvm")
+
     def figures(self) -> dict:
-        return {"target": self.target, "library": str(self.library), "report": self.info}
+        return {"target": self.target, "library": str(self.library), "runtime": self.runtime, "report": self.info}
 
 
 def compile_stage(model: Path, target: str, out_dir: Path, *, sample_files, allow_failed_gate: bool = False,

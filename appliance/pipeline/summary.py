@@ -67,7 +67,8 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
     for target, build in results.compiled.items():  # what each build computes: int8 or simulated, size, speed
         summary.setdefault("builds", {})[target] = {
             k: build.info.get(k) for k in ("int8_compute", "layers", "int8_kernels", "fp32_kernels", "tuned_tasks",
-                                           "library_bytes", "host_latency_ms", "device_estimate")}
+                                           "library_bytes", "host_latency_ms", "device_estimate", "runtime",
+                                           "runtime_reason")}
         check = build.info.get("check") or {}
         if task.kind != "classification" and "top1_agreement" in check:  # argmax per pixel, on (N, K, H, W)
             accuracy[f"compile_{target}_{task.agreement_key}_with_ort"] = check.get(task.agreement_key,
@@ -131,6 +132,8 @@ def format_summary(summary: dict) -> str:
     for target, build in summary.get("builds", {}).items():
         if build.get("device_estimate") is not None:
             lines.append(f"  {'device estimate ' + target:32s} {describe_estimate(build['device_estimate'])}")
+        if build.get("runtime") is not None:
+            lines.append(f"  {'runtime ' + target:32s} {build['runtime']} ({build.get('runtime_reason')})")
     path = summary.get("quantize_path")
     if path:
         floats = f"; kept in float: {', '.join(path['float_layers'])}" if path["float_layers"] else ""

@@ -251,16 +251,20 @@ def guest_python(into: Path, wheels=TVM_WHEELS + ORT_WHEELS) -> tuple[Path, dict
                 raise EnvironmentProblem(f"wheelhouse/edge-aarch64: no {prefix.rstrip('-')} wheel")
             with zipfile.ZipFile(wheel) as z:  # the TVM compiler library is not needed with TVM_USE_RUNTIME_LIB
                 z.extractall(site, [n for n in z.namelist() if not n.endswith("libtvm_compiler.so")])
-    # qemu-user 7.2 shows the guest the host's (x86) /proc/cpuinfo; onnxruntime's cpuinfo then finds no
-    # ARM core and crashes. qemu looks up absolute paths under -L first: a Cortex-A76's lines, one core.
-    (sysroot / "proc").mkdir(exist_ok=True)
+    arm_cpu_files(sysroot)
+    env = {**os.environ, "PYTHONPATH": str(site), "TVM_USE_RUNTIME_LIB": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONHASHSEED": "0", "TVM_NUM_THREADS": "1"}
+    return sysroot, env
+
+
+def arm_cpu_files(sysroot: Path) -> None:
+    """qemu-user 7.2 shows the guest the host's (x86) /proc/cpuinfo; onnxruntime's cpuinfo then finds no
+    ARM core and crashes. qemu looks up absolute paths under -L first: a Cortex-A76's lines, one core."""
+    (sysroot / "proc").mkdir(parents=True, exist_ok=True)
     (sysroot / "proc" / "cpuinfo").write_text(CORTEX_A76_CPUINFO)
     (sysroot / "sys" / "devices" / "system" / "cpu").mkdir(parents=True, exist_ok=True)
     for name in ("possible", "present", "online"):
         (sysroot / "sys" / "devices" / "system" / "cpu" / name).write_text("0\n")
-    env = {**os.environ, "PYTHONPATH": str(site), "TVM_USE_RUNTIME_LIB": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONHASHSEED": "0", "TVM_NUM_THREADS": "1"}
-    return sysroot, env
 
 
 def count_model(runtime: str, model: Path, shape, guest: tuple[Path, dict], work: Path, maps: Path | None = None
