@@ -160,6 +160,16 @@ def model_json(info: dict, task, selftest: dict, glibc_floor: str, glibcxx) -> d
             "device_estimate": info.get("device_estimate"), **runtime_entry(info)}
 
 
+def python_runner_needed(info: dict, with_python: bool) -> bool:
+    """--with-python, or a build whose package runs onnxruntime (python/run.py runs it; said once)."""
+    if info.get("runtime") == "onnxruntime" and not with_python:
+        if not quiet():
+            print(f"package: compile chose onnxruntime ({info.get('runtime_reason')}): adding the Python runner, "
+                  "which runs it (python/run.py)", file=sys.stderr, flush=True)
+        return True
+    return with_python
+
+
 def runtime_entry(info: dict) -> dict:
     """model.json's runtime: what python/run.py runs (compile.json's choice), and why."""
     runtime = info.get("runtime", "tvm")
@@ -206,12 +216,7 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         target = info.get("target") if isinstance(info, dict) else None
         raise DataError(f"{info_path}: compiled for {target}, but edge packages are for aarch64 "
                         "(run `appliance compile --target aarch64`)")
-    runtime = info.get("runtime", "tvm")
-    if runtime == "onnxruntime" and not with_python:
-        if not quiet():
-            print(f"package: compile chose onnxruntime ({info.get('runtime_reason')}): adding the Python runner, "
-                  "which runs it (python/run.py)", file=sys.stderr, flush=True)
-        with_python = True
+    runtime, with_python = info.get("runtime", "tvm"), python_runner_needed(info, with_python)
     if with_python and not info.get("preprocessing"):
         raise DataError(f"{info_path}: --with-python needs the model's preprocessing (python/run.py reads images), "
                         "which a model compiled without `appliance export` metadata lacks; package it without "
@@ -250,7 +255,6 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
             (root / "python").mkdir()
             (root / "wheels").mkdir()
             # Copied, not rewritten: the device must preprocess exactly as the host measured.
-
             shutil.copyfile(preprocessing.__file__, root / "python" / "preprocessing.py")
             shutil.copyfile(HERE / "edge" / "run.py", root / "python" / "run.py")
             shipped_wheels = python_runner_wheels(wheels, root / "wheels", runtime)
@@ -262,8 +266,7 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         write_manifest(root, "package", [compiled / "model.so", info_path, compiled / "model.onnx", *shipped_wheels,
                                          *samples.files],
                        {"target": info["target"], "runtime": runtime, "glibc_floor": glibc_floor,
-                        "elf_needs": elf_needs, "runner": runner,
-                        "with_python": with_python, "wheels": [w.name for w in shipped_wheels],
+                        "elf_needs": elf_needs, "runner": runner, "with_python": with_python, "wheels": [w.name for w in shipped_wheels],
                         "selftest": {k: selftest[k] for k in ("samples", "source", "max_abs_diff")}})
         # Written last and over everything else (manifest.json too): what install.sh checks on the device.
         files = sorted(p for p in root.rglob("*") if p.is_file())
