@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -77,16 +78,46 @@ def guest_maps(path: Path) -> list[tuple[int, int, int, str]]:
 
 
 def library_symbols(library: Path) -> tuple[list[int], list[str]]:
-    """(sorted addresses, names) of the functions defined in an aarch64 shared library."""
+    """(sorted addresses, names) of the functions in an aarch64 shared library: its symbols, and the
+    targets of `bl` calls that have none (TVM emits a layer's compute function without a symbol and
+    calls it from its named `__tvm_ffi_` wrapper: named "<caller> (callee)")."""
     done = subprocess.run(["aarch64-linux-gnu-nm", "--defined-only", "-n", str(library)], capture_output=True,
                           text=True, check=True)
-    addrs, names = [], []
+    named = {}
     for line in done.stdout.splitlines():
         parts = line.split()
         if len(parts) == 3 and parts[1] in "tTwW":
-            addrs.append(int(parts[0], 16))
-            names.append(parts[2])
-    return addrs, names
+            named.setdefault(int(parts[0], 16), parts[2])
+    code = subprocess.run(["aarch64-linux-gnu-objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True,
+                          text=True, check=True).stdout
+    # TVM's parallel loops are closures without a symbol whose address the named wrapper passes to the
+    # runtime's parallel launch: adrp + add of an address in .text, or a direct bl.
+    caller, callees, pages = "?", {}, {}
+    sections = subprocess.run(["aarch64-linux-gnu-readelf", "-S", "-W", str(library)], capture_output=True, text=True,
+                              check=True).stdout
+    text = re.search(r"\.text\s+PROGBITS\s+([0-9a-f]+)\s+[0-9a-f]+\s+([0-9a-f]+)", sections)
+    low, high = (int(text.group(1), 16), int(text.group(1), 16) + int(text.group(2), 16)) if text else (0, 0)
+    for line in code.splitlines():
+        head = re.match(r"^([0-9a-f]+) <([^>]+)>:$", line)
+        if head:
+            caller, pages = head.group(2), {}
+            continue
+        insn = re.match(r"^\s+[0-9a-f]+:\s+(\w+)\s+(.*)$", line)
+        if not insn:
+            continue
+        op, args = insn.groups()
+        target = None
+        if op == "adrp":
+            reg, page = re.match(r"(\w+), ([0-9a-f]+)", args).groups()
+            pages[reg] = int(page, 16)
+        elif op == "add" and (m := re.match(r"(\w+), (\w+), #0x([0-9a-f]+)$", args)) and m.group(2) in pages:
+            target = pages.pop(m.group(2)) + int(m.group(3), 16)
+        elif op == "bl" and (m := re.match(r"([0-9a-f]+) ", args)):
+            target = int(m.group(1), 16)
+        if target is not None and target not in named and low <= target < high:
+            callees.setdefault(target, f"{caller} (callee)")
+    functions = sorted({**callees, **named}.items())
+    return [a for a, _ in functions], [n for _, n in functions]
 
 
 def by_function(counts: Counter, maps: list, library: Path, cache: Path) -> list[dict]:

@@ -124,6 +124,11 @@ def verify_command(args) -> int:
                   f"{route['max_logit_diff']:.3g} (allowed {route['allowed_logit_diff']:.3g}), "
                   f"{route['seconds']:.1f} s: {'PASS' if route['passed'] else 'FAIL'}")
         print(f"{args.package}: {selftest_line(report['selftest'])}")
+        if report.get("python_selftest"):  # a package that runs onnxruntime: its own runtime's proof
+            t = report["python_selftest"]
+            print(f"{args.package}: python/run.py --selftest ({t['runtime']}, qemu-aarch64): {t['samples']} golden "
+                  f"samples: agreement {t['agreement']:.4f}, max logit diff {t['max_abs_diff']:.3g} (allowed "
+                  f"{t['allowed_abs_diff']:.3g}): {'PASS' if t['passed'] else 'FAIL'}")
         print(f"{args.package}: estimated on the device (qemu block counts x llvm-mca, not a timing): "
               f"{describe_estimate(report.get('device_estimate'))}")
         if report.get("bench"):

@@ -24,6 +24,8 @@ def test_auto_picks_the_faster_and_a_split_verdict_says_so():
     assert chosen == "tvm" and "slower than onnxruntime" in why and why.endswith("--runtime tvm asked for")
     chosen, why = choose_runtime("auto", {"compared": False, "reason": "no device estimate (--no-device-estimate)"})
     assert (chosen, why) == ("tvm", "not compared with onnxruntime (no device estimate (--no-device-estimate))")
+    assert choose_runtime("onnxruntime", {"compared": False, "reason": "x"}) == (
+        "onnxruntime", "not compared with onnxruntime (x); --runtime onnxruntime asked for")
 
 
 def test_host_build_is_measured_against_onnxruntime_and_the_choice_is_stated(tmp_path, exported, val_npz):

@@ -91,7 +91,9 @@ def choose_runtime(requested: str, comparison: dict) -> tuple[str, str]:
     ratios = comparison.get("ratios")
     if not ratios:
         said = f"not compared with onnxruntime ({comparison.get('reason', 'no comparison')})"
-        return ("tvm" if requested == "auto" else requested), said
+        if requested != "auto":
+            return requested, f"{said}; --runtime {requested} asked for"
+        return "tvm", said
     wins = [core for core, r in ratios.items() if r <= 1.0]
     loses = [core for core, r in ratios.items() if r > 1.0]
     figures = ", ".join(f"{r:.2f}x on {core}" for core, r in ratios.items())
