@@ -126,6 +126,10 @@ def register_compile(subparsers) -> None:
     p.add_argument("--no-device-estimate", action="store_true",
                    help="aarch64 targets: skip the estimated Cortex-A76/A55 cycles per inference in compile.json "
                    "(one run under qemu-aarch64 with a block-counting plugin, costed by llvm-mca-16)")
+    p.add_argument("--runtime", choices=tvm_compile.RUNTIMES, default="auto",
+                   help="what the edge package runs: auto (default) the faster of this build and onnxruntime on the "
+                   "same model (aarch64: the cycle model on Cortex-A76 and A55; x86_64: measured here), tvm, or "
+                   "onnxruntime; compile.json says which and why")
     p.add_argument("--dump-ir", metavar="DIR", help="write the Relax module after each compiler pass into DIR (TVMScript)")
     p.add_argument("--int8-calib", nargs="+", metavar="DATA",
                    help="tensorrt: also build an INT8 engine, calibrated on these TFRecord files or .npz "

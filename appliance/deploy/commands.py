@@ -70,7 +70,7 @@ def compile_command(args) -> int:
         args.model, args.target, args.out, sample_files=args.samples, allow_failed_gate=args.allow_failed_gate,
         tolerance=args.tolerance, tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
         int8_kernels=args.int8_kernels, fp32_kernels=args.fp32_kernels, installed_tuning=not args.no_installed_tuning,
-        rpc=args.rpc, rpc_key=args.rpc_key, dump_ir=args.dump_ir,
+        rpc=args.rpc, rpc_key=args.rpc_key, dump_ir=args.dump_ir, runtime=args.runtime,
         device_estimate=args.target.startswith("aarch64") and not args.no_device_estimate).info
     if "tuning" in info:
         t = info["tuning"]
@@ -97,6 +97,7 @@ def compile_command(args) -> int:
     if "device_estimate" in info:
         line += f"; device estimate: {describe_estimate(info['device_estimate'])}"
     print(line)
+    print(f"runtime of the edge package: {info['runtime']} ({info['runtime_reason']})")
     if layers["simulated_layers"]:
         print(f"simulated (float32 between dequantize/quantize): {', '.join(layers['simulated_layers'])}")
     return 0
@@ -128,6 +129,11 @@ def verify_command(args) -> int:
                   f"{route['max_logit_diff']:.3g} (allowed {route['allowed_logit_diff']:.3g}), "
                   f"{route['seconds']:.1f} s: {'PASS' if route['passed'] else 'FAIL'}")
         print(f"{args.package}: {selftest_line(report['selftest'])}")
+        if report.get("python_selftest"):  # a package that runs onnxruntime: its own runtime's proof
+            t = report["python_selftest"]
+            print(f"{args.package}: python/run.py --selftest ({t['runtime']}, qemu-aarch64): {t['samples']} golden "
+                  f"samples: agreement {t['agreement']:.4f}, max logit diff {t['max_abs_diff']:.3g} (allowed "
+                  f"{t['allowed_abs_diff']:.3g}): {'PASS' if t['passed'] else 'FAIL'}")
         print(f"{args.package}: estimated on the device (qemu block counts x llvm-mca, not a timing): "
               f"{describe_estimate(report.get('device_estimate'))}")
         if report.get("bench"):

@@ -40,6 +40,11 @@ class CompileResult:
         return self.out_dir / COMPILE_JSON
 
     @property
+    def runtime(self) -> str:
+        """What the edge package runs: "tvm" (this build) or "onnxruntime" (compile.json's runtime_reason)."""
+        return self.info.get("runtime", "tvm")
+
+    @property
     def reference_model(self) -> Path:
         return self.out_dir / REFERENCE_MODEL
 

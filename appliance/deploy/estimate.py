@@ -4,7 +4,9 @@ Each architecture is built untrained (latency does not depend on the weights), e
 to S8S8 QDQ INT8 with random calibration, compiled for the aarch64 target in FP32 and INT8, and each
 build's cycles per inference are estimated on Cortex-A76 and Cortex-A55 (edge/cycles.py). The table
 (estimate.json + estimate.html) gives parameters, library sizes, int8 kernel coverage (layers on our
-kernels vs TVM's generic ones, from compile.json's counts) and the estimated ms at stated clocks.
+kernels vs TVM's generic ones, from compile.json's counts), the estimated ms at stated clocks of our
+builds and of onnxruntime on the same FP32 and INT8 models (compile's comparison), and which runtime a
+package of each would use (`--runtime auto`).
 The pipeline runs it for its architecture when `[deploy] latency_budget_ms` is set.
 """
 
@@ -22,7 +24,7 @@ from appliance.core.errors import ConfigError, EnvironmentProblem
 from appliance.core.html_report import bars_svg, page, table_html
 from appliance.core.manifest import atomic_write_text
 from appliance.deploy.compiler.driver import compile_model
-from appliance.deploy.edge.cycles import CLOCKS_HZ, METHOD, describe
+from appliance.deploy.edge.cycles import CLOCKS_HZ, METHOD, describe, not_estimated
 from appliance.deploy.export import export_model
 from appliance.deploy.options import estimate_problem
 from appliance.deploy.quantize import quantize_int8
@@ -51,7 +53,10 @@ def estimate_architecture(arch: str, target: str, size: int, work: Path, *, clas
         ours = kernels.get("layers", 0) + kernels.get("depthwise", 0)
         row[precision] = {"library_bytes": info["library_bytes"], "device_estimate": info["device_estimate"],
                           "int8_layers": total, "int8_on_our_kernels": ours, "int8_generic": total - ours,
-                          "int8_kernel_kind": kernels.get("kind")}
+                          "int8_kernel_kind": kernels.get("kind"), "runtime": info["runtime"],
+                          "runtime_reason": info["runtime_reason"],
+                          # onnxruntime on the same ONNX model, estimated the same way (compile's comparison)
+                          "onnxruntime": onnxruntime_estimate(info["onnxruntime_comparison"])}
         log(f"  {arch} {precision}: {describe(info['device_estimate'])}")
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
@@ -85,6 +90,13 @@ def estimate_architectures(archs, target: str, size: int, out_dir=None, *, class
     return table
 
 
+def onnxruntime_estimate(comparison: dict) -> dict:
+    """compile.json's onnxruntime figures as a device_estimate, or why there are none."""
+    if not comparison.get("ratios"):
+        return not_estimated(comparison.get("reason", "not compared"))
+    return {"estimated": True, "method": comparison["method"], **comparison["onnxruntime"]}
+
+
 def ms(build: dict, cpu: str) -> float | None:
     device = build["device_estimate"]
     return device[cpu]["ms"] if device.get("estimated") else None
@@ -94,13 +106,16 @@ def table_rows(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
     """(header, rows, reasons a build was not estimated): what the printed table and estimate.html show."""
     cpus = list(CLOCKS_HZ)
     head = ["architecture", "params (M)", "FP32 lib MB", "INT8 lib MB", "int8 layers ours/generic",
-            *(f"{p} {cpu} ms ({table['clocks_ghz'][cpu]:g} GHz)" for p in ("FP32", "INT8") for cpu in cpus)]
+            *(f"{who} {p} {cpu} ms ({table['clocks_ghz'][cpu]:g} GHz)" for p in ("FP32", "INT8") for who in ("TVM", "ORT")
+              for cpu in cpus), "package runs FP32 / INT8"]
     rows = []
     for r in table["rows"]:
         cells = [r["architecture"], f"{r['parameters'] / 1e6:.2f}", f"{r['fp32']['library_bytes'] / 1e6:.1f}",
                  f"{r['int8']['library_bytes'] / 1e6:.1f}", f"{r['int8']['int8_on_our_kernels']}/{r['int8']['int8_generic']}"]
         for p in ("fp32", "int8"):
-            cells += [f"{ms(r[p], cpu):.2f}" if ms(r[p], cpu) is not None else "not estimated" for cpu in cpus]
+            for build in (r[p], {"device_estimate": r[p].get("onnxruntime") or not_estimated("not compared")}):
+                cells += [f"{ms(build, cpu):.2f}" if ms(build, cpu) is not None else "not estimated" for cpu in cpus]
+        cells.append(f"{r['fp32'].get('runtime', 'tvm')} / {r['int8'].get('runtime', 'tvm')}")
         rows.append(cells)
     reasons = {describe(r[p]["device_estimate"]) for r in table["rows"] for p in ("fp32", "int8")
                if not r[p]["device_estimate"].get("estimated")}
@@ -116,7 +131,8 @@ def format_table(table: dict) -> str:
 
 def estimate_html(table: dict) -> str:
     head, rows, reasons = table_rows(table)
-    bars = [(f"{r['architecture']} {p}", ms(r[p], "cortex-a76")) for r in table["rows"] for p in ("fp32", "int8")]
+    bars = [(f"{r['architecture']} {who} {p}", ms(build, "cortex-a76")) for r in table["rows"] for p in ("fp32", "int8")
+            for who, build in (("TVM", r[p]), ("ORT", {"device_estimate": r[p].get("onnxruntime") or {}}))]
     chart = bars_svg(f"estimated ms per inference, Cortex-A76 at {table['clocks_ghz']['cortex-a76']:g} GHz", "ms",
                      [(label, v) for label, v in bars if v is not None], "{:.1f}")
     body = (f"<p>{html.escape(table['target'])}, {table['size']} px, batch 1, one thread; {html.escape(table['method'])}."

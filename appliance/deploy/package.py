@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import beside_venv
-from appliance.deploy.edge.sysroot import RUNNER_WHEELS  # what python/run.py imports
+from appliance.deploy.edge.sysroot import ORT_RUNNER_WHEELS, RUNNER_WHEELS  # what python/run.py imports
 from appliance.deploy.edge.glibc_floor import DEFAULT_GLIBC_FLOOR, check_floor, parse_floor, version_key
 from appliance.deploy.edge.signing import CARRIED_PUB, sign_sums, site_key
 from appliance.assets.edge_runner import (RUNTIME_LIBS, build_runner, extract_runtime, find_carried, runner_inputs,
@@ -157,7 +157,24 @@ def model_json(info: dict, task, selftest: dict, glibc_floor: str, glibcxx) -> d
             "glibc_floor": glibc_floor, "glibcxx_needed": glibcxx,
             "preprocessing": info.get("preprocessing"), "selftest": selftest,
             "class_names": info.get("class_names", []), "model_card": info.get("model_card"),
-            "device_estimate": info.get("device_estimate")}
+            "device_estimate": info.get("device_estimate"), **runtime_entry(info)}
+
+
+def python_runner_needed(info: dict, with_python: bool) -> bool:
+    """--with-python, or a build whose package runs onnxruntime (python/run.py runs it; said once)."""
+    if info.get("runtime") == "onnxruntime" and not with_python:
+        if not quiet():
+            print(f"package: compile chose onnxruntime ({info.get('runtime_reason')}): adding the Python runner, "
+                  "which runs it (python/run.py)", file=sys.stderr, flush=True)
+        return True
+    return with_python
+
+
+def runtime_entry(info: dict) -> dict:
+    """model.json's runtime: what python/run.py runs (compile.json's choice), and why."""
+    runtime = info.get("runtime", "tvm")
+    return {"runtime": runtime, "runtime_reason": info.get("runtime_reason", "compiled before the runtime choice"),
+            **({"onnx_model": "reference/model.onnx"} if runtime == "onnxruntime" else {})}
 
 
 def task_entry(task, num_classes: int) -> dict:
@@ -167,11 +184,11 @@ def task_entry(task, num_classes: int) -> dict:
             "min_pixel_agreement": task.min_agreement}
 
 
-def python_runner_wheels(wheels: list[Path], into: Path) -> list[Path]:
-    """The wheels python/run.py needs, copied, with a requirements file of their sha256 for
-    `pip install --no-index --require-hashes` on the device."""
+def python_runner_wheels(wheels: list[Path], into: Path, runtime: str = "tvm") -> list[Path]:
+    """The wheels python/run.py needs (and onnxruntime's where the package runs it), copied, with a
+    requirements file of their sha256 for `pip install --no-index --require-hashes` on the device."""
     chosen = []
-    for prefix in RUNNER_WHEELS:
+    for prefix in RUNNER_WHEELS + (ORT_RUNNER_WHEELS if runtime == "onnxruntime" else ()):
         wheel = next((w for w in wheels if w.name.startswith(prefix)), None)
         if wheel is None:
             raise EnvironmentProblem(f"{wheels[0].parent}: no {prefix.rstrip('-')} wheel, which the Python runner needs")
@@ -199,6 +216,7 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
         target = info.get("target") if isinstance(info, dict) else None
         raise DataError(f"{info_path}: compiled for {target}, but edge packages are for aarch64 "
                         "(run `appliance compile --target aarch64`)")
+    runtime, with_python = info.get("runtime", "tvm"), python_runner_needed(info, with_python)
     if with_python and not info.get("preprocessing"):
         raise DataError(f"{info_path}: --with-python needs the model's preprocessing (python/run.py reads images), "
                         "which a model compiled without `appliance export` metadata lacks; package it without "
@@ -237,10 +255,9 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
             (root / "python").mkdir()
             (root / "wheels").mkdir()
             # Copied, not rewritten: the device must preprocess exactly as the host measured.
-
             shutil.copyfile(preprocessing.__file__, root / "python" / "preprocessing.py")
             shutil.copyfile(HERE / "edge" / "run.py", root / "python" / "run.py")
-            shipped_wheels = python_runner_wheels(wheels, root / "wheels")
+            shipped_wheels = python_runner_wheels(wheels, root / "wheels", runtime)
         task = task_of_metadata({"model_card": info.get("model_card")})
         selftest = write_selftest(root, samples, compiled / REFERENCE_MODEL, info.get("precision", "fp32"), golden_count,
                                   task)
@@ -248,8 +265,8 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
                                                           indent=2) + "\n")
         write_manifest(root, "package", [compiled / COMPILED_LIBRARY, info_path, compiled / REFERENCE_MODEL, *shipped_wheels,
                                          *samples.files],
-                       {"target": info["target"], "glibc_floor": glibc_floor, "elf_needs": elf_needs, "runner": runner,
-                        "with_python": with_python, "wheels": [w.name for w in shipped_wheels],
+                       {"target": info["target"], "runtime": runtime, "glibc_floor": glibc_floor,
+                        "elf_needs": elf_needs, "runner": runner, "with_python": with_python, "wheels": [w.name for w in shipped_wheels],
                         "selftest": {k: selftest[k] for k in ("samples", "source", "max_abs_diff")}})
         # Written last and over everything else (manifest.json too): what install.sh checks on the device.
         files = sorted(p for p in root.rglob("*") if p.is_file())
@@ -262,7 +279,7 @@ def build_package(compiled, out, *, wheelhouse=None, with_python=False, glibc_fl
             tar.add(root, arcname=ROOT_NAME)
         partial.replace(out)
         return {"path": str(out), "bytes": out.stat().st_size, "files": len(files) + 2, "key_id": key_id,
-                "public_key": str(pub),
+                "public_key": str(pub), "runtime": runtime,
                 "wheels": [w.name for w in shipped_wheels], "with_python": with_python, "glibc_floor": glibc_floor,
                 "elf_needs": elf_needs, "runner": runner, "selftest_samples": selftest["samples"],
                 "selftest_source": selftest["source"]}

@@ -24,7 +24,7 @@ from appliance.deploy.edge.signing import trusted_key
 from appliance.deploy.edge.unpack import unpack_checked
 from appliance.core.errors import DataError, GateFailed
 from appliance.deploy.options import BENCH_RUNS
-from appliance.deploy.edge.sysroot import build_python_sysroot, default_debs_dir, run_python_runner
+from appliance.deploy.edge.sysroot import build_python_sysroot, default_debs_dir, run_python_runner, run_python_selftest
 from appliance.deploy.onnx_model import default_tolerance, ort_session, run_ort
 from appliance.deploy.samples import check_input_shape, load_samples, synthetic_samples
 from appliance.deploy.tolerance import qdq_allowance
@@ -191,6 +191,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
         try:
             root = unpack_checked(package, Path(tmp), pubkey)
             info = read_model_info(root, package)
+            python = python or info.get("runtime") == "onnxruntime"  # the Python runner is what runs it
             if python and not (root / "python" / "run.py").is_file():
                 raise DataError(f"{package}: has no Python runner (packaged without --with-python); "
                                 "verify it without --python, or repackage with --with-python")
@@ -207,8 +208,10 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
               "samples": int(len(samples.x)), "sample_source": samples.source, "min_agreement": run["min_agreement"],
               "routes": routes, "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": run["bench"],
               "device_estimate": info.get("device_estimate") or not_estimated("the package's compile.json has none"),
-              "signature": {"checked_with": str(pubkey)},
-              "passed": all(r["passed"] for r in routes) and bool(selftest["passed"])}
+              "signature": {"checked_with": str(pubkey)}, "runtime": info.get("runtime", "tvm"),
+              **({"python_selftest": run["python_selftest"]} if run.get("python_selftest") else {}),
+              "passed": all(r["passed"] for r in routes) and bool(selftest["passed"])
+              and bool((run.get("python_selftest") or {"passed": True})["passed"])}
     if out_dir:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -245,6 +248,7 @@ def _run_routes(root: Path, info: dict, package: Path, sample_files, num_samples
     if task.kind == "segmentation":
         routes[0]["class_maps"] = check_class_maps(root, edge, package)
     selftest, bench = run_selftest_and_bench(root, sysroot, bench_runs)
+    python_selftest = None
     if python:
         debs = Path(sysroot_debs) if sysroot_debs else default_debs_dir()
         py_sysroot, site = build_python_sysroot(debs, root, root.parent / "python-sysroot")
@@ -255,7 +259,11 @@ def _run_routes(root: Path, info: dict, package: Path, sample_files, num_samples
                                         np.load(root / "verify-python.npy"), host,
                                         time.perf_counter() - start, package, min_agreement, max_logit_diff,
                                         samples.y, min_allowed, task))
+        routes[-1]["runtime"] = info.get("runtime", "tvm")
+        if info.get("runtime") == "onnxruntime":  # the runtime the package uses proves itself on the device too
+            python_selftest = run_python_selftest(root, py_sysroot, site)
     return {"task": task, "samples": samples, "routes": routes, "selftest": selftest, "bench": bench,
+            "python_selftest": python_selftest,
             "min_agreement": min_agreement, "max_logit_diff": max_logit_diff}
 
 

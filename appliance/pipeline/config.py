@@ -16,6 +16,7 @@ from appliance.core.errors import ConfigError
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.core.values import (EPOCHS_AT_LEAST_ONE, FRACTION, PATH, QAT_LR_SCALE, SAMPLES, SAMPLES_OR_ALL,
                                    SMALL_COUNT, TOLERANCE, Range, nproc_problem, shown)
+from appliance.deploy.compiler.options import RUNTIMES
 from appliance.deploy.compiler.targets import TARGETS
 from appliance.deploy.options import METHODS, OPSETS
 from data_tools.check.gate import parse_fail_on
@@ -65,6 +66,7 @@ class QuantizeSection:
 class CompileSection:
     targets: tuple[str, ...] = ("x86_64", "aarch64")
     device_estimate: bool = True  # aarch64 builds: estimated Cortex-A76/A55 cycles in compile.json (edge/cycles.py)
+    runtime: str = "auto"  # what the edge package runs: auto (the faster of TVM and onnxruntime), tvm, onnxruntime
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,9 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     for target in sections["compile"].targets:
         if target not in TARGETS:
             raise ConfigError(f"{path}: [compile] unknown target {target!r} ({', '.join(TARGETS)})")
+    if sections["compile"].runtime not in RUNTIMES:
+        raise ConfigError(f"{path}: [compile] runtime must be one of {', '.join(RUNTIMES)}, got "
+                          f"{sections['compile'].runtime!r}")
     if sections["package"].target not in sections["compile"].targets:
         raise ConfigError(f"{path}: [package] target {sections['package'].target!r} is not among "
                           f"[compile] targets {list(sections['compile'].targets)}")

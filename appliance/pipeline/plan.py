@@ -169,7 +169,8 @@ class CompileStage(Stage):
 
     def action(self, out_dir: Path, res: Results) -> CompileResult:
         return compile_stage(res.deployed_model(), self.target, out_dir, sample_files=res.data("val"),
-                             device_estimate=self.target.startswith("aarch64") and res.cfg.compile.device_estimate)
+                             device_estimate=self.target.startswith("aarch64") and res.cfg.compile.device_estimate,
+                             runtime=res.cfg.compile.runtime)
 
     def keep(self, res: Results, result: CompileResult) -> None:
         res.compiled[self.target] = result
@@ -225,7 +226,8 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
         stages.append(QuantizeStage("quantize", out / "quantize", asdict(cfg.quantize), QuantizeResult))
     for target in cfg.compile.targets:
         stages.append(CompileStage(f"compile-{target}", out / f"compile-{target}",
-                                   {"target": target, "device_estimate": cfg.compile.device_estimate},
+                                   {"target": target, "device_estimate": cfg.compile.device_estimate,
+                                    "runtime": cfg.compile.runtime},
                                    CompileResult, target=target))
     stages.append(PackageStage("package", out / "package", asdict(cfg.package), PackageResult))
     stages.append(VerifyStage("verify", out / "verify", asdict(cfg.verify), VerifyResult))

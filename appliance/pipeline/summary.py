@@ -54,7 +54,8 @@ def build_summary(cfg: PipelineConfig, results: Results, ran: list[str], seconds
         target = name[len("compile-"):]
         summary.setdefault("builds", {})[target] = {
             k: figures_under(build, k) for k in ("int8_compute", "layers", "int8_kernels", "fp32_kernels",
-                                                 "tuned_tasks", "library_bytes", "host_latency_ms", "device_estimate")}
+                                                 "tuned_tasks", "library_bytes", "host_latency_ms", "device_estimate",
+                                                 "runtime", "runtime_reason")}
         if task.kind != "classification" and "check.top1_agreement" in build:  # argmax per pixel, on (N, K, H, W)
             accuracy[f"compile_{target}_{task.agreement_key}_with_ort"] = build.get(
                 f"check.{task.agreement_key}", build["check.top1_agreement"])
@@ -143,6 +144,8 @@ def format_summary(summary: dict) -> str:
     for target, build in summary.get("builds", {}).items():
         if build.get("device_estimate") is not None:
             lines.append(f"  {'device estimate ' + target:32s} {describe_estimate(build['device_estimate'])}")
+        if build.get("runtime") is not None:
+            lines.append(f"  {'runtime ' + target:32s} {build['runtime']} ({build.get('runtime_reason')})")
     path = summary.get("quantize_path")
     if path:
         floats = f"; kept in float: {', '.join(path['float_layers'])}" if path["float_layers"] else ""

@@ -96,6 +96,17 @@ def test_compile_json_carries_the_device_estimate(exported, tmp_path):
     # and nothing but the model runs between the markers (no interpreter start, no module load)
     assert 1e5 < device["instructions"] < 5e7, device
     assert device["cortex-a55"]["cycles"] >= device["cortex-a76"]["cycles"]
+    # onnxruntime on the same model, estimated the same way, and the runtime chosen from the two
+    comparison = info["onnxruntime_comparison"]
+    assert set(comparison["ratios"]) == set(cycles.CLOCKS_HZ), comparison
+    for cpu, ratio in comparison["ratios"].items():
+        assert ratio == pytest.approx(device[cpu]["cycles"] / comparison["onnxruntime"][cpu]["cycles"], rel=1e-2)
+    mean = (comparison["ratios"]["cortex-a76"] * comparison["ratios"]["cortex-a55"]) ** 0.5
+    assert info["runtime"] == ("tvm" if mean <= 1 else "onnxruntime") and info["runtime_requested"] == "auto"
+    from appliance.deploy.compiler.runtime_choice import onnxruntime_device_estimate
+
+    kept = onnxruntime_device_estimate(exported / "model.onnx", info["input"]["shape"])
+    assert kept["cached"] and kept["cortex-a76"] == comparison["onnxruntime"]["cortex-a76"]  # the model's only: kept
     line = cycles.describe(device)
     assert line.startswith(f"cortex-a76 {device['cortex-a76']['ms']:.2f} ms at 2.4 GHz (") and "cortex-a55" in line
     # where the user looks: edge verify's page and the pipeline summary show the same line

@@ -41,10 +41,16 @@ def test_edge_estimate_table_and_a_budget_below_it_stops_the_pipeline_before_tra
         device = row[precision]["device_estimate"]
         assert device["estimated"], device
         assert 0 < device["cortex-a76"]["ms"] <= device["cortex-a55"]["ms"] * 2
+        # onnxruntime on the same model beside ours, and the runtime a package of it would use
+        peer = row[precision]["onnxruntime"]
+        assert peer["estimated"] and peer["cortex-a76"]["ms"] > 0 and peer["cortex-a55"]["ms"] > 0, peer
+        faster = device["cortex-a76"]["ms"] * device["cortex-a55"]["ms"] <= peer["cortex-a76"]["ms"] * peer["cortex-a55"]["ms"]
+        assert row[precision]["runtime"] == ("tvm" if faster else "onnxruntime"), row[precision]["runtime_reason"]
     # int8 layers are counted as on our kernels or generic ones; FP32 has none
     assert row["int8"]["int8_layers"] == row["int8"]["int8_on_our_kernels"] + row["int8"]["int8_generic"] > 0
     assert row["fp32"]["int8_layers"] == 0
-    assert "| small_cnn |" in proc.stdout and "cortex-a76 ms (2.4 GHz)" in proc.stdout
+    assert "| small_cnn |" in proc.stdout and "TVM INT8 cortex-a76 ms (2.4 GHz)" in proc.stdout
+    assert "ORT INT8 cortex-a55 ms (1.8 GHz)" in proc.stdout and "package runs FP32 / INT8" in proc.stdout
     assert "<svg" in (out / "estimate" / "estimate.html").read_text()
 
     for name in ("t.tfrecord", "v.tfrecord"):

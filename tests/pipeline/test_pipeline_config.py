@@ -26,6 +26,7 @@ def test_defaults_and_output_dir(tmp_path):
     cfg = load_pipeline_config(write(tmp_path, BASE))
     assert cfg.quantize.mode == "int8" and cfg.compile.targets == ("x86_64", "aarch64")
     assert cfg.quantize.fallback == "auto" and cfg.quantize.max_float_layers == 10
+    assert cfg.compile.runtime == "auto"  # the package runs the faster of TVM and onnxruntime
     assert cfg.out_dir == (tmp_path / "pipeline-out").resolve()
 
 
@@ -34,6 +35,7 @@ def test_defaults_and_output_dir(tmp_path):
     ("[quantize]\nmax_drop = 'one'\n", "[quantize] max_drop must be a number"),
     ("[quantize]\nfallback = 'always'\n", "[quantize] fallback must be auto or none, got 'always'"),
     ("[compile]\ntargets = ['riscv']\n", "unknown target 'riscv'"),
+    ("[compile]\nruntime = 'ort'\n", "[compile] runtime must be one of auto, tvm, onnxruntime, got 'ort'"),
     ("[package]\ntarget = 'aarch64'\n[compile]\ntargets = ['x86_64']\n", "is not among [compile] targets"),
     ("[deploi]\nx = 1\n", "unknown section [deploi]"),
     # The training sections are checked as a training config when the pipeline config loads.

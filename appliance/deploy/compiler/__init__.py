@@ -9,8 +9,8 @@ verbs, `appliance --help` included): `compile_model` is in driver.py, which the 
 (appliance.deploy.compile) imports.
 """
 
-from appliance.deploy.compiler.options import FP32_KERNELS, INT8_COMPUTE, INT8_KERNELS
+from appliance.deploy.compiler.options import FP32_KERNELS, INT8_COMPUTE, INT8_KERNELS, RUNTIMES
 from appliance.deploy.compiler.targets import CROSS_COMPILER, TARGETS
 
-__all__ = ["CROSS_COMPILER", "TARGETS", "INT8_COMPUTE", "INT8_KERNELS", "FP32_KERNELS"]
+__all__ = ["CROSS_COMPILER", "TARGETS", "INT8_COMPUTE", "INT8_KERNELS", "FP32_KERNELS", "RUNTIMES"]
 

@@ -20,10 +20,12 @@ from appliance.deploy.compiled import COMPILE_JSON, COMPILED_LIBRARY, REFERENCE_
 from appliance.deploy.compiler.check import check_against_ort, host_latency_ms
 from appliance.deploy.compiler.frontend import import_relax
 from appliance.deploy.compiler.passes import Build
-from appliance.deploy.compiler.options import FP32_KERNELS, INT8_COMPUTE, INT8_KERNELS
+from appliance.deploy.compiler.options import FP32_KERNELS, INT8_COMPUTE, INT8_KERNELS, RUNTIMES
 from appliance.deploy.compiler.passes.int8_arith import output_scale
 from appliance.deploy.compiler.pipeline import run_pipeline
 from appliance.deploy.compiler.runtime import use_physical_cores
+from appliance.deploy.compiler.runtime_choice import (choose_runtime, device_comparison, host_comparison,
+                                                      onnxruntime_device_estimate)
 from appliance.deploy.edge.cycles import estimate_build, not_estimated
 from appliance.deploy.compiler.targets import (CROSS_COMPILER, ELF_MACHINE, check_cross_compiler, describe_cpu,
                                                target_for)
@@ -33,12 +35,15 @@ from appliance.deploy.onnx_model import default_tolerance, image_input, load_onn
 def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, tolerance=None,
                   batch: int = 1, tune_trials: int | None = None, tuning_db=None, int8_compute: str = "int8",
                   installed_tuning: bool = True, rpc: str | None = None, rpc_key: str = "", int8_kernels: str = "auto",
-                  fp32_kernels: str = "auto", device_estimate: bool = False, log=print, dump_ir=None) -> dict:
+                  fp32_kernels: str = "auto", device_estimate: bool = False, runtime: str = "auto", log=print,
+                  dump_ir=None) -> dict:
     """installed_tuning: apply the installed tuning databases made for this target and CPU
     (appliance.assets.tuning_db) when neither tune_trials nor tuning_db is given. rpc: HOST:PORT of a TVM
     RPC server on the target device that times the tuning candidates (tuning/rpc.py). dump_ir: a
     folder to write the module into after each pass. device_estimate: for an aarch64 target, estimate the
-    device's cycles per inference (edge/cycles.py: a minute or more under qemu for a 224 px ResNet).
+    device's cycles per inference (edge/cycles.py: a minute or more under qemu for a 224 px ResNet), and
+    onnxruntime's on the same model (cached per model). runtime: what the edge package runs, "tvm",
+    "onnxruntime" or "auto" (the faster of the two as compared here: runtime_choice.py).
     Returns compile.json's content."""
     import tvm
 
@@ -53,7 +58,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
     meta = metadata(model)
     options = {"int8_compute": int8_compute, "int8_kernels": int8_kernels, "fp32_kernels": fp32_kernels,
                "tune_trials": tune_trials, "tuning_db": tuning_db, "installed_tuning": installed_tuning, "rpc": rpc,
-               "rpc_key": rpc_key}
+               "rpc_key": rpc_key, "runtime": runtime}
     _check_options(model_path, options)
     tolerance = default_tolerance(precision(model)) if tolerance is None else tolerance
     shape = [batch, *[_dim(d, meta, model_path, inp) for d in inp.shape[1:]]]
@@ -75,12 +80,19 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
         info["check"] = check_against_ort(library, model_path, shape, sample_files, meta, tolerance, inp.name,
                                           output_step=output_scale(model))
         info["host_latency_ms"] = host_latency_ms(library, shape)
+        comparison = host_comparison(library, model_path, shape)
     elif device_estimate:
-        log(f"estimating {target_name} device cycles under qemu (edge/cycles.py)")
+        log(f"estimating {target_name} device cycles under qemu (edge/cycles.py), ours and onnxruntime's")
         info["device_estimate"] = estimate_build(library, shape)
+        comparison = device_comparison(info["device_estimate"], onnxruntime_device_estimate(model_path, shape))
     else:
         info["device_estimate"] = not_estimated("not requested (appliance compile without --no-device-estimate "
                                                 "estimates it)")
+        comparison = {"compared": False, "reason": "no device estimate (--no-device-estimate)"}
+    chosen, why = choose_runtime(runtime, comparison)
+    info.update({"runtime": chosen, "runtime_requested": runtime, "runtime_reason": why,
+                 "onnxruntime_comparison": comparison})
+    log(f"runtime: {chosen} ({why})")
     atomic_write_text(out_dir / COMPILE_JSON, json.dumps(info, indent=2) + "\n")
     _write_manifest(build, sample_files, shape, tolerance)
     if not cross and not info["check"]["passed"]:
@@ -95,7 +107,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
 def _check_options(model_path: Path, options: dict) -> None:
     for flag, key, choices in (("--int8-compute", "int8_compute", INT8_COMPUTE),
                                ("--int8-kernels", "int8_kernels", INT8_KERNELS),
-                               ("--fp32-kernels", "fp32_kernels", FP32_KERNELS)):
+                               ("--fp32-kernels", "fp32_kernels", FP32_KERNELS), ("--runtime", "runtime", RUNTIMES)):
         if options[key] not in choices:
             raise DataError(f"{model_path}: {flag} must be one of {', '.join(choices)}, not {options[key]!r}")
     if options["rpc"] and not options["tune_trials"]:
@@ -143,7 +155,7 @@ def _write_manifest(build: Build, sample_files, shape, tolerance) -> None:
     inputs += [Path(db) / name for db in applied for name in FILES]  # the schedules in model.so came from these
     write_manifest(build.out_dir, "compile", inputs, {
         "target": build.target_name, "tvm_target": build.tvm_target, "int8_compute": options["int8_compute"],
-        "int8_kernels": options["int8_kernels"],
+        "int8_kernels": options["int8_kernels"], "runtime": options["runtime"],
         **({"fp32_kernels": options["fp32_kernels"]} if options["fp32_kernels"] != "auto" else {}),
         "input_shape": shape, "tolerance": tolerance,
         **({"tuning": tuning["tuning"]} if tuning["tuning"] else {}),

@@ -100,17 +100,20 @@ def build_plugin(cache: Path | None = None) -> Path:
     return lib
 
 
-def read_snapshot(path: Path) -> Counter:
-    """{instruction bytes (hex): executions} summed over the blocks of one snapshot file."""
+def read_snapshot(path: Path, by_address: bool = False) -> Counter:
+    """{instruction bytes (hex): executions} summed over the blocks of one snapshot file; with by_address
+    keyed by (guest vaddr, bytes) instead (benchmarks/arm_cycles.py --by-function)."""
     counts = Counter()
     for line in path.read_text().splitlines():
-        n, _, code = line.split()
-        counts[code] += int(n)
+        n, vaddr, code = line.split()
+        counts[(int(vaddr, 16), code) if by_address else code] += int(n)
     return counts
 
 
-def count_blocks(argv: list[str], work: Path, *, sysroot: str, env=None, timeout: float = 7200) -> Counter:
-    """{block bytes: executions between the guest's two markers} for `qemu-aarch64 ... argv`."""
+def count_blocks(argv: list[str], work: Path, *, sysroot: str, env=None, timeout: float = 7200,
+                 by_address: bool = False) -> Counter:
+    """{block bytes: executions between the guest's two markers} for `qemu-aarch64 ... argv` (keyed by
+    (vaddr, bytes) with by_address)."""
     qemu = shutil.which("qemu-aarch64")
     if qemu is None:
         raise EnvironmentProblem("qemu-aarch64: not found (installer/bootstrap.sh --system)")
@@ -123,7 +126,7 @@ def count_blocks(argv: list[str], work: Path, *, sysroot: str, env=None, timeout
     first, second = Path(f"{out}.1"), Path(f"{out}.2")
     if not (first.exists() and second.exists()):
         raise RuntimeError(f"{argv[0]}: the guest set no two markers (lseek(-1, 0x5eed0a11, 0))")
-    before, after = read_snapshot(first), read_snapshot(second)
+    before, after = read_snapshot(first, by_address), read_snapshot(second, by_address)
     for path in (out, first, second):
         path.unlink(missing_ok=True)
     return Counter({code: n - before.get(code, 0) for code, n in after.items() if n > before.get(code, 0)})
@@ -248,24 +251,30 @@ def guest_python(into: Path, wheels=TVM_WHEELS + ORT_WHEELS) -> tuple[Path, dict
                 raise EnvironmentProblem(f"wheelhouse/edge-aarch64: no {prefix.rstrip('-')} wheel")
             with zipfile.ZipFile(wheel) as z:  # the TVM compiler library is not needed with TVM_USE_RUNTIME_LIB
                 z.extractall(site, [n for n in z.namelist() if not n.endswith("libtvm_compiler.so")])
-    # qemu-user 7.2 shows the guest the host's (x86) /proc/cpuinfo; onnxruntime's cpuinfo then finds no
-    # ARM core and crashes. qemu looks up absolute paths under -L first: a Cortex-A76's lines, one core.
-    (sysroot / "proc").mkdir(exist_ok=True)
-    (sysroot / "proc" / "cpuinfo").write_text(CORTEX_A76_CPUINFO)
-    (sysroot / "sys" / "devices" / "system" / "cpu").mkdir(parents=True, exist_ok=True)
-    for name in ("possible", "present", "online"):
-        (sysroot / "sys" / "devices" / "system" / "cpu" / name).write_text("0\n")
+    arm_cpu_files(sysroot)
     env = {**os.environ, "PYTHONPATH": str(site), "TVM_USE_RUNTIME_LIB": "1", "OMP_NUM_THREADS": "1",
            "PYTHONHASHSEED": "0", "TVM_NUM_THREADS": "1"}
     return sysroot, env
 
 
-def count_model(runtime: str, model: Path, shape, guest: tuple[Path, dict], work: Path) -> Counter:
-    """Block counts of one inference of model ("tvm": a model.so; "ort": an ONNX file) in the guest Python."""
+def arm_cpu_files(sysroot: Path) -> None:
+    """qemu-user 7.2 shows the guest the host's (x86) /proc/cpuinfo; onnxruntime's cpuinfo then finds no
+    ARM core and crashes. qemu looks up absolute paths under -L first: a Cortex-A76's lines, one core."""
+    (sysroot / "proc").mkdir(parents=True, exist_ok=True)
+    (sysroot / "proc" / "cpuinfo").write_text(CORTEX_A76_CPUINFO)
+    (sysroot / "sys" / "devices" / "system" / "cpu").mkdir(parents=True, exist_ok=True)
+    for name in ("possible", "present", "online"):
+        (sysroot / "sys" / "devices" / "system" / "cpu" / name).write_text("0\n")
+
+
+def count_model(runtime: str, model: Path, shape, guest: tuple[Path, dict], work: Path, maps: Path | None = None
+                ) -> Counter:
+    """Block counts of one inference of model ("tvm": a model.so; "ort": an ONNX file) in the guest Python;
+    with maps, keyed by (vaddr, bytes) and the guest's /proc/self/maps written there (to name functions)."""
     sysroot, env = guest
     argv = [str(sysroot / "usr" / "bin" / "python3.11"), "-s", str(DRIVER), runtime, str(model),
-            "--shape", ",".join(map(str, shape))]
-    return count_blocks(argv, work, sysroot=str(sysroot), env=env)
+            "--shape", ",".join(map(str, shape)), *(["--maps", str(maps)] if maps else [])]
+    return count_blocks(argv, work, sysroot=str(sysroot), env=env, by_address=maps is not None)
 
 
 def figures(result: dict) -> dict:

@@ -1,6 +1,6 @@
 """Guest side of benchmarks/arm_cycles.py: run one model under qemu-aarch64 between two markers.
 
-    python3.11 driver.py {tvm,ort} MODEL --shape 1,3,224,224 [--warmup 1] [--runs 1]
+    python3.11 driver.py {tvm,ort} MODEL --shape 1,3,224,224 [--warmup 1] [--runs 1] [--maps OUT]
 
 Loads MODEL (a TVM model.so with the runtime-only TVM, or an ONNX file with onnxruntime on one
 thread), makes `warmup` calls, then the marker system call lseek(-1, 0x5eed0a11, 0) that the
@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--shape", required=True)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--maps", help="write the guest's /proc/self/maps here (block addresses to functions)")
     args = parser.parse_args()
     import numpy as np
 
@@ -62,6 +63,9 @@ def main() -> int:
     for _ in range(args.runs):
         out = call()
     mark()
+    if args.maps:
+        with open("/proc/self/maps") as f, open(args.maps, "w") as maps:
+            maps.write(f.read())
     print(f"{args.runtime} {os.path.basename(args.model)}: output {tuple(out.shape)}, sum {float(out.sum()):.6g}",
           flush=True)
     return 0

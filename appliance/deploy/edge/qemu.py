@@ -47,10 +47,10 @@ def run_counting_samples(cmd: list[str], total: int, desc: str, env=None) -> tup
         return proc.returncode, err.read()
 
 
-def run_json(cmd: list[str], what: str, ok_codes=(0, 1), timeout: float = 3600) -> tuple[int, dict]:
+def run_json(cmd: list[str], what: str, ok_codes=(0, 1), timeout: float = 3600, env=None) -> tuple[int, dict]:
     """(exit status, the JSON object a `bin/run ... --json` printed); one line naming `what` otherwise."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         raise DataError(f"{what}: ran past {timeout:.0f} s under qemu") from None
     lines = done.stdout.strip().splitlines()

@@ -18,13 +18,15 @@ import zipfile
 from pathlib import Path
 
 from appliance import beside_venv
-from appliance.deploy.edge.qemu import find_qemu, run_counting_samples
+from appliance.deploy.edge.cycles import arm_cpu_files
+from appliance.deploy.edge.qemu import find_qemu, run_counting_samples, run_json
 from appliance.core.errors import DataError, EnvironmentProblem
 from appliance.core.manifest import check_outputs, write_manifest
 
 PACKAGES = ("python3.11", "libstdc++6")  # numpy's and TVM's wheels expect the system libstdc++
 MIRROR, SUITE = "http://deb.debian.org/debian", "bookworm"
 KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
+ORT_RUNNER_WHEELS = ("onnxruntime-", "protobuf-", "flatbuffers-")  # a package whose runtime is onnxruntime
 RUNNER_WHEELS = ("apache_tvm-", "apache_tvm_ffi-", "numpy-", "ml_dtypes-", "pillow-", "typing_extensions-",
                  "packaging-")
 PROJECT = Path(__file__).resolve().parents[3]
@@ -95,13 +97,16 @@ def build_python_sysroot(debs_dir, package_root: Path, into: Path) -> tuple[Path
     for deb in sorted(debs_dir.glob("*.deb")):
         subprocess.run(["dpkg", "-x", str(deb), str(sysroot)], check=True)
     wheels = sorted((package_root / "wheels").glob("*.whl"))
-    for prefix in RUNNER_WHEELS:
+    onnxruntime = any(w.name.startswith("onnxruntime-") for w in wheels)
+    for prefix in RUNNER_WHEELS + (ORT_RUNNER_WHEELS if onnxruntime else ()):
         wheel = next((w for w in wheels if w.name.startswith(prefix)), None)
         if wheel is None:
             raise DataError(f"{package_root / 'wheels'}: no {prefix.rstrip('-')} wheel in the package")
         with zipfile.ZipFile(wheel) as z:
             # The compiler library (240 MB) is not needed with TVM_USE_RUNTIME_LIB=1.
             z.extractall(site, [n for n in z.namelist() if not n.endswith("libtvm_compiler.so")])
+    if onnxruntime:
+        arm_cpu_files(sysroot)
     return sysroot, site
 
 
@@ -117,3 +122,12 @@ def run_python_runner(root: Path, sysroot: Path, site: Path, inputs: Path, outpu
     if returncode != 0:
         tail = (stderr.strip().splitlines() or ["no output"])[-1]
         raise DataError(f"{root / 'python' / 'run.py'}: Python runner failed under qemu (exit {returncode}): {tail}")
+
+
+def run_python_selftest(root: Path, sysroot: Path, site: Path) -> dict:
+    """`python/run.py --selftest` under qemu: the golden samples on the runtime model.json names."""
+    env = {**os.environ, "PYTHONPATH": str(site), "TVM_USE_RUNTIME_LIB": "1"}
+    _, result = run_json([find_qemu(), "-L", str(sysroot), str(sysroot / "usr" / "bin" / "python3.11"), "-s",
+                          str(root / "python" / "run.py"), "--selftest"], f"{root / 'python' / 'run.py'} --selftest",
+                         env=env)
+    return result

@@ -4,7 +4,7 @@
 same lane's 4 bytes: one instruction does 16 multiply-adds. LLVM alone turns only a few reductions
 of TVM's generic int8 convolution into it (ResNet-18: about a hundred `sdot`, the bulk scalar
 `madd`), so the `aarch64-dotprod` build gives each int8 conv2d (groups 1, and the int8 matmuls as
-1x1 convolutions, passes/dense_as_conv.py) the channel-vector kernel of kernels/x86_vnni.py with
+1x1 convolutions, passes/dense_as_conv.py) the channel-vector kernel of kernels/dot16x4.py (shared with x86_vnni.py) with
 `sdot` in place of `vpdpbusd`:
 
     data    int8   [N, C/4, H, W, 4]         4 input channels of one pixel: one 32-bit broadcast
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import functools
 
-from appliance.deploy.compiler.kernels import x86_vnni
+from appliance.deploy.compiler.kernels import dot16x4
 from appliance.deploy.compiler.kernels.common import GEOMETRY, LANES, plain_int8_conv
 from appliance.deploy.compiler.runtime import cpu_tensor_intrinsics
 
 INTRIN = "appliance_dot_16x4_sdot"
 SDOT = "llvm.aarch64.neon.sdot.v4i32.v16i8"
-GROUP = x86_vnni.GROUP  # input channels per product group: 4 bytes of a lane
+GROUP = dot16x4.GROUP  # input channels per product group: 4 bytes of a lane
 ROWS = (6, 4, 7, 5, 3, 2, 1)  # pixels a tile by preference: 4 q registers each, 24 (28) of 32 accumulate
 # A 7-pixel tile (28 accumulators, 4 weights, a broadcast: 33 q registers) spills accumulators in
 # its reduction loop; where that loop is long, fewer pixels cost less than the spills (estimated
@@ -84,8 +84,8 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
     """The scheduled PrimFunc conv(data [n, c4, h, w, 4] s8, weights [o16, c4, kh, kw, 16, 4] s8) ->
     [n, o16 * 16, oh, ow] s32 (blocked_out: [n, o16, oh, ow, 16]), for data already padded."""
     rows = ROWS_LONG if c4 * kh * kw >= LONG_REDUCTION else ROWS
-    return x86_vnni.conv2d_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, blocked_out, dtype="int8",
-                                  intrin=register_intrinsic(), rows=rows)
+    return dot16x4.conv2d_kernel(n, c4, h, w, o16, kh, kw, stride, dilation, blocked_out, dtype="int8",
+                                 intrin=register_intrinsic(), rows=rows)
 
 
 def lower_conv2d(builder, call, index, cpu, name):
@@ -99,7 +99,7 @@ def lower_conv2d(builder, call, index, cpu, name):
     data, attrs, shape, wq = operands
     n, c, h, w = shape
     o, _, kh, kw = wq.shape
-    packed = x86_vnni.pack_weights(wq)
+    packed = dot16x4.pack_weights(wq)
     o16, c4 = packed.shape[0], packed.shape[1]
     stride, dilation = tuple(int(v) for v in attrs.strides), tuple(int(v) for v in attrs.dilation)
     func, (oh, ow) = conv2d_kernel(n, c4, h, w, o16, kh, kw, stride, dilation)

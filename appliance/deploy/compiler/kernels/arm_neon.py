@@ -31,14 +31,14 @@ import functools
 
 import numpy as np
 
-from appliance.deploy.compiler.kernels import x86_vnni
+from appliance.deploy.compiler.kernels import dot16x4
 from appliance.deploy.compiler.kernels.common import GEOMETRY, LANES, fusable, plain_int8_conv, shape64
 from appliance.deploy.compiler.runtime import cpu_tensor_intrinsics
 
 INTRINS = {True: "appliance_dot_16x4_smlal", False: "appliance_dot_16x4_smull"}  # paired: weights in [-127, 127]
 SMULL = "llvm.aarch64.neon.smull.v8i16"
 SADDLP = "llvm.aarch64.neon.saddlp.v4i32.v8i16"
-GROUP = x86_vnni.GROUP  # input channels per product group
+GROUP = dot16x4.GROUP  # input channels per product group
 ROWS = (4, 5, 6, 7, 3, 2, 1)  # pixels a tile by preference: 4 accumulators each, 4 weights, 2 data, temporaries
 
 
@@ -98,7 +98,7 @@ def register_intrinsic(paired: bool = True) -> str:
 def pack_weights(wq: np.ndarray) -> np.ndarray:
     """OIHW int8 -> [O/16, C/4, KH, KW, 4, 2, 4, 2]: output channel 16 ob + 4 q + c, input channel
     4 cb + 2 h + k at [ob, cb, kh, kw, q, h, c, k]; channels padded with zeros to whole groups."""
-    blocked = x86_vnni.pack_weights(wq)  # [O/16, C/4, KH, KW, 16, 4]
+    blocked = dot16x4.pack_weights(wq)  # [O/16, C/4, KH, KW, 16, 4]
     o16, c4, kh, kw = blocked.shape[:4]
     return np.ascontiguousarray(blocked.reshape(o16, c4, kh, kw, 4, 4, 2, 2).transpose(0, 1, 2, 3, 4, 6, 5, 7))
 
@@ -137,7 +137,7 @@ def conv2d_kernel(n: int, c4: int, h: int, w: int, o16: int, kh: int, kw: int, s
     sch = s_tir.Schedule(conv)
     block = sch.get_sblock(name)
     b, ob, y, x, oq, oc, cb, r, s, ch, ck = sch.get_loops(block)
-    xo, xi = sch.split(x, [None, x86_vnni._rows(ow, ROWS)])
+    xo, xi = sch.split(x, [None, dot16x4.tile_rows(ow, ROWS)])
     sch.reorder(b, ob, y, xo, cb, r, s, xi, oq, oc, ch, ck)
     tile = sch.cache_write(block, 0, "global")  # the intrinsic's accumulator is a global-scope buffer
     if not blocked_out:  # the tile channels-last (a pixel's 16 sums: the intrinsic's vector), written out NCHW
