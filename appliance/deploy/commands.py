@@ -13,6 +13,8 @@ from appliance.deploy.compile import compile_stage
 from appliance.deploy.edge.cycles import describe as describe_estimate
 from appliance.deploy.estimate import estimate_architectures, format_table
 from appliance.deploy.gpu import routes as gpu_routes
+from appliance.deploy import openvino_route
+from appliance.deploy.openvino_route.build import summary_line as openvino_summary
 from appliance.deploy.package import package_stage
 from appliance.deploy.quantize import quantize_stage
 from appliance.deploy.verify import selftest_line, verify_stage
@@ -61,6 +63,10 @@ def quantize_command(args) -> int:
 def compile_command(args) -> int:
     if args.target in options.GPU_TARGETS:
             return gpu_routes.run(args)
+    if args.target == openvino_route.COMPILE_TARGET:  # no TVM options: the IR is OpenVINO's to schedule
+        print(openvino_summary(compile_stage(args.model, args.target, args.out, sample_files=args.samples,
+                                             allow_failed_gate=args.allow_failed_gate, tolerance=args.tolerance).info))
+        return 0
     info = compile_stage(
         args.model, args.target, args.out, sample_files=args.samples, allow_failed_gate=args.allow_failed_gate,
         tolerance=args.tolerance, tune_trials=args.tune, tuning_db=args.tuning_db, int8_compute=args.int8_compute,
@@ -99,7 +105,12 @@ def compile_command(args) -> int:
 
 def package_command(args) -> int:
     info = package_stage(args.compiled, tar=args.out, wheelhouse=args.wheelhouse, with_python=args.with_python,
-                         glibc_floor=args.glibc_floor, sample_files=args.samples, key=args.key).info
+                         glibc_floor=args.glibc_floor, sample_files=args.samples, key=args.key, target=args.target).info
+    if info.get("runtime") == "openvino":
+        print(f"wrote {args.out} ({info['bytes'] / 1e6:.1f} MB, {info['files']} files, signed by key {info['key_id']}, "
+              f"{info['selftest_samples']} golden samples ({info['selftest_source']})); the server runs it with the "
+              f"`openvino` bundle profile; check it with `appliance edge verify {args.out}`")
+        return 0
     print(f"wrote {args.out} ({info['bytes'] / 1e6:.1f} MB, {info['files']} files, signed by key {info['key_id']}, "
           f"glibc >= {info['glibc_floor']}, "
           f"{info['selftest_samples']} golden samples ({info['selftest_source']})"
@@ -123,6 +134,12 @@ def verify_command(args) -> int:
                   f"{route['max_logit_diff']:.3g} (allowed {route['allowed_logit_diff']:.3g}), "
                   f"{route['seconds']:.1f} s: {'PASS' if route['passed'] else 'FAIL'}")
         print(f"{args.package}: {selftest_line(report['selftest'])}")
+        if report.get("runtime") == "openvino":  # a server package: measured on this host, no device estimate
+            for hint, b in ((report.get("bench") or {}).get("hints") or {}).items():
+                tp = f", {b['throughput']['inferences_per_s']:.1f} inferences/s" if "throughput" in b else ""
+                print(f"{args.package}: python/run.py --bench --hint {hint} (this host, not gated): {b['runs']} runs: "
+                      f"median {b['median_ms']:.3f} ms, p90 {b['p90_ms']:.3f} ms{tp}")
+            return
         print(f"{args.package}: estimated on the device (qemu block counts x llvm-mca, not a timing): "
               f"{describe_estimate(report.get('device_estimate'))}")
         if report.get("bench"):

@@ -16,6 +16,7 @@ from appliance.core.errors import ConfigError
 from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, PATH, Range, nproc_problem, shown
 from appliance.deploy.compiler.targets import TARGETS
+from appliance.deploy import openvino_route
 from appliance.deploy.options import METHODS, OPSETS
 from data_tools.check.gate import parse_fail_on
 from appliance.train.config import config_from_dict
@@ -66,7 +67,7 @@ class CompileSection:
 
 @dataclass(frozen=True)
 class PackageSection:
-    target: str = "aarch64"
+    target: str = "aarch64"  # or "x86_64-openvino" (a server package of the [compile] target "openvino")
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,13 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     if q.fallback not in ("auto", "none"):
         raise ConfigError(f"{path}: [quantize] fallback must be auto or none, got {q.fallback!r}")
     for target in sections["compile"].targets:
-        if target not in TARGETS:
-            raise ConfigError(f"{path}: [compile] unknown target {target!r} ({', '.join(TARGETS)})")
-    if sections["package"].target not in sections["compile"].targets:
+        if target not in TARGETS and target != openvino_route.COMPILE_TARGET:
+            raise ConfigError(f"{path}: [compile] unknown target {target!r} "
+                              f"({', '.join([*TARGETS, openvino_route.COMPILE_TARGET])})")
+    if sections["package"].target not in ("aarch64", openvino_route.PACKAGE_TARGET):
+        raise ConfigError(f"{path}: [package] target must be aarch64 or {openvino_route.PACKAGE_TARGET}, "
+                          f"got {shown(sections['package'].target)}")
+    if openvino_route.compile_target_of(sections["package"].target) not in sections["compile"].targets:
         raise ConfigError(f"{path}: [package] target {sections['package'].target!r} is not among "
                           f"[compile] targets {list(sections['compile'].targets)}")
     if sections["deploy"].latency_core not in ("cortex-a76", "cortex-a55"):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from appliance.core.stage import StageResult
 from appliance.deploy.compile import CompileResult, compile_stage
+from appliance.deploy.openvino_route import compile_target_of
 from appliance.deploy.export import ExportResult, export_stage
 from appliance.deploy.package import PackageResult, package_stage
 from appliance.deploy.quantize import QuantizeResult, quantize_stage
@@ -162,11 +163,12 @@ class CompileStage(Stage):
 
 class PackageStage(Stage):
     def inputs(self, res: Results) -> list[Path]:
-        build = res.compiled[res.cfg.package.target]
+        build = res.compiled[compile_target_of(res.cfg.package.target)]
         return [build.library, build.report]
 
     def action(self, out_dir: Path, res: Results) -> PackageResult:
-        return package_stage(res.compiled[res.cfg.package.target], out_dir, sample_files=res.data("val"))
+        return package_stage(res.compiled[compile_target_of(res.cfg.package.target)], out_dir,
+                             sample_files=res.data("val"))
 
 
 class VerifyStage(Stage):

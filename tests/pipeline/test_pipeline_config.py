@@ -35,6 +35,8 @@ def test_defaults_and_output_dir(tmp_path):
     ("[quantize]\nfallback = 'always'\n", "[quantize] fallback must be auto or none, got 'always'"),
     ("[compile]\ntargets = ['riscv']\n", "unknown target 'riscv'"),
     ("[package]\ntarget = 'aarch64'\n[compile]\ntargets = ['x86_64']\n", "is not among [compile] targets"),
+    ("[package]\ntarget = 'x86_64-openvino'\n[compile]\ntargets = ['x86_64']\n", "is not among [compile] targets"),
+    ("[package]\ntarget = 'x86_64'\n", "[package] target must be aarch64 or x86_64-openvino, got 'x86_64'"),
     ("[deploi]\nx = 1\n", "unknown section [deploi]"),
     # The training sections are checked as a training config when the pipeline config loads.
     ("[optimizer]\nlrr = 0.1\n", "[optimizer] unknown key 'lrr'"),
@@ -46,6 +48,12 @@ def test_mistakes_name_the_file_and_key(tmp_path, extra, message):
     with pytest.raises(ConfigError) as err:
         load_pipeline_config(path)
     assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_the_openvino_route_is_a_compile_and_package_target(tmp_path):
+    cfg = load_pipeline_config(write(tmp_path, BASE + "[compile]\ntargets = ['openvino']\n"
+                                     "[package]\ntarget = 'x86_64-openvino'\n"))
+    assert cfg.compile.targets == ("openvino",) and cfg.package.target == "x86_64-openvino"
 
 
 def test_training_files_are_resolved_at_load(tmp_path):
