@@ -67,6 +67,9 @@ def register_quantize(subparsers) -> None:
     p.add_argument("--fallback", choices=options.FALLBACKS, default="auto",
                    help="INT8 over --max-drop: auto (default) tries per-channel weights and the other calibrations, "
                    "then keeps the most sensitive layers in float; none: exit 3 at once")
+    p.add_argument("--engine", choices=options.ENGINES, default="ours",
+                   help="INT8: ours (default: onnxruntime's quantizer, --fallback auto) or nncf (NNCF's PTQ, then its "
+                   "accuracy control under --max-drop; ours is run beside it and the report shows both)")
     p.add_argument("--max-float-layers", type=values.non_negative_int, default=options.MAX_FLOAT_LAYERS, metavar="N",
                    help=f"--fallback auto keeps at most N layers in float (default {options.MAX_FLOAT_LAYERS})")
     p.add_argument("--no-sensitivity", action="store_true",

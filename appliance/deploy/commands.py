@@ -48,6 +48,10 @@ def quantize_command(args) -> int:
             for row in report.get("schemes", []):  # segmentation: FP32 / INT8 symmetric / asymmetric
                 line += (f"\n{row['scheme']}: {label} {row[m] * 100:.2f}%, {row['bytes']:,} B, "
                          f"host latency {row['latency_ms_median']:.3f} ms")
+            for row in report.get("engines", []):  # --engine nncf: both engines side by side
+                line += (f"\nengine {row['engine']} ({row['step']}): {label} {row[m] * 100:.2f}%, drop "
+                         f"{row[f'{m}_drop_points']:.2f} points, {len(row['float_layers'])} layer(s) in float, "
+                         f"{row['seconds']:.1f} s: {'PASS' if row['passed'] else 'FAIL: ' + row.get('why', '')}")
             if "activation_scheme" in report:
                 line += f"\nkept: INT8 {report['activation_scheme']} activations"
         print(json.dumps(report) if args.json else line)
@@ -56,7 +60,8 @@ def quantize_command(args) -> int:
                           per_channel=args.per_channel, scheme=args.scheme, calib_samples=args.calib_samples,
                           val_samples=args.val_samples, max_drop=args.max_drop, on_result=show,
                           fallback=args.fallback, max_float_layers=args.max_float_layers,
-                          sensitivity=not args.no_sensitivity, sensitivity_samples=args.sensitivity_samples)
+                          sensitivity=not args.no_sensitivity, sensitivity_samples=args.sensitivity_samples,
+                          engine=args.engine)
     return 0
 
 

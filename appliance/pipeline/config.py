@@ -17,7 +17,7 @@ from appliance.core.tomlconfig import parse_section, read_toml
 from appliance.core.values import AT_LEAST_ONE, COUNT, FRACTION, NON_NEGATIVE, PATH, Range, nproc_problem, shown
 from appliance.deploy.compiler.targets import TARGETS
 from appliance.deploy import openvino_route
-from appliance.deploy.options import METHODS, OPSETS
+from appliance.deploy.options import ENGINES, METHODS, OPSETS
 from data_tools.check.gate import parse_fail_on
 from appliance.train.config import config_from_dict
 
@@ -53,6 +53,7 @@ class QuantizeSection:
     calib_samples: Annotated[int, AT_LEAST_ONE] = 256
     max_drop: Annotated[float, Range(ge=0, le=100)] = 1.0  # top-1 points
     fallback: str = "auto"  # "auto": other calibrations, then sensitive layers in float; "none": stop at once
+    engine: str = "ours"  # "ours" | "nncf": NNCF's PTQ and accuracy control ship, ours measured beside it
     max_float_layers: Annotated[int, COUNT] = 10
     qat: bool = False  # INT8 still over max_drop after fallback: quantization-aware fine-tuning (appliance.pipeline.qat)
     qat_epochs: Annotated[int, AT_LEAST_ONE] = 2
@@ -126,6 +127,8 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
         raise ConfigError(f"{path}: [quantize] method must be {', '.join(METHODS)}, got {shown(q.method)}")
     if nproc_problem(sections["pipeline"].nproc_per_node):  # else refused by the train stage, after the check
         raise ConfigError(f"{path}: [pipeline] nproc_per_node {nproc_problem(sections['pipeline'].nproc_per_node)}")
+    if q.engine not in ENGINES:
+        raise ConfigError(f"{path}: [quantize] engine must be {' or '.join(ENGINES)}, got {shown(q.engine)}")
     if q.fallback not in ("auto", "none"):
         raise ConfigError(f"{path}: [quantize] fallback must be auto or none, got {q.fallback!r}")
     for target in sections["compile"].targets:

@@ -137,7 +137,8 @@ class QuantizeStage(Stage):
         try:
             return quantize_stage(res.export.model, res.data("train"), res.data("val"), out_dir, mode=q.mode,
                                   method=q.method, per_channel=q.per_channel, calib_samples=q.calib_samples,
-                                  max_drop=q.max_drop, fallback=q.fallback, max_float_layers=q.max_float_layers)
+                                  max_drop=q.max_drop, fallback=q.fallback, max_float_layers=q.max_float_layers,
+                                  engine=q.engine)
         except GateFailed:  # PTQ and fallback missed the gate: QAT next, if enabled
             if not (q.qat and q.mode == "int8"):
                 raise
