@@ -177,7 +177,8 @@ def register_edge(subparsers) -> None:
         description="Check the package's signature (the site key, or --pubkey) and SHA256SUMS, run its native runner under qemu-aarch64 on "
         "samples and compare with onnxruntime on the host: top-1 agreement (per pixel, with mIoU, for a segmentation "
         "model) and max logit difference, gated "
-        "(exit status 3 when the gate or the on-device self-test fails).")
+        "(exit status 3 when the gate or the on-device self-test fails). An x86_64-openvino server package runs "
+        "its own python/run.py on this host (with this environment's openvino wheel) instead of qemu.")
     p.add_argument("package", metavar="edge-package.tar")
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="validation TFRecord files or a .npz of tensors (default: 16 seeded random images)")
