@@ -206,7 +206,9 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
     stages.append(GateStage("gate", out / "gate", asdict(thresholds), GateResult))
     stages.append(ExportStage("export", out / "export", asdict(cfg.export), ExportResult))
     if cfg.quantize.mode != "none":
-        stages.append(QuantizeStage("quantize", out / "quantize", asdict(cfg.quantize), QuantizeResult))
+        # engine "ours" (the default) is left out, so a run made before the key existed is not redone
+        params = {k: v for k, v in asdict(cfg.quantize).items() if (k, v) != ("engine", "ours")}
+        stages.append(QuantizeStage("quantize", out / "quantize", params, QuantizeResult))
     for target in cfg.compile.targets:
         stages.append(CompileStage(f"compile-{target}", out / f"compile-{target}",
                                    {"target": target, "device_estimate": cfg.compile.device_estimate},
