@@ -6,10 +6,12 @@ import json
 import os
 
 import numpy as np
+import pytest
 from conftest import run_appliance
 from deploy.test_segmentation_deploy import seg_export  # noqa: F401 (a fixture: the trained unet_small)
 
 
+@pytest.mark.slow  # CLI runs, OpenVINO timing or a TVM build: tens of seconds
 def test_classification_compiles_packages_and_verifies_from_the_command_line(exported, val_tfrecord, tmp_path):
     proc = run_appliance("compile", str(exported / "model.onnx"), "--target", "openvino", "--out", str(tmp_path / "c"),
                          "--samples", str(val_tfrecord), offline=True)
@@ -79,6 +81,7 @@ def test_a_build_that_disagrees_with_its_reference_is_caught(exported, val_npz, 
     assert not check["passed"] and check["max_abs_diff"] > check["allowed"]
 
 
+@pytest.mark.slow  # CLI runs, OpenVINO timing or a TVM build: tens of seconds
 def test_segmentation_compiles_packages_and_verifies_per_pixel(seg_export, tmp_path):  # noqa: F811
     from appliance.deploy.compile import compile_stage
     from appliance.deploy.package import package_stage

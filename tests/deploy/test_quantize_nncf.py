@@ -6,11 +6,13 @@ import json
 import os
 
 import onnx
+import pytest
 
 from conftest import run_appliance
 from deploy.test_quantize_fallback import outlier  # noqa: F401 (the module's fixture: model, calib, val)
 
 
+@pytest.mark.slow  # CLI runs, OpenVINO timing or a TVM build: tens of seconds
 def test_both_engines_side_by_side_and_nncf_model_compiles_with_tvm(outlier, tmp_path):  # noqa: F811
     from appliance.deploy.compile import compile_stage
 
