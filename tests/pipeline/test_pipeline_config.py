@@ -96,3 +96,16 @@ def test_numbers_and_gates_are_checked_at_load_naming_the_config_key(tmp_path, e
         load_pipeline_config(path)
     assert str(err.value).startswith(f"{path.resolve()}: {message}"), str(err.value)
     assert "--fail-on" not in str(err.value)
+
+
+def test_the_quantize_engine_is_a_stage_parameter_only_when_it_is_not_the_default(tmp_path):
+    """A run quantized before `[quantize] engine` existed keeps its fingerprint; nncf reruns quantize."""
+    from appliance.pipeline.plan import plan
+
+    def quantize_params(extra):
+        return next(s for s in plan(load_pipeline_config(write(tmp_path, BASE + extra))) if s.name == "quantize").params
+
+    assert "engine" not in quantize_params("")
+    assert quantize_params("[quantize]\nengine = 'nncf'\n")["engine"] == "nncf"
+    with pytest.raises(ConfigError, match=r"\[quantize\] engine must be ours or nncf, got 'onnx'"):
+        load_pipeline_config(write(tmp_path, BASE + "[quantize]\nengine = 'onnx'\n"))
