@@ -12,6 +12,13 @@ tuning time is printed). Prints median latency, the median over rounds of each r
 onnxruntime FP32 in that round (each route's figure in a round: the median of 5 calls after 2
 warm-up calls), and file sizes. Targets from the issue: TVM int8 tuned <= 1.0x,
 TVM FP32 tuned <= 1.5x ORT FP32.
+
+Where the openvino wheel is installed, OpenVINO FP32 and INT8 run beside them: the same FP32 and
+S8S8 QDQ ONNX models converted by `appliance compile --target openvino` (IR, float32 inference
+precision, LATENCY hint, one synchronous request), and the median over rounds of TVM int8 / OpenVINO
+INT8 is printed (the issue's goal: at most 1.0x). --threads N runs every route on N threads
+(TVM_NUM_THREADS, onnxruntime's intra-op threads, OpenVINO's INFERENCE_NUM_THREADS); default: all
+physical cores. TVM's pool is sized once per process, so one thread and all threads are two runs.
 """
 
 from __future__ import annotations
@@ -64,8 +71,36 @@ def summarise(times: dict, base: str = "ort_fp32") -> dict:
     return out
 
 
+def ort_session_threads(path, spinning: bool, threads: int):
+    """appliance's onnxruntime session (onnx_model.ort_session), on `threads` intra-op threads (0: all)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def openvino_routes(fp32: Path, int8: Path, work: Path, x, threads: int) -> tuple[dict, dict]:
+    """OpenVINO FP32 and INT8 routes (IR made by `appliance compile --target openvino`'s code), and their figures."""
+    from appliance.deploy.openvino_route.build import compile_openvino
+    from appliance.deploy.openvino_route.run import compile_ir
+
+    routes, figures = {}, {}
+    for name, model in (("ov_fp32", fp32), ("ov_int8", int8)):
+        info = compile_openvino(model, work / name, timing_s=0.2, log=lambda line: None)
+        compiled = compile_ir(work / name / "model.xml", "LATENCY", threads or None)
+        request = compiled.create_infer_request()
+        routes[name] = lambda request=request: request.infer({0: x})
+        figures[name] = {"max_abs_diff_vs_ort": info["check"]["max_abs_diff"], "layers": info["layers"],
+                         "steps_vs_ort_qdq": info["check"]["max_quantized_units"]}
+    return routes, figures
+
+
 def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: int = 224,
-                ort_spinning: bool = True) -> dict:
+                ort_spinning: bool = True, threads: int = 0, openvino: bool = True, generic: bool = True) -> dict:
     import tvm
     from tvm import relax
 
@@ -90,7 +125,7 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: in
     compile_s = time.perf_counter() - start
     int8_info = compile_model(int8, "x86_64", work / "tvm-int8")  # int8 compute, as `appliance compile` does
     builds = {"tvm": work / "tvm", "tvm_int8": work / "tvm-int8"}
-    if int8_info["int8_kernels"]["kind"] != "generic":  # the same build on TVM's generic kernels, to compare
+    if generic and int8_info["int8_kernels"]["kind"] != "generic":  # the same build on TVM's generic kernels
         compile_model(int8, "x86_64", work / "tvm-int8-generic", int8_kernels="generic")
         builds["tvm_int8_generic"] = work / "tvm-int8-generic"
     tuned = tuned_int8 = None
@@ -105,7 +140,8 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: in
     x = calib[:1]
     # Spinning threads hold the cores the next route in the round needs (int8_gemm.py measured a
     # small TVM call 250x slower right after one); --ort-no-spin turns it off.
-    s_fp32, s_int8, s_u8 = (ort_session(m, spinning=ort_spinning) for m in (fp32, int8, u8))
+    s_fp32, s_int8, s_u8 = (ort_session_threads(m, ort_spinning, threads) if threads else
+                            ort_session(m, spinning=ort_spinning) for m in (fp32, int8, u8))
     ref = s_fp32.run(None, {"input": x})[0]
 
     def rel_err(session):
@@ -118,14 +154,23 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: in
     for name, directory in builds.items():
         vm = relax.VirtualMachine(tvm.runtime.load_module(str(directory / "model.so")), tvm.cpu())
         routes[name] = lambda vm=vm: vm["main"](x_tvm)
-    routes = summarise(interleaved_rounds(routes, runs))
+    ov_figures = {}
+    if openvino:
+        ov_routes, ov_figures = openvino_routes(fp32, int8, work, x, threads)
+        routes.update(ov_routes)
+    times = interleaved_rounds(routes, runs)
+    routes = summarise(times)
+    if openvino:  # the issue's goal: TVM int8 at most 1.0x OpenVINO INT8 (median over rounds)
+        routes["tvm_int8"]["ratio_to_ov_int8"] = summarise(times, base="ov_int8")["tvm_int8"]["ratio"]
+        routes["tvm"]["ratio_to_ov_fp32"] = summarise(times, base="ov_fp32")["tvm"]["ratio"]
     result = {"model": arch, "routes": routes, "int8_rel_err": rel_err(s_int8), "u8s8_rel_err": rel_err(s_u8),
               "fp32_mb": fp32.stat().st_size / 1e6, "int8_mb": int8.stat().st_size / 1e6,
               "tvm_mb": (work / "tvm" / "model.so").stat().st_size / 1e6,
               "tvm_int8_mb": (work / "tvm-int8" / "model.so").stat().st_size / 1e6, "tvm_compile_s": compile_s,
               "tvm_max_abs_diff_vs_ort": info["check"]["max_abs_diff"],
               "tvm_int8_layers": int8_info["layers"], "tvm_int8_kernels": int8_info["int8_kernels"],
-              "tvm_int8_steps_vs_ort_qdq": int8_info["check"]["max_quantized_units"]}
+              "tvm_int8_steps_vs_ort_qdq": int8_info["check"]["max_quantized_units"], "openvino": ov_figures,
+              "threads": threads or "all"}
     if tuned:
         result.update(tune_trials_per_task=tune_trials, tune_tasks=tuned["tuning"]["tasks"],
                       tune_s=tuned["tuning"]["tuned_in_seconds"], int8_tune_tasks=tuned_int8["tuning"]["tasks"],
@@ -135,7 +180,8 @@ def bench_model(arch: str, work: Path, runs: int, tune_trials: int = 0, size: in
 
 
 LABELS = {"ort_fp32": "ORT FP32", "ort_int8": "ORT INT8 S8S8", "ort_u8s8": "ORT INT8 U8S8-rr",
-          "tvm": "TVM FP32", "tvm_int8": "TVM int8", "tvm_int8_generic": "TVM int8 generic kernels", "tvm_tuned": "TVM FP32 tuned", "tvm_int8_tuned": "TVM int8 tuned"}
+          "tvm": "TVM FP32", "tvm_int8": "TVM int8", "tvm_int8_generic": "TVM int8 generic kernels", "tvm_tuned": "TVM FP32 tuned", "tvm_int8_tuned": "TVM int8 tuned",
+          "ov_fp32": "OpenVINO FP32", "ov_int8": "OpenVINO INT8"}
 
 
 def main() -> None:
@@ -151,12 +197,21 @@ def main() -> None:
     parser.add_argument("--tune-trials", type=int, default=8, help="MetaSchedule trials per task")
     parser.add_argument("--ort-no-spin", action="store_true",
                         help="onnxruntime threads do not spin after a call (session.intra_op.allow_spinning=0)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="threads of every route (default 0: all physical cores); run twice for 1 and all")
+    parser.add_argument("--no-openvino", action="store_true", help="leave out the OpenVINO routes")
+    parser.add_argument("--no-generic", action="store_true",
+                        help="leave out TVM int8 on generic kernels (slow to compile and run)")
     args = parser.parse_args()
+    import importlib.util
     import os
 
     from appliance.deploy.compiler.runtime import use_physical_cores
 
+    if args.threads:
+        os.environ["TVM_NUM_THREADS"] = str(args.threads)
     use_physical_cores()  # as `appliance compile` runs TVM: all physical cores (TVM alone halves them on x86_64)
+    openvino = not args.no_openvino and importlib.util.find_spec("openvino") is not None
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (a shared machine inflates every "
           f"figure alike; compare ratios); onnxruntime {onnxruntime.__version__}"
           f"{' (threads not spinning)' if args.ort_no_spin else ''}; TVM on {os.environ.get('TVM_NUM_THREADS')} "
@@ -166,7 +221,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix=f"bench-{arch}-") as tmp:
             results.append(bench_model(arch, Path(tmp), args.runs,
                                        args.tune_trials if arch in args.tune_models else 0, args.size,
-                                       ort_spinning=not args.ort_no_spin))
+                                       ort_spinning=not args.ort_no_spin, threads=args.threads, openvino=openvino,
+                                       generic=not args.no_generic))
         r = results[-1]
         cells = " | ".join(f"{LABELS[name]} {v['ms']:.2f} ms (x{v['ratio']:.2f}, {v['rounds']} rounds)"
                            for name, v in r["routes"].items())
@@ -177,6 +233,10 @@ def main() -> None:
               f"{r['tvm_int8_kernels']['layers']} on {r['tvm_int8_kernels']['kind']} kernels; sizes ONNX FP32 "
               f"{r['fp32_mb']:.1f} MB, INT8 {r['int8_mb']:.1f} MB, TVM .so FP32 {r['tvm_mb']:.1f} MB, int8 "
               f"{r['tvm_int8_mb']:.1f} MB; TVM FP32 compile {r['tvm_compile_s']:.0f} s", flush=True)
+        if "ratio_to_ov_int8" in r["routes"]["tvm_int8"]:
+            print(f"{arch:>13}  TVM int8 / OpenVINO INT8 x{r['routes']['tvm_int8']['ratio_to_ov_int8']:.2f}, TVM FP32 / "
+                  f"OpenVINO FP32 x{r['routes']['tvm']['ratio_to_ov_fp32']:.2f} (median over rounds; "
+                  f"{r['threads']} threads); OpenVINO INT8 layers {r['openvino']['ov_int8']['layers']}", flush=True)
         if "tune_s" in r:
             print(f"{arch:>13}  tuning {r['tune_trials_per_task']} trials/task: FP32 {r['tune_tasks']} tasks in "
                   f"{r['tune_s']:.0f} s, int8 {r['int8_tune_tasks']} tasks in {r['int8_tune_s']:.0f} s", flush=True)

@@ -159,9 +159,9 @@ STAGE_MODULES = {
     "train": ["appliance.train.stage", "appliance.train.launcher", "appliance.train.result", "appliance.train.quality"],  # + its gate
     "export": ["appliance.deploy.export"],
     "quantize": ["appliance.deploy.quantize"],
-    "compile": ["appliance.deploy.compile", COMPILER, "appliance.deploy.gpu"],
-    "package": ["appliance.deploy.package"],
-    "verify": ["appliance.deploy.verify"],
+    "compile": ["appliance.deploy.compile", COMPILER, "appliance.deploy.gpu", "appliance.deploy.openvino_route.build"],
+    "package": ["appliance.deploy.package", "appliance.deploy.openvino_route.server_package"],
+    "verify": ["appliance.deploy.verify", "appliance.deploy.openvino_route.server_verify"],
 }
 
 # Every string in our code that names one of our modules (imported with importlib, run with

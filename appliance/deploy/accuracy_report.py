@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance.deploy.onnx_model import run_ort
-from appliance.core.html_report import PALETTE, bars_svg, page
+from appliance.core.html_report import bars_svg, page
 from appliance.core.manifest import atomic_write_text
 
 ACCURACY_JSON = "accuracy.json"  # the quantize stage's record (and each GPU build's accuracy report)
@@ -77,9 +77,29 @@ def write_reports(out_dir: Path, report: dict) -> None:
 <table><tr><th></th><th>{label}</th><th>size</th><th>latency (median)</th><th>model</th></tr>
 <tr><td>FP32</td><td>{f[m] * 100:.2f}%</td><td>{f['bytes']:,} B</td><td>{f['latency_ms_median']:.3f} ms</td><td>{html.escape(f['model'])}</td></tr>
 <tr><td>{mode}</td><td>{q[m] * 100:.2f}%</td><td>{q['bytes']:,} B</td><td>{q['latency_ms_median']:.3f} ms</td><td>{html.escape(q['model'])}</td></tr>
-</table>{charts}{_qat_html(report)}{_schemes_html(report)}{_fallback_html(report)}{_sensitivity_html(report.get("sensitivity"))}"""
+</table>{charts}{_engines_html(report)}{_qat_html(report)}{_schemes_html(report)}{_fallback_html(report)}{_sensitivity_html(report.get("sensitivity"))}"""
     page_html = page(f"FP32 vs {mode}", "appliance quantize", ACCURACY_JSON, report["gate_passed"], body)
     atomic_write_text(out_dir / ACCURACY_HTML, page_html)
+
+
+def _engines_html(report: dict) -> str:
+    """`--engine nncf`: our quantizer and NNCF side by side (drop, layers kept in float, time), and why one failed."""
+    rows_in = report.get("engines")
+    if not rows_in:
+        return ""
+    m, label = report.get("metric", "top1"), report.get("metric_label", "top-1")
+    rows = "".join(
+        f"<tr><td>{html.escape(r['engine'])}</td><td>{html.escape(r['step'])}</td><td>{r[m] * 100:.2f}%</td>"
+        f"<td>{r[f'{m}_drop_points']:.2f}</td><td>{len(r['float_layers'])}"
+        f"{': ' + html.escape(', '.join(r['float_layers'])) if r['float_layers'] else ''}</td><td>{r['seconds']:.1f} s</td>"
+        f"<td>{r['bytes']:,} B</td><td>{r['latency_ms_median']:.3f} ms</td><td class=\"{'PASS' if r['passed'] else 'FAIL'}\">"
+        f"{'PASS' if r['passed'] else 'FAIL: ' + html.escape(r.get('why', ''))}</td></tr>" for r in rows_in)
+    chart = bars_svg(f"{label} drop per engine", "points", [(r["engine"], r[f"{m}_drop_points"]) for r in rows_in],
+                     "{:.2f}")
+    return (f"<h2>Quantizers side by side: NNCF ships</h2><p>Both engines on the same calibration and validation "
+            f"samples, under the same --max-drop {report['max_drop_points']:g}.</p>"
+            f"<table><tr><th>engine</th><th>made by</th><th>{label}</th><th>drop (points)</th><th>layers in float</th>"
+            f"<th>time</th><th>size</th><th>latency (median)</th><th></th></tr>{rows}</table>{chart}")
 
 
 def _qat_html(report: dict) -> str:

@@ -10,6 +10,7 @@ import argparse
 from appliance.core import values
 from appliance.deploy import options
 from appliance.deploy import compiler as tvm_compile
+from appliance.deploy import openvino_route
 from appliance.deploy.edge import glibc_floor, qemu
 from appliance.deploy.edge import sysroot as edge_sysroot
 
@@ -68,6 +69,9 @@ def register_quantize(subparsers) -> None:
     p.add_argument("--fallback", choices=options.FALLBACKS, default="auto",
                    help="INT8 over --max-drop: auto (default) tries per-channel weights and the other calibrations, "
                    "then keeps the most sensitive layers in float; none: exit 3 at once")
+    p.add_argument("--engine", choices=options.ENGINES, default="ours",
+                   help="INT8: ours (default: onnxruntime's quantizer, --fallback auto) or nncf (NNCF's PTQ, then its "
+                   "accuracy control under --max-drop; ours is run beside it and the report shows both)")
     p.add_argument("--max-float-layers", type=values.int_in(values.SMALL_COUNT, "an integer"), default=options.MAX_FLOAT_LAYERS, metavar="N",
                    help=f"--fallback auto keeps at most N layers in float (default {options.MAX_FLOAT_LAYERS})")
     p.add_argument("--no-sensitivity", action="store_true",
@@ -89,9 +93,12 @@ def register_compile(subparsers) -> None:
     p = subparsers.add_parser(
         "compile", help="compile an ONNX model with TVM for aarch64 (or the x86_64 host, checked vs onnxruntime)",
         description="Compile MODEL.onnx with TVM Relax into DIR/model.so for the target. ARM targets "
-        f"need {tvm_compile.CROSS_COMPILER}; the x86_64 build is compared with onnxruntime.")
+        f"need {tvm_compile.CROSS_COMPILER}; the x86_64 build is compared with onnxruntime. --target "
+        f"{openvino_route.COMPILE_TARGET}: OpenVINO IR (DIR/model.xml, model.bin) for x86 servers, compared with "
+        "onnxruntime and timed under OpenVINO's LATENCY and THROUGHPUT hints (needs the openvino wheel).")
     p.add_argument("model", metavar="MODEL.onnx")
-    p.add_argument("--target", required=True, choices=[*sorted(tvm_compile.TARGETS), *options.GPU_TARGETS])
+    p.add_argument("--target", required=True, choices=[*sorted(tvm_compile.TARGETS), openvino_route.COMPILE_TARGET,
+                                                         *options.GPU_TARGETS])
     p.add_argument("--out", required=True, metavar="DIR", type=values.output_dir)
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="TFRecord files or a .npz of tensors for the x86_64 check (default: 8 seeded random tensors)")
@@ -144,9 +151,13 @@ def register_package(subparsers) -> None:
     p = subparsers.add_parser(
         "package", help="build an edge package tar (native runner, TVM runtime, golden samples, checksums)",
         description="Package COMPILE_DIR (from `appliance compile --target aarch64`) into one tar a device "
-        "installs with no network. Refuses when any shipped ELF file needs a glibc above --glibc-floor.")
+        "installs with no network. Refuses when any shipped ELF file needs a glibc above --glibc-floor. "
+        f"--target {openvino_route.PACKAGE_TARGET} packs a `compile --target {openvino_route.COMPILE_TARGET}` build "
+        "into a server package (IR, a Python runner on the openvino wheel, golden samples, checksums, signature).")
     p.add_argument("compiled", metavar="COMPILE_DIR")
-    p.add_argument("--target", default="aarch64", choices=["aarch64"])
+    p.add_argument("--target", choices=["aarch64", openvino_route.PACKAGE_TARGET],
+                   help="aarch64 (an edge package) or x86_64-openvino (a server package); default: what "
+                   "COMPILE_DIR was compiled for")
     p.add_argument("--out", required=True, metavar="edge-package.tar", type=values.output_file)
     p.add_argument("--glibc-floor", default=glibc_floor.DEFAULT_GLIBC_FLOOR, metavar="2.X",
                    help=f"oldest glibc the device may have (default {glibc_floor.DEFAULT_GLIBC_FLOOR}: Debian 10+, "
@@ -172,7 +183,8 @@ def register_edge(subparsers) -> None:
         description="Check the package's signature (the site key, or --pubkey) and SHA256SUMS, run its native runner under qemu-aarch64 on "
         "samples and compare with onnxruntime on the host: top-1 agreement (per pixel, with mIoU, for a segmentation "
         "model) and max logit difference, gated "
-        "(exit status 3 when the gate or the on-device self-test fails).")
+        "(exit status 3 when the gate or the on-device self-test fails). An x86_64-openvino server package runs "
+        "its own python/run.py on this host (with this environment's openvino wheel) instead of qemu.")
     p.add_argument("package", metavar="edge-package.tar")
     p.add_argument("--samples", nargs="+", metavar="FILE",
                    help="validation TFRecord files or a .npz of tensors (default: 16 seeded random images)")

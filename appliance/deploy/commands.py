@@ -14,6 +14,8 @@ from appliance.deploy.edge.anchor import build_anchor
 from appliance.deploy.edge.cycles import describe as describe_estimate
 from appliance.deploy.estimate import estimate_architectures, format_table
 from appliance.deploy.gpu import routes as gpu_routes
+from appliance.deploy import openvino_route
+from appliance.deploy.openvino_route.build import summary_line as openvino_summary
 from appliance.deploy.package import package_stage
 from appliance.deploy.quantize import quantize_stage
 from appliance.deploy.verify import selftest_line, verify_stage
@@ -47,6 +49,10 @@ def quantize_command(args) -> int:
             for row in report.get("schemes", []):  # segmentation: FP32 / INT8 symmetric / asymmetric
                 line += (f"\n{row['scheme']}: {label} {row[m] * 100:.2f}%, {row['bytes']:,} B, "
                          f"host latency {row['latency_ms_median']:.3f} ms")
+            for row in report.get("engines", []):  # --engine nncf: both engines side by side
+                line += (f"\nengine {row['engine']} ({row['step']}): {label} {row[m] * 100:.2f}%, drop "
+                         f"{row[f'{m}_drop_points']:.2f} points, {len(row['float_layers'])} layer(s) in float, "
+                         f"{row['seconds']:.1f} s: {'PASS' if row['passed'] else 'FAIL: ' + row.get('why', '')}")
             if "activation_scheme" in report:
                 line += f"\nkept: INT8 {report['activation_scheme']} activations"
         print(json.dumps(report) if args.json else line)
@@ -55,7 +61,8 @@ def quantize_command(args) -> int:
                           per_channel=args.per_channel, scheme=args.scheme, calib_samples=args.calib_samples,
                           val_samples=args.val_samples, max_drop=args.max_drop, on_result=show,
                           fallback=args.fallback, max_float_layers=args.max_float_layers,
-                          sensitivity=not args.no_sensitivity, sensitivity_samples=args.sensitivity_samples)
+                          sensitivity=not args.no_sensitivity, sensitivity_samples=args.sensitivity_samples,
+                          engine=args.engine)
     return 0
 
 
@@ -65,6 +72,10 @@ def compile_command(args) -> int:
                              allow_failed_gate=args.allow_failed_gate, tolerance=args.tolerance,
                              calib_files=args.int8_calib, max_drop=args.max_drop).info
         print("\n".join(gpu_routes.build_lines(info)))
+        return 0
+    if args.target == openvino_route.COMPILE_TARGET:  # no TVM options: the IR is OpenVINO's to schedule
+        print(openvino_summary(compile_stage(args.model, args.target, args.out, sample_files=args.samples,
+                                             allow_failed_gate=args.allow_failed_gate, tolerance=args.tolerance).info))
         return 0
     info = compile_stage(
         args.model, args.target, args.out, sample_files=args.samples, allow_failed_gate=args.allow_failed_gate,
@@ -105,7 +116,12 @@ def compile_command(args) -> int:
 
 def package_command(args) -> int:
     info = package_stage(args.compiled, tar=args.out, wheelhouse=args.wheelhouse, with_python=args.with_python,
-                         glibc_floor=args.glibc_floor, sample_files=args.samples, key=args.key).info
+                         glibc_floor=args.glibc_floor, sample_files=args.samples, key=args.key, target=args.target).info
+    if info.get("runtime") == "openvino":
+        print(f"wrote {args.out} ({info['bytes'] / 1e6:.1f} MB, {info['files']} files, signed by key {info['key_id']}, "
+              f"{info['selftest_samples']} golden samples ({info['selftest_source']})); the server runs it with the "
+              f"`openvino` bundle profile; check it with `appliance edge verify {args.out}`")
+        return 0
     print(f"wrote {args.out} ({info['bytes'] / 1e6:.1f} MB, {info['files']} files, signed by key {info['key_id']}, "
           f"glibc >= {info['glibc_floor']}, "
           f"{info['selftest_samples']} golden samples ({info['selftest_source']})"
@@ -134,6 +150,12 @@ def verify_command(args) -> int:
             print(f"{args.package}: python/run.py --selftest ({t['runtime']}, qemu-aarch64): {t['samples']} golden "
                   f"samples: agreement {t['agreement']:.4f}, max logit diff {t['max_abs_diff']:.3g} (allowed "
                   f"{t['allowed_abs_diff']:.3g}): {'PASS' if t['passed'] else 'FAIL'}")
+        if report.get("runtime") == "openvino":  # a server package: measured on this host, no device estimate
+            for hint, b in ((report.get("bench") or {}).get("hints") or {}).items():
+                tp = f", {b['throughput']['inferences_per_s']:.1f} inferences/s" if "throughput" in b else ""
+                print(f"{args.package}: python/run.py --bench --hint {hint} (this host, not gated): {b['runs']} runs: "
+                      f"median {b['median_ms']:.3f} ms, p90 {b['p90_ms']:.3f} ms{tp}")
+            return
         print(f"{args.package}: estimated on the device (qemu block counts x llvm-mca, not a timing): "
               f"{describe_estimate(report.get('device_estimate'))}")
         if report.get("bench"):

@@ -1,6 +1,7 @@
 """`appliance compile` as a stage: every compile target (TVM in appliance.deploy.compiler, the GPU
-routes in appliance.deploy.gpu) builds a model that passed its quantize gate into one directory with
-compile.json, and returns the same typed result, CompileResult (appliance/deploy/compiled.py).
+routes in appliance.deploy.gpu, OpenVINO IR in appliance.deploy.openvino_route) builds a model that
+passed its quantize gate into one directory with compile.json, and returns the same typed result,
+CompileResult (appliance/deploy/compiled.py).
 
 A new target is one entry in BUILDERS (target name -> builder; TVM's builder serves every other
 name, compiler/targets.py lists them): a function (model, target, out_dir, sample_files=..., **options)
@@ -15,10 +16,18 @@ from pathlib import Path
 from appliance.deploy.compiled import COMPILE_JSON, COMPILED_LIBRARY, CompileResult  # noqa: F401 (the stage's names)
 from appliance.deploy.compiler.driver import compile_model
 from appliance.deploy.gpu.routes import compile_gpu
+from appliance.deploy.openvino_route import COMPILE_TARGET as OPENVINO
+from appliance.deploy.openvino_route.build import compile_openvino
 from appliance.deploy.options import GPU_TARGETS
 from appliance.deploy.tolerance import refuse_failed_gate
 
-BUILDERS = {target: compile_gpu for target in GPU_TARGETS}  # cuda-ort, tensorrt
+
+def build_openvino(model, target: str, out_dir, **options):
+    """The OpenVINO IR route as a builder (it has one target, so it takes none)."""
+    return compile_openvino(model, out_dir, **options)
+
+
+BUILDERS = {**{target: compile_gpu for target in GPU_TARGETS}, OPENVINO: build_openvino}  # cuda-ort, tensorrt, openvino
 
 
 def builder_for(target: str):

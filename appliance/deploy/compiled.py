@@ -31,7 +31,9 @@ class CompileResult:
         out_dir = Path(out_dir)
         info = read_result_json(out_dir / COMPILE_JSON)
         builds = info.get("builds") if isinstance(info, dict) else None
-        library = Path(builds[0]["artifact"]) if builds else out_dir / COMPILED_LIBRARY
+        # A GPU route's first build, else the library compile.json names (TVM's model.so, OpenVINO's model.xml).
+        library = (Path(builds[0]["artifact"]) if builds
+                   else out_dir / Path(info.get("library") or COMPILED_LIBRARY).name)
         return cls(out_dir, info["target"], library, info)
 
     @property

@@ -15,6 +15,7 @@ METHODS = ("minmax", "entropy", "percentile")  # INT8 calibration methods
 SCHEMES = ("s8s8", "u8s8")  # INT8 activation/weight types
 BENCH_RUNS = 20  # timed `bin/run --bench` runs under qemu in `edge verify`
 GPU_TARGETS = ("cuda-ort", "tensorrt")  # the GPU routes of `appliance compile` (appliance.deploy.gpu.routes)
+ENGINES = ("ours", "nncf")  # who makes the INT8 model: onnxruntime's quantizer with our fallback, or NNCF
 FALLBACKS = ("auto", "none")  # what `quantize` does when INT8 fails its gate (appliance.deploy.fallback)
 MAX_FLOAT_LAYERS = 10  # layers --fallback auto may keep in float
 # The opsets torch's TorchScript exporter writes (torch.onnx._constants: ONNX_MIN_OPSET and

@@ -13,6 +13,7 @@ into the report either way unless switched off.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from appliance.deploy.accuracy_report import ACCURACY_HTML, ACCURACY_JSON, compa
 from appliance.deploy.fallback import Attempt, find_passing
 from appliance.deploy.int8_builder import METHODS, CalibrationSet, Int8Builder, Recipe, quantized_layers
 from appliance.deploy.onnx_model import image_input, load_onnx, metadata, ort_session, quantize_fp16
-from appliance.deploy.options import FALLBACKS, MAX_FLOAT_LAYERS, SCHEMES
+from appliance.deploy.nncf_engine import nncf_int8, ours_row, require_nncf
+from appliance.deploy.options import ENGINES, FALLBACKS, MAX_FLOAT_LAYERS, SCHEMES
 from appliance.deploy.samples import check_input_shape, load_samples
 from appliance.deploy.sensitivity import ERROR_SAMPLES, measure_sensitivity
 from appliance.core.stage import Figures, flat_figures, read_result_json
@@ -42,14 +44,19 @@ def quantize_int8(model_path: Path, out_path: Path, calib_x, input_name: str, me
 def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="int8", method="minmax",
                    per_channel=False, scheme="s8s8", calib_samples=128, val_samples=1000, max_drop=1.0,
                    fallback="auto", max_float_layers=MAX_FLOAT_LAYERS, sensitivity=True,
-                   sensitivity_samples=ERROR_SAMPLES) -> dict:
+                   sensitivity_samples=ERROR_SAMPLES, engine="ours") -> dict:
     """Quantize, evaluate, write accuracy.json/.html and the manifest; the report says whether the gate passed.
 
     The gate counts the model's task metric (its ONNX model card): top-1 points for classification,
     mIoU points for segmentation, where the symmetric and asymmetric activation schemes are both
-    built and the better one is kept."""
+    built and the better one is kept. engine "nncf": NNCF's INT8 ships (nncf_engine.py), ours is run
+    beside it for the report's `engines` rows."""
     import onnx
 
+    if engine not in ENGINES:
+        raise DataError(f"{model_path}: --engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    if engine == "nncf" and mode == "int8":
+        require_nncf(str(model_path))  # before minutes of calibration
     model_path, out_dir = Path(model_path), Path(out_dir)
     model = load_onnx(model_path)
     inp = image_input(model, model_path)
@@ -68,9 +75,18 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     fp32 = evaluate(ort_session(model_path), val.x, val.y, task)
     clamped, extra = 0, {}
     if mode == "int8":
+        start = time.perf_counter()
         chosen, extra = _int8(model_path, tmp, calib.x, val, inp.name, fp32, scheme, Recipe(method, per_channel),
                               max_drop, fallback, max_float_layers, sensitivity, sensitivity_samples, task)
         method, per_channel = chosen.recipe.method, chosen.recipe.per_channel
+        if engine == "nncf":  # ours measured, then NNCF's model written over it: NNCF's ships
+            ours = ours_row(tmp, extra, time.perf_counter() - start, fp32, val, task, max_drop)
+            theirs = nncf_int8(model_path, tmp, calib.x, val, inp.name, fp32, task, max_drop, fallback,
+                               max_float_layers)
+            extra = {"engine": "nncf", "engines": [ours, theirs], "ours": extra,
+                     "produced_by": f"nncf {theirs['step']}" if theirs["passed"] else "none (gate failed)",
+                     "float_layers": theirs["float_layers"]}
+            method, per_channel, scheme = "nncf", True, "nncf"
     else:
         clamped = quantize_fp16(model, tmp)
     quantized = onnx.load(str(tmp))
@@ -83,18 +99,26 @@ def quantize_model(model_path, calib_files, out_dir, *, val_files=None, mode="in
     report = compare(model_path, out_path, fp32, evaluate(ort_session(out_path), val.x, val.y, task), mode,
                      len(val.x), max_drop, task)
     report.update({"method": method if mode == "int8" else None, "per_channel": per_channel,
-                   "format": f"QDQ {scheme.upper()}{' reduce_range' if scheme == 'u8s8' else ''}" if mode == "int8" else "float16, float32 inputs/outputs",
+                   "format": _format(mode, scheme),
                    "calibration_samples": int(len(calib.x)), "fp16_clamped_weight_warnings": clamped,
                    "validation_source": "calibration data (no --val given)" if not val_files else "--val", **extra})
-    if mode == "int8" and task.compare_schemes:
+    if mode == "int8" and task.compare_schemes and engine == "ours":
         report["activation_scheme"] = "symmetric" if chosen.recipe.symmetric_activations else "asymmetric"
     write_reports(out_dir, report)
     write_manifest(out_dir, "quantize", [model_path, *calib.files, *(val.files if val_files else [])],
                    {"mode": mode, "method": method, "per_channel": per_channel, "scheme": scheme, "calib_samples": calib_samples,
                     "max_drop": max_drop, "fallback": fallback if mode == "int8" else None,
                     "float_layers": extra.get("float_layers", []), "produced_by": extra.get("produced_by"),
-                    "gate_passed": report["gate_passed"]})
+                    "gate_passed": report["gate_passed"], **({"engine": engine} if engine != "ours" else {})})
     return report
+
+
+def _format(mode: str, scheme: str) -> str:
+    if mode != "int8":
+        return "float16, float32 inputs/outputs"
+    if scheme == "nncf":
+        return "QDQ (NNCF: int8 weights per channel, int8/uint8 activations)"
+    return f"QDQ {scheme.upper()}{' reduce_range' if scheme == 'u8s8' else ''}"
 
 
 def _int8(model_path, out_path, calib_x, val, input_name, fp32, scheme, asked: Recipe, max_drop, fallback,

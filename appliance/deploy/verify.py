@@ -34,6 +34,8 @@ from appliance.core.stage import Figures, flat_figures, read_result_json
 from data_tools.preprocessing import PREPROCESSING_KEYS
 from appliance.tasks import task_of_metadata
 from appliance.deploy.verify_pixels import check_class_maps, pixel_figures, segmentation_html
+from appliance.deploy.openvino_route.server_verify import RUNNER as SERVER_RUNNER, is_server_package, run_server_runner
+from appliance.deploy.openvino_route.server_verify import selftest_and_bench as server_selftest_and_bench
 
 VERIFY_JSON = "verify.json"
 VERIFY_HTML = "verify.html"
@@ -45,11 +47,12 @@ BENCH_WARMUP = 3
 
 
 def selftest_line(t: dict) -> str:
+    runner = t.get("runner", "bin/run --selftest (qemu-aarch64)")  # a server package's run.py names itself
     if "error" in t:
-        return f"bin/run --selftest (qemu-aarch64): {t['samples']} golden samples: {t['error']}: FAIL"
+        return f"{runner}: {t['samples']} golden samples: {t['error']}: FAIL"
     diff = "nan" if t["max_abs_diff"] is None else f"{t['max_abs_diff']:.3g}"
     what = "pixel" if "pixel_agreement" in t else "top1"
-    return (f"bin/run --selftest (qemu-aarch64): {t['samples']} golden samples: {what.replace('1', '-1')} agreement "
+    return (f"{runner}: {t['samples']} golden samples: {what.replace('1', '-1')} agreement "
             f"{t[f'{what}_agreement']:.4f}, max logit diff {diff} (allowed {t['allowed_abs_diff']:.3g}): "
             f"{'PASS' if t['passed'] else 'FAIL'}")
 
@@ -192,6 +195,9 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
             root = unpack_checked(package, Path(tmp), pubkey)
             info = read_model_info(root, package)
             python = python or info.get("runtime") == "onnxruntime"  # the Python runner is what runs it
+            if python and is_server_package(info):
+                raise DataError(f"{package}: a server package's runner is python/run.py on this host, checked "
+                                "without --python")
             if python and not (root / "python" / "run.py").is_file():
                 raise DataError(f"{package}: has no Python runner (packaged without --with-python); "
                                 "verify it without --python, or repackage with --with-python")
@@ -205,6 +211,7 @@ def verify_package(package, *, sample_files=None, num_samples=32, min_agreement=
     task, samples, routes, selftest = run["task"], run["samples"], run["routes"], run["selftest"]
     seg = {"task": task.kind, "agreement": "per pixel"} if task.kind == "segmentation" else {}
     report = {"made_by": "appliance edge verify", "package": str(package.resolve()), **seg,
+              **({"runtime": info["runtime"]} if is_server_package(info) else {}),
               "samples": int(len(samples.x)), "sample_source": samples.source, "min_agreement": run["min_agreement"],
               "routes": routes, "glibc_floor": info.get("glibc_floor"), "selftest": selftest, "bench": run["bench"],
               "device_estimate": info.get("device_estimate") or not_estimated("the package's compile.json has none"),
@@ -242,12 +249,19 @@ def _run_routes(root: Path, info: dict, package: Path, sample_files, num_samples
         samples = synthetic_samples(preprocessing, shape[1], 16, shape, package)
     check_input_shape(samples, shape, info["input"]["name"], package)
     host = run_ort(ort_session(root / "reference" / "model.onnx", optimize=False), samples.x)
-    edge, seconds = run_native(root, samples.x, sysroot)
-    routes = [compare_with_host("native runner (qemu-aarch64)", edge, host, seconds, package,
-                                min_agreement, max_logit_diff, samples.y, min_allowed, task)]
+    server = is_server_package(info)  # x86_64-openvino: its python/run.py on this host (openvino_route/)
+    if server:
+        edge, seconds = run_server_runner(root, samples.x)
+    else:
+        edge, seconds = run_native(root, samples.x, sysroot)
+    routes = [compare_with_host(SERVER_RUNNER if server else "native runner (qemu-aarch64)", edge, host, seconds,
+                                package, min_agreement, max_logit_diff, samples.y, min_allowed, task)]
     if task.kind == "segmentation":
         routes[0]["class_maps"] = check_class_maps(root, edge, package)
-    selftest, bench = run_selftest_and_bench(root, sysroot, bench_runs)
+    if server:
+        selftest, bench = server_selftest_and_bench(root, bench_runs)
+    else:
+        selftest, bench = run_selftest_and_bench(root, sysroot, bench_runs)
     python_selftest = None
     if python:
         debs = Path(sysroot_debs) if sysroot_debs else default_debs_dir()
@@ -276,10 +290,12 @@ def device_proof_html(report: dict) -> str:
         parts.append(f"<p>{html.escape(selftest_line(report['selftest']))}</p>")
     if report.get("bench"):
         b = report["bench"]
-        parts.append(f"<p>bin/run --bench under qemu-aarch64 (emulated: not the device's latency, not gated): "
+        what = ("python/run.py --bench, LATENCY hint, on this host (not gated)" if "hints" in b
+                else "bin/run --bench under qemu-aarch64 (emulated: not the device's latency, not gated)")
+        parts.append(f"<p>{what}: "
                      f"{b['runs']} runs, median {b['median_ms']:.2f} ms, p90 {b['p90_ms']:.2f} ms, "
                      f"p99 {b['p99_ms']:.2f} ms, fluctuation {b['fluctuation']:.3f}</p>")
-    if report.get("device_estimate"):
+    if report.get("device_estimate") and report.get("runtime") != "openvino":
         parts.append(f"<p>Estimated on the device's cores (qemu block counts x llvm-mca, one thread, L1 hits only): "
                      f"{html.escape(describe_estimate(report['device_estimate']))}</p>")
     return "".join(parts)
@@ -296,8 +312,10 @@ def verify_html(report: dict) -> str:
                     f"{'PASS' if r['passed'] else 'FAIL'}</td></tr>")
         charts.append(columns_svg(f"max |edge - host| logit per sample: {r['runner']}",
                                   r["max_logit_diff_per_sample"], r["allowed_logit_diff"], PALETTE[i % len(PALETTE)]))
+    where = ("with the package's OpenVINO runner on this host" if report.get("runtime") == "openvino"
+             else "inside the package under qemu-aarch64")
     body = (f"<p>{html.escape(report['package'])}: {report['samples']} {report['sample_source']} samples, each "
-            "run on the host with onnxruntime and inside the package under qemu-aarch64.</p>"
+            f"run on the host with onnxruntime and {where}.</p>"
             f"<table><tr><th>runner</th><th>{'pixel' if report.get('task') == 'segmentation' else 'top-1'} agreement"
             "</th><th>max logit difference</th><th>time</th><th></th></tr>"
             + "".join(rows) + "</table>" + segmentation_html(report) + device_proof_html(report) + "".join(charts))

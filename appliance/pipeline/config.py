@@ -18,7 +18,8 @@ from appliance.core.values import (EPOCHS_AT_LEAST_ONE, FRACTION, PATH, QAT_LR_S
                                    SMALL_COUNT, TOLERANCE, Range, nproc_problem, shown)
 from appliance.deploy.compiler.options import RUNTIMES
 from appliance.deploy.compiler.targets import TARGETS
-from appliance.deploy.options import METHODS, OPSETS
+from appliance.deploy import openvino_route
+from appliance.deploy.options import ENGINES, METHODS, OPSETS
 from data_tools.check.gate import parse_fail_on
 from appliance.train.config import config_from_dict
 from appliance.tune.space import parse_tune
@@ -56,6 +57,7 @@ class QuantizeSection:
     calib_samples: Annotated[int, SAMPLES] = 256
     max_drop: Annotated[float, Range(ge=0, le=100)] = 1.0  # top-1 points
     fallback: str = "auto"  # "auto": other calibrations, then sensitive layers in float; "none": stop at once
+    engine: str = "ours"  # "ours" | "nncf": NNCF's PTQ and accuracy control ship, ours measured beside it
     max_float_layers: Annotated[int, SMALL_COUNT] = 10
     qat: bool = False  # INT8 still over max_drop after fallback: quantization-aware fine-tuning (appliance.pipeline.qat)
     qat_epochs: Annotated[int, EPOCHS_AT_LEAST_ONE] = 2
@@ -71,7 +73,7 @@ class CompileSection:
 
 @dataclass(frozen=True)
 class PackageSection:
-    target: str = "aarch64"
+    target: str = "aarch64"  # or "x86_64-openvino" (a server package of the [compile] target "openvino")
 
 
 @dataclass(frozen=True)
@@ -131,15 +133,18 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
         raise ConfigError(f"{path}: [quantize] method must be {', '.join(METHODS)}, got {shown(q.method)}")
     if nproc_problem(sections["pipeline"].nproc_per_node):  # else refused by the train stage, after the check
         raise ConfigError(f"{path}: [pipeline] nproc_per_node {nproc_problem(sections['pipeline'].nproc_per_node)}")
+    if q.engine not in ENGINES:
+        raise ConfigError(f"{path}: [quantize] engine must be {' or '.join(ENGINES)}, got {shown(q.engine)}")
     if q.fallback not in ("auto", "none"):
         raise ConfigError(f"{path}: [quantize] fallback must be auto or none, got {q.fallback!r}")
     for target in sections["compile"].targets:
-        if target not in TARGETS:
-            raise ConfigError(f"{path}: [compile] unknown target {target!r} ({', '.join(TARGETS)})")
+        if target not in TARGETS and target != openvino_route.COMPILE_TARGET:
+            raise ConfigError(f"{path}: [compile] unknown target {target!r} "
+                              f"({', '.join([*TARGETS, openvino_route.COMPILE_TARGET])})")
     if sections["compile"].runtime not in RUNTIMES:
         raise ConfigError(f"{path}: [compile] runtime must be one of {', '.join(RUNTIMES)}, got "
                           f"{sections['compile'].runtime!r}")
-    if sections["package"].target not in sections["compile"].targets:
+    if openvino_route.compile_target_of(sections["package"].target) not in sections["compile"].targets:
         raise ConfigError(f"{path}: [package] target {sections['package'].target!r} is not among "
                           f"[compile] targets {list(sections['compile'].targets)}")
     if sections["deploy"].latency_core not in ("cortex-a76", "cortex-a55"):

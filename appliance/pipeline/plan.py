@@ -12,6 +12,7 @@ from pathlib import Path
 
 from appliance.core.stage import StageResult
 from appliance.deploy.compile import CompileResult, compile_stage
+from appliance.deploy.openvino_route import compile_target_of
 from appliance.deploy.export import ExportResult, export_stage
 from appliance.deploy.package import PackageResult, package_stage
 from appliance.deploy.quantize import QuantizeResult, quantize_stage
@@ -151,7 +152,8 @@ class QuantizeStage(Stage):
         try:
             return quantize_stage(res.export.model, res.data("train"), res.data("val"), out_dir, mode=q.mode,
                                   method=q.method, per_channel=q.per_channel, calib_samples=q.calib_samples,
-                                  max_drop=q.max_drop, fallback=q.fallback, max_float_layers=q.max_float_layers)
+                                  max_drop=q.max_drop, fallback=q.fallback, max_float_layers=q.max_float_layers,
+                                  engine=q.engine)
         except GateFailed:  # PTQ and fallback missed the gate: QAT next, if enabled
             if not (q.qat and q.mode == "int8"):
                 raise
@@ -178,11 +180,12 @@ class CompileStage(Stage):
 
 class PackageStage(Stage):
     def inputs(self, res: Results) -> list[Path]:
-        build = res.compiled[res.cfg.package.target]
+        build = res.compiled[compile_target_of(res.cfg.package.target)]
         return [build.library, build.report]
 
     def action(self, out_dir: Path, res: Results) -> PackageResult:
-        return package_stage(res.compiled[res.cfg.package.target], out_dir, sample_files=res.data("val"))
+        return package_stage(res.compiled[compile_target_of(res.cfg.package.target)], out_dir,
+                             sample_files=res.data("val"))
 
 
 class VerifyStage(Stage):
@@ -223,7 +226,9 @@ def plan(cfg: PipelineConfig) -> list[Stage]:
     stages.append(GateStage("gate", out / "gate", asdict(thresholds), GateResult))
     stages.append(ExportStage("export", out / "export", asdict(cfg.export), ExportResult))
     if cfg.quantize.mode != "none":
-        stages.append(QuantizeStage("quantize", out / "quantize", asdict(cfg.quantize), QuantizeResult))
+        # engine "ours" (the default) is left out, so a run made before the key existed is not redone
+        params = {k: v for k, v in asdict(cfg.quantize).items() if (k, v) != ("engine", "ours")}
+        stages.append(QuantizeStage("quantize", out / "quantize", params, QuantizeResult))
     for target in cfg.compile.targets:
         stages.append(CompileStage(f"compile-{target}", out / f"compile-{target}",
                                    {"target": target, "device_estimate": cfg.compile.device_estimate,

@@ -107,7 +107,7 @@ def test_build_lists_every_missing_or_mismatched_wheel_and_writes_nothing(tmp_pa
 def test_unknown_profile_and_foreign_lock_are_one_line_errors(tmp_path):
     proc = bundle_kit.build(tmp_path / "out", "--profile", "nope", cache=tmp_path / "cache")
     assert proc.returncode == 2
-    assert proc.stderr.strip().endswith("no profile 'nope' (profiles: edge-aarch64, midsize, test, trainer-cpu, trainer-cuda)")
+    assert proc.stderr.strip().endswith("no profile 'nope' (profiles: edge-aarch64, midsize, openvino, test, trainer-cpu, trainer-cuda)")
 
     src = bundle_kit.source_copy(tmp_path, "0.1.0")
     lock = src / "manifests" / "test.lock"
@@ -131,7 +131,7 @@ def test_keygen_writes_a_private_secret_key_and_never_overwrites(tmp_path):
     assert (tmp_path / "k.key").read_bytes() == before
 
 
-@pytest.mark.parametrize("name", ["trainer-cuda", "trainer-cpu", "edge-aarch64", "test", "midsize"])
+@pytest.mark.parametrize("name", ["trainer-cuda", "trainer-cpu", "edge-aarch64", "test", "midsize", "openvino"])
 def test_every_profile_is_declared_with_its_platform_lock(name):
     from appliance.bundle.profiles import load_profiles, read_lock
     from conftest import ROOT
@@ -149,6 +149,9 @@ def test_every_profile_is_declared_with_its_platform_lock(name):
         assert profile.cuda_major == 13 and pins["nvidia-cuda-runtime"].startswith("13.")
     if name == "edge-aarch64":
         assert profile.arch == "aarch64" and not profile.install
+    if name == "openvino":  # an x86 server runs x86_64-openvino packages with this profile's venv
+        assert profile.arch == "x86_64" and profile.install and pins["openvino"].startswith("2026.4.")
+        assert pins["nncf"] == "3.4.0" and "onnxruntime" in pins
 
 
 def test_a_pin_with_no_wheel_for_one_of_the_pythons_is_named_before_anything_is_written(tmp_path, tmp_path_factory):

@@ -37,6 +37,8 @@ def test_defaults_and_output_dir(tmp_path):
     ("[compile]\ntargets = ['riscv']\n", "unknown target 'riscv'"),
     ("[compile]\nruntime = 'ort'\n", "[compile] runtime must be one of auto, tvm, onnxruntime, got 'ort'"),
     ("[package]\ntarget = 'aarch64'\n[compile]\ntargets = ['x86_64']\n", "is not among [compile] targets"),
+    ("[package]\ntarget = 'x86_64-openvino'\n[compile]\ntargets = ['x86_64']\n", "is not among [compile] targets"),
+    ("[package]\ntarget = 'x86_64'\n", "[package] target must be aarch64 or x86_64-openvino, got 'x86_64'"),
     ("[deploi]\nx = 1\n", "unknown section [deploi]"),
     # The training sections are checked as a training config when the pipeline config loads.
     ("[optimizer]\nlrr = 0.1\n", "[optimizer] unknown key 'lrr'"),
@@ -48,6 +50,12 @@ def test_mistakes_name_the_file_and_key(tmp_path, extra, message):
     with pytest.raises(ConfigError) as err:
         load_pipeline_config(path)
     assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_the_openvino_route_is_a_compile_and_package_target(tmp_path):
+    cfg = load_pipeline_config(write(tmp_path, BASE + "[compile]\ntargets = ['openvino']\n"
+                                     "[package]\ntarget = 'x86_64-openvino'\n"))
+    assert cfg.compile.targets == ("openvino",) and cfg.package.target == "x86_64-openvino"
 
 
 def test_training_files_are_resolved_at_load(tmp_path):
@@ -90,3 +98,16 @@ def test_numbers_and_gates_are_checked_at_load_naming_the_config_key(tmp_path, e
         load_pipeline_config(path)
     assert str(err.value).startswith(f"{path.resolve()}: {message}"), str(err.value)
     assert "--fail-on" not in str(err.value)
+
+
+def test_the_quantize_engine_is_a_stage_parameter_only_when_it_is_not_the_default(tmp_path):
+    """A run quantized before `[quantize] engine` existed keeps its fingerprint; nncf reruns quantize."""
+    from appliance.pipeline.plan import plan
+
+    def quantize_params(extra):
+        return next(s for s in plan(load_pipeline_config(write(tmp_path, BASE + extra))) if s.name == "quantize").params
+
+    assert "engine" not in quantize_params("")
+    assert quantize_params("[quantize]\nengine = 'nncf'\n")["engine"] == "nncf"
+    with pytest.raises(ConfigError, match=r"\[quantize\] engine must be ours or nncf, got 'onnx'"):
+        load_pipeline_config(write(tmp_path, BASE + "[quantize]\nengine = 'onnx'\n"))
