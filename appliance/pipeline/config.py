@@ -144,6 +144,9 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     if sections["compile"].runtime not in RUNTIMES:
         raise ConfigError(f"{path}: [compile] runtime must be one of {', '.join(RUNTIMES)}, got "
                           f"{sections['compile'].runtime!r}")
+    if sections["package"].target not in ("aarch64", openvino_route.PACKAGE_TARGET):
+        raise ConfigError(f"{path}: [package] target must be aarch64 or {openvino_route.PACKAGE_TARGET}, "
+                          f"got {shown(sections['package'].target)}")
     if openvino_route.compile_target_of(sections["package"].target) not in sections["compile"].targets:
         raise ConfigError(f"{path}: [package] target {sections['package'].target!r} is not among "
                           f"[compile] targets {list(sections['compile'].targets)}")

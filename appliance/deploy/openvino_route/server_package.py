@@ -52,7 +52,7 @@ def check_package_target(compiled: Path, package_target: str | None) -> None:
     if (package_target == PACKAGE_TARGET) != (built == COMPILE_TARGET):
         want = f"`appliance compile --target {COMPILE_TARGET}`" if package_target == PACKAGE_TARGET else \
             "`appliance compile --target aarch64`"
-        raise DataError(f"{Path(compiled) / 'compile.json'}: compiled for {built}, not for --target {package_target} "
+        raise DataError(f"{Path(compiled) / COMPILE_JSON}: compiled for {built}, not for --target {package_target} "
                         f"(package a build of {want})")
 
 
