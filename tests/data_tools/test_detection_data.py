@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from appliance import cli
+from data_tools.check.run import run_check
 from data_tools.convert_boxes import convert_boxes, read_coco
 from data_tools.detection import BoxProblem, LABEL_KEY, TEXT_KEY, read_boxes, read_detection_example
 from data_tools.example import decode_example
@@ -150,6 +151,8 @@ with tf.io.TFRecordWriter(job["path"]) as w:
         xmin = [0.1 + 0.3 * j for j in range(k)]; ymin = [0.2] * k
         xmax = [x + 0.2 for x in xmin]; ymax = [0.7] * k
         labels = [1 + j % 2 for j in range(k)]
+        if i == job["bad"]:
+            xmin, xmax = xmax, xmin
         enc = tf.io.encode_jpeg(image, quality=95) if i % 2 else tf.io.encode_png(image)
         w.write(tf.train.Example(features=tf.train.Features(feature={
             "image/encoded": b([enc.numpy()]), "image/format": b([b"jpeg" if i % 2 else b"png"]),
@@ -183,15 +186,23 @@ print(json.dumps(out))
 
 def test_tensorflow_written_detection_records_read_back(tmp_path, interop_python):
     data = tmp_path / "tf-od.tfrecord"
-    done = subprocess.run([str(interop_python), "-c", TF_WRITE_OD, json.dumps({"path": str(data), "n": 6})],
+    done = subprocess.run([str(interop_python), "-c", TF_WRITE_OD, json.dumps({"path": str(data), "n": 6, "bad": 4})],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for i, record in enumerate(read_records(data)):
+        if i == 4:
+            with pytest.raises(BoxProblem, match="xmin >= xmax"):
+                read_detection_example(record)
+            continue
         image, boxes, labels = read_detection_example(record, num_classes=2)
         assert Image.open(io.BytesIO(image)).size == (30, 20 + i % 3)
         k = i % 3
         assert boxes.shape == (k, 4) and list(labels) == [1 + j % 2 for j in range(k)]
         assert np.allclose(boxes, [[0.1 + 0.3 * j, 0.2, 0.3 + 0.3 * j, 0.7] for j in range(k)] or np.zeros((0, 4)))
+    report, status = run_check([(str(data), None)], tmp_path / "chk", progress=False, num_classes=2)
+    assert status == 0 and report["checks"]["box_inverted"] == 1 and report["records_quarantined"] == 1
+    det = report["detection"]
+    assert det["images_without_boxes"] == 2 and det["boxes_per_class"] == {"1": 3, "2": 2}
 
 
 def test_tensorflow_reads_the_records_we_write(tmp_path, interop_python):
