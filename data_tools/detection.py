@@ -19,6 +19,8 @@ import math
 
 import numpy as np
 
+from data_tools.example import decode_example, encode_example
+
 IMAGE_KEY = "image/encoded"
 BOX_KEYS = ("image/object/bbox/xmin", "image/object/bbox/ymin", "image/object/bbox/xmax", "image/object/bbox/ymax")
 LABEL_KEY = "image/object/class/label"
@@ -47,8 +49,6 @@ def encode_detection_example(image: bytes, image_format: str, height: int, width
                              texts=None, filename: str | None = None, source_id: str | None = None,
                              difficult=None, is_crowd=None) -> bytes:
     """One Object Detection API record. boxes: (N, 4) xmin, ymin, xmax, ymax normalised; labels: N ints from 1."""
-    from data_tools.example import encode_example  # late: tasks read this module's keys in `appliance --help`
-
     boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
     features = {IMAGE_KEY: image, "image/format": image_format, "image/height": int(height),
                 "image/width": int(width)}
@@ -116,7 +116,5 @@ def _shown(box) -> str:
 
 def read_detection_example(data: bytes, num_classes: int | None = None):
     """(image bytes, (N, 4) boxes, (N,) labels) of one record's bytes; BoxProblem if its boxes are bad."""
-    from data_tools.example import decode_example  # late: see encode_detection_example
-
     example = decode_example(data)
     return example[IMAGE_KEY][0], *read_boxes(example, num_classes)

@@ -172,6 +172,11 @@ STRING_IMPORTS = {
     ("appliance.train.launcher", "appliance.train.agent"): "run as `python -m` under torchrun: a process",
     ("appliance.train.launcher", "appliance.train.loop"): "each worker runs `python -m` under torchrun: a process",
     ("appliance.pipeline.demo", "appliance.pipeline"): "importlib.resources: the demo's pipeline config",
+    ("appliance.tasks.detection", "appliance.tasks.detection_training"): "detection's torch side (samples, model, "
+                                                                           "loss), imported when training runs",
+    ("appliance.tasks.detection", "appliance.tasks.detection_metrics"): "detection's numpy side (COCO mAP, the gate), "
+                                                                          "imported when figures are asked for",
+    ("data_tools.augment_boxes", "data_tools.augment"): "a logger's name: joint augmentation logs with the image augmentation",
     ("data_tools.augment_masks", "data_tools.augment"): "a logger's name: joint augmentation logs with the image augmentation",
 }
 

@@ -36,8 +36,7 @@ MONITORED = ("val_loss", "val_acc")  # what an evaluation records, so what [chec
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Upper bounds: far above any real run, low enough that a typo cannot ask for terabytes.
 MAX_IMAGE_SIZE = 4096  # pixels per side of the model's input
-MAX_BATCH = 65536
-MAX_WORKERS = 256
+MAX_BATCH, MAX_WORKERS = 65536, 256
 MAX_FREE_GB = 1_000_000.0  # 1 PB
 
 
@@ -114,11 +113,13 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class TaskSection:
-    """What the model learns (appliance/tasks/): one class per image, or one per pixel."""
-
-    kind: str = "classification"  # or "segmentation"
+    """What the model learns (appliance/tasks/): one class per image, one per pixel, or boxes and their classes."""
+    kind: str = "classification"  # or "segmentation", "detection"
     ignore_label: Annotated[int, Range(ge=0, le=255)] = 255  # segmentation: mask pixels that count for nothing
     class_weights: tuple[Annotated[float, POSITIVE], ...] = ()  # segmentation: per-class loss weights
+    score_threshold: Annotated[float, Range(ge=0, le=1)] = 0.05  # detection: boxes scoring at most this are dropped
+    iou_threshold: Annotated[float, Range(ge=0, le=1)] = 0.5  # detection: NMS drops a box overlapping a kept one more
+    max_detections: Annotated[int, Range(ge=1, le=10000)] = 100  # detection: boxes kept per image
 
 
 @dataclass(frozen=True)
