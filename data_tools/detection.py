@@ -59,7 +59,8 @@ def encode_detection_example(image: bytes, image_format: str, height: int, width
     for i, key in enumerate(BOX_KEYS):
         features[key] = boxes[:, i].copy()
     features[LABEL_KEY] = np.asarray(labels, dtype=np.int64).reshape(-1)
-    features[TEXT_KEY] = np.asarray([t.encode() if isinstance(t, str) else t for t in (texts or [])], dtype=object)
+    if texts is not None:
+        features[TEXT_KEY] = np.asarray([t.encode() if isinstance(t, str) else t for t in texts], dtype=object)
     if difficult is not None:
         features[DIFFICULT_KEY] = np.asarray(difficult, dtype=np.int64).reshape(-1)
     if is_crowd is not None:

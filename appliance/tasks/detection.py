@@ -15,6 +15,7 @@ import importlib
 
 TRAINING = "appliance.tasks.detection_training"  # torch: samples, model, loss, the validation's boxes
 FIGURES = "appliance.tasks.detection_metrics"  # numpy + faster-coco-eval: mAP and the gate
+DECODING = "appliance.tasks.detection_decode"  # numpy: raw outputs -> boxes, the host's implementation
 DETECTION_ARCHITECTURES = ("fcos_tiny",)
 
 
@@ -79,6 +80,27 @@ class Detection:
 
     # ---- deploy: the metric the quantize gate and verify count ----
     metric, metric_label = "map50", "mAP@.5"
+    compare_schemes = False  # quantize measures the asked --scheme only
+
+    def constants(self) -> dict:
+        return {"score_threshold": self.score_threshold, "iou_threshold": self.iou_threshold,
+                "max_detections": self.max_detections}
+
+    def agreement(self, a, b) -> float:
+        """Share of boxes two runtimes agree on (decoded; same class, IoU >= 0.9)."""
+        return _side(DECODING).box_agreement(a, b, self.stride, self.constants())
+
+    def score(self, raw, targets) -> float:
+        """mAP@.5 of raw [N, P, 5 + K] outputs against padded targets [N, M, 5] (label 0: padding)."""
+        return self.figures(raw, targets)["map50"]
+
+    def figures(self, raw, targets) -> dict:
+        decoding, figures = _side(DECODING), _side(FIGURES)
+        spec = decoding.spec_of_raw(raw, self.stride, self.constants())
+        size, k = spec["image_size"], spec["num_classes"]
+        truths = [(t[t[:, 0] > 0][:, 1:] * size, t[t[:, 0] > 0][:, 0].astype("int64")) for t in targets]
+        f = figures.map_figures(figures.detection_rows(truths, decoding.decode(raw, spec), k, size))
+        return {"map50": f["map50"], "map": f["map"], "ap50": list(f["ap50"].values())}
     agreement_label = "boxes matched (same class, IoU >= 0.9)"
     agreement_key = "box_agreement"
     min_agreement = 0.99

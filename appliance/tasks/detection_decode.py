@@ -91,3 +91,33 @@ def iou(a: np.ndarray, b: np.ndarray) -> float:
 def decode(raw: np.ndarray, spec: dict) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """decode_image of each image of raw [N, P, 5 + K]."""
     return [decode_image(r, spec) for r in np.asarray(raw)]
+
+
+def match_share(a: tuple, b: tuple, min_iou: float = 0.9) -> tuple[int, int]:
+    """(boxes of a matched one to one in b with the same class and IoU >= min_iou, the larger count)
+    of two decode_image results, greedily in a's score order."""
+    used = set()
+    matched = 0
+    for box, label in zip(a[0], a[2]):
+        for j, (other, other_label) in enumerate(zip(b[0], b[2])):
+            if j not in used and other_label == label and iou(box, other) >= min_iou:
+                used.add(j)
+                matched += 1
+                break
+    return matched, max(len(a[0]), len(b[0]))
+
+
+def spec_of_raw(raw: np.ndarray, stride: int, constants: dict) -> dict:
+    """The decoding spec of raw [N, P, 5 + K] outputs of a square stride-`stride` grid."""
+    grid = int(round(np.sqrt(raw.shape[1])))
+    return decoding_spec(grid * stride, stride, raw.shape[2] - 5, **constants)
+
+
+def box_agreement(a: np.ndarray, b: np.ndarray, stride: int = 8, constants: dict | None = None) -> float:
+    """Share of boxes that agree between two runtimes' raw outputs (same class, IoU >= 0.9); 1 when neither has any."""
+    spec = spec_of_raw(np.asarray(a), stride, constants or {})
+    matched = total = 0
+    for x, y in zip(decode(a, spec), decode(b, spec)):
+        m, n = match_share(x, y)
+        matched, total = matched + m, total + n
+    return matched / total if total else 1.0
