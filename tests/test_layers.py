@@ -176,6 +176,8 @@ STRING_IMPORTS = {
                                                                            "loss), imported when training runs",
     ("appliance.tasks.detection", "appliance.tasks.detection_metrics"): "detection's numpy side (COCO mAP, the gate), "
                                                                           "imported when figures are asked for",
+    ("appliance.tasks.detection", "appliance.tasks.detection_decode"): "detection's decoding (numpy), imported when "
+                                                                         "a deploy stage scores raw outputs",
     ("data_tools.augment_boxes", "data_tools.augment"): "a logger's name: joint augmentation logs with the image augmentation",
     ("data_tools.augment_masks", "data_tools.augment"): "a logger's name: joint augmentation logs with the image augmentation",
 }
