@@ -82,3 +82,14 @@ def test_int8_gate_counts_map50_points(det_export, tmp_path):
     int8 = run_ort(ort_session(tmp_path / "model.int8.onnx"), samples.x)
     assert det.score(int8, samples.y) == pytest.approx(report["quantized"]["map50"])
     assert report["map50_drop_points"] == pytest.approx((report["fp32"]["map50"] - report["quantized"]["map50"]) * 100)
+
+
+@pytest.mark.slow  # a TVM build
+def test_x86_build_is_checked_on_decoded_boxes_against_onnxruntime(det_export, tmp_path):
+    from appliance.deploy.compiler.driver import compile_model
+
+    export, _, val = det_export
+    info = compile_model(export / "model.onnx", "x86_64", tmp_path, sample_files=[val])
+    check = info["check"]
+    assert check["task"] == "detection" and check["passed"] and check["samples"] == 24
+    assert check["box_agreement"] >= check["min_box_agreement"] == 0.99
