@@ -171,6 +171,11 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
              "passed": bool(agreement >= min_agreement and diff <= allowed)}
     if task is not None and task.kind == "segmentation":
         route.update(pixel_figures(edge, host, labels, task))
+    elif task is not None and task.kind == "detection":  # the device's boxes matched to the host's
+        route.update({"box_agreement": task.agreement(edge, host), "passed": diff <= allowed})
+        route["passed"] = bool(route["passed"] and route["box_agreement"] >= min_agreement)
+        if labels is not None:
+            route.update({"map50": task.score(edge, labels), "host_map50": task.score(host, labels)})
     elif labels is not None:  # the accuracy on ARM beside the host's on the same samples
         route.update({"top1": float((edge.argmax(1) == labels).mean()),
                       "host_top1": float((host.argmax(1) == labels).mean())})

@@ -93,3 +93,19 @@ def test_x86_build_is_checked_on_decoded_boxes_against_onnxruntime(det_export, t
     check = info["check"]
     assert check["task"] == "detection" and check["passed"] and check["samples"] == 24
     assert check["box_agreement"] >= check["min_box_agreement"] == 0.99
+
+
+def test_verify_matches_device_boxes_to_host_boxes(det_export):
+    from appliance.deploy.onnx_model import ort_session, run_ort
+    from appliance.deploy.verify import compare_with_host
+
+    export, _, val = det_export
+    det = task_for({"kind": "detection"})
+    samples = load_samples([val], PRE)
+    host = run_ort(ort_session(export / "model.onnx"), samples.x)
+    route = compare_with_host("device", host.copy(), host, 1.0, "p.tar", det.min_agreement, 10.0, samples.y, task=det)
+    assert route["box_agreement"] == 1.0 and route["passed"] and route["map50"] == route["host_map50"] > 0.3
+    moved = host.copy()
+    moved[:12, :, :4] += 0.5  # half the images' boxes grow 1.6 times each way: no longer matched
+    route = compare_with_host("device", moved, host, 1.0, "p.tar", det.min_agreement, 10.0, samples.y, task=det)
+    assert route["box_agreement"] < 0.99 and not route["passed"] and route["map50"] < route["host_map50"]
