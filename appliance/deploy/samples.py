@@ -69,7 +69,7 @@ def _load_tensors(path: Path, limit: int | None) -> Samples:
 
 
 def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -> Samples:
-    xs, ys = [], []
+    xs, ys, kinds = [], [], set()
     for f in files:
         for number, record in enumerate(read_records(f, strict=True)):
             if limit and len(xs) >= limit:
@@ -90,14 +90,15 @@ def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -
                 xs.append(preprocess_image(features[IMAGE_KEY][0], preprocessing))
             except Exception as err:
                 raise DataError(f"{f}: record {number}: {IMAGE_KEY} is not a decodable image ({err})") from None
+            kinds.add(target)
             ys.append(int(features[LABEL_KEY][0]) if target == LABEL_KEY
                       else _mask(features[MASK_KEY][0], int(preprocessing["image_size"]), f, number)
                       if target == MASK_KEY else _boxes(features, f, number))
     if not xs:
         raise DataError(f"{files[0]}: no image examples found")
-    if len({type(y) for y in ys}) > 1 or len({np.ndim(y) for y in ys}) > 1:
+    if len(kinds) > 1:
         raise DataError(f"{files[0]}: mixes labelled, masked and boxed records")
-    if np.ndim(ys[0]) == 2:  # detection: rows [label, xmin, ymin, xmax, ymax] padded to the most boxes
+    if kinds == {BOX_LABEL_KEY}:  # detection: rows [label, xmin, ymin, xmax, ymax] padded to the most boxes
         padded = np.zeros((len(ys), max([1] + [len(y) for y in ys]), 5), np.float32)
         for i, y in enumerate(ys):
             padded[i, :len(y)] = y
