@@ -224,7 +224,8 @@ def unlisted_string_imports(root: Path = ROOT) -> list[str]:
 
 # The pipeline composes typed results: it may name its own files only, never a stage's.
 PIPELINE = "appliance.pipeline"
-PIPELINE_OWN_FILES = {"summary.json", "index.html", "pipeline.toml", "demo.toml", "demo_segmentation.toml"}
+PIPELINE_OWN_FILES = {"summary.json", "index.html", "pipeline.toml", "demo.toml", "demo_segmentation.toml",
+                      "demo_detection.toml"}
 FILE_NAME = re.compile(r"(?:^|/)([\w-][\w.-]*\.(?:json|jsonl|html|onnx|so|tar|npz|npy|toml|index|tfrecord|safetensors|"
                        r"png|csv|txt))$")
 FILE_CONSTANT = re.compile(r"[A-Z][A-Z0-9_]*_(?:JSON|HTML|NAME|LIBRARY|MODEL|FILE|DIR)")
