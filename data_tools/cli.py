@@ -64,6 +64,12 @@ def register(subparsers) -> None:
                    help="segmentation: IMAGE_DIR holds the images, MASK_DIR a class-id PNG per image (same stem); "
                    "written in TensorFlow DeepLab's record convention. A SOURCE holding just images/ and masks/ "
                    "is taken as such a pair")
+    p.add_argument("--coco", metavar="JSON", default=None,
+                   help="detection: IMAGE_DIR holds the images a COCO instances JSON names; written in the "
+                   "TensorFlow Object Detection API's record convention (categories -> labels 1..K)")
+    p.add_argument("--voc", action="store_true",
+                   help="detection: SOURCE is a Pascal VOC folder (Annotations/*.xml + JPEGImages/); a SOURCE "
+                   "holding both is taken as one without the flag")
     p.set_defaults(func="data_tools.commands:convert")
 
     for name in DATA_VERB_MODULES:

@@ -16,6 +16,7 @@ from appliance.core.inputs import require_file
 from appliance.core.manifest import read_manifest
 from appliance.core.progress import Progress
 from data_tools import convert as conversion, example, index, tfrecord
+from data_tools.convert_boxes import convert_boxes, is_voc_folder, read_coco, read_voc
 from data_tools.convert_masks import convert_mask_folders, find_pairs, is_mask_folder_pair
 
 
@@ -102,6 +103,8 @@ def convert(args) -> int:
     if len(args.sources) != 1:
         raise DataError("convert takes one IMAGE_DIR (or several files with --decompress)")
     conversion.check_val_fraction(args.val_fraction)
+    if args.coco or args.voc or is_voc_folder(args.sources[0]):
+        return convert_detection(args)
     if args.masks or is_mask_folder_pair(args.sources[0]):
         return convert_masks(args)
     _, images = conversion.find_images(args.sources[0])
@@ -132,6 +135,30 @@ def convert_masks(args) -> int:
         paths = convert_mask_folders(images_dir, masks_dir, args.out, shards=args.shards, prefix=args.prefix,
                                      seed=args.seed, progress=bar.update, val_fraction=args.val_fraction)
     print(f"{len(pairs)} image/mask pairs -> {len(paths)} shards in {args.out} (DeepLab segmentation records)")
+    if args.val_fraction:
+        split = read_manifest(args.out)["params"]["split"]
+        print(f"  train {split['counts']['train']}, val {split['counts']['val']} "
+              f"({len(split['groups_kept_together'])} groups of near-duplicate images kept on one side)")
+    return 0
+
+
+def convert_detection(args) -> int:
+    """`data convert IMAGES --coco JSON` or `data convert VOC_FOLDER [--voc]`: Object Detection API records."""
+    source = Path(args.sources[0])
+    if args.coco:
+        classes, items = read_coco(args.coco, source)
+        described = {"coco": str(args.coco), "images_dir": str(source)}
+    else:
+        if not is_voc_folder(source):
+            raise DataError(f"{source}: not a Pascal VOC folder (expected Annotations/ and JPEGImages/)")
+        classes, items = read_voc(source)
+        described = {"voc": str(source)}
+    with Progress(total=len(items), desc="convert", unit="img") as bar:
+        paths = convert_boxes(classes, items, args.out, described, shards=args.shards, prefix=args.prefix,
+                              seed=args.seed, progress=bar.update, val_fraction=args.val_fraction)
+    boxes = sum(len(item.labels) for item in items)
+    print(f"{len(items)} images, {boxes} boxes of {len(classes)} classes -> {len(paths)} shards in {args.out} "
+          "(Object Detection API records; label_map.pbtxt)")
     if args.val_fraction:
         split = read_manifest(args.out)["params"]["split"]
         print(f"  train {split['counts']['train']}, val {split['counts']['val']} "

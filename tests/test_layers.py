@@ -184,6 +184,13 @@ STRING_IMPORTS = {
     ("appliance.train.launcher", "appliance.train.agent"): "run as `python -m` under torchrun: a process",
     ("appliance.train.launcher", "appliance.train.loop"): "each worker runs `python -m` under torchrun: a process",
     ("appliance.pipeline.demo", "appliance.pipeline"): "importlib.resources: the demo's pipeline config",
+    ("appliance.tasks.detection", "appliance.tasks.detection_training"): "detection's torch side (samples, model, "
+                                                                           "loss), imported when training runs",
+    ("appliance.tasks.detection", "appliance.tasks.detection_metrics"): "detection's numpy side (COCO mAP, the gate), "
+                                                                          "imported when figures are asked for",
+    ("appliance.tasks.detection", "appliance.tasks.detection_decode"): "detection's decoding (numpy), imported when "
+                                                                         "a deploy stage scores raw outputs",
+    ("data_tools.augment_boxes", "data_tools.augment"): "a logger's name: joint augmentation logs with the image augmentation",
     ("data_tools.augment_masks", "data_tools.augment"): "a logger's name: joint augmentation logs with the image augmentation",
 }
 
@@ -229,7 +236,8 @@ def unlisted_string_imports(root: Path = ROOT) -> list[str]:
 
 # The pipeline composes typed results: it may name its own files only, never a stage's.
 PIPELINE = "appliance.pipeline"
-PIPELINE_OWN_FILES = {"summary.json", "index.html", "pipeline.toml", "demo.toml", "demo_segmentation.toml"}
+PIPELINE_OWN_FILES = {"summary.json", "index.html", "pipeline.toml", "demo.toml", "demo_segmentation.toml",
+                      "demo_detection.toml"}
 FILE_NAME = re.compile(r"(?:^|/)([\w-][\w.-]*\.(?:json|jsonl|html|onnx|so|tar|npz|npy|toml|index|tfrecord|safetensors|"
                        r"png|csv|txt))$")
 FILE_CONSTANT = re.compile(r"[A-Z][A-Z0-9_]*_(?:JSON|HTML|NAME|LIBRARY|MODEL|FILE|DIR)")

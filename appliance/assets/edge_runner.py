@@ -27,7 +27,7 @@ from appliance.core.errors import EnvironmentProblem
 from appliance.core.manifest import sha256_file
 
 RUNNER_SOURCE = Path(__file__).resolve().parents[1] / "deploy" / "edge" / "runner.cc"
-RUNNER_HEADERS = ("signature.h", "hashes.h", "class_map_png.h", "cores.h")  # beside runner.cc, included by it: the device-side verifier, the PNG writer, the core placement
+RUNNER_HEADERS = ("signature.h", "hashes.h", "class_map_png.h", "cores.h", "detection_decode.h")  # beside runner.cc, included by it: the device-side verifier, the PNG writer, the core placement, detection decoding
 RUNTIME_LIBS = {"apache_tvm-": "tvm/lib/libtvm_runtime.so", "apache_tvm_ffi-": "tvm_ffi/lib/libtvm_ffi.so"}
 HEADERS = "tvm_ffi/include"  # under the sdk folder extract_runtime fills
 DEFAULT_GLIBC_FLOOR = "2.28"

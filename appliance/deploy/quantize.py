@@ -140,7 +140,8 @@ def _int8(model_path, out_path, calib_x, val, input_name, fp32, scheme, asked: R
         builder.build(candidate, recipe)
         layers = quantized_layers(load_onnx(candidate))
         return measure_sensitivity(builder, recipe, layers, fp32["logits"], val.x, val.y, out_path.parent,
-                                   error_samples=sensitivity_samples)
+                                   error_samples=sensitivity_samples,
+                                   score=task.score if task.kind == "detection" else None)
 
     with Int8Builder(model_path, calib_x, input_name, scheme) as builder:
         try:

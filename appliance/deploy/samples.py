@@ -18,6 +18,7 @@ from data_tools.preprocessing import preprocess_image
 from appliance.core.errors import DataError
 from data_tools.example import decode_example
 from data_tools.image_decode import ImageProblem, decode_image
+from data_tools.detection import BOX_KEYS, LABEL_KEY as BOX_LABEL_KEY, PER_BOX_KEYS, BoxProblem, read_boxes
 from data_tools.segmentation import MASK_KEY, MaskProblem, decode_mask
 from data_tools.tfrecord import read_records
 
@@ -77,16 +78,20 @@ def _load_tensors(path: Path, limit: int | None) -> Samples:
 
 
 def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -> Samples:
-    xs, ys = [], []
+    xs, ys, kinds = [], [], set()
     for f in files:
         for number, record in enumerate(read_records(f, strict=True)):
             if limit and len(xs) >= limit:
                 break
             try:
-                features = decode_example(bytes(record), keys=[IMAGE_KEY, LABEL_KEY, MASK_KEY])
+                features = decode_example(bytes(record), keys=[IMAGE_KEY, LABEL_KEY, MASK_KEY, *PER_BOX_KEYS])
             except Exception as err:
                 raise DataError(f"{f}: record {number}: not a tf.train.Example ({err})") from None
-            target = LABEL_KEY if LABEL_KEY in features else MASK_KEY
+            target = LABEL_KEY if LABEL_KEY in features else MASK_KEY if MASK_KEY in features else BOX_LABEL_KEY
+            if target == BOX_LABEL_KEY and BOX_LABEL_KEY not in features and BOX_KEYS[0] not in features:
+                target = LABEL_KEY  # none of the three: named below
+            elif target == BOX_LABEL_KEY:
+                features.setdefault(BOX_LABEL_KEY, np.zeros(0, np.int64))
             if IMAGE_KEY not in features or target not in features:
                 raise DataError(f"{f}: record {number}: needs {IMAGE_KEY} and {LABEL_KEY} (or {MASK_KEY}); "
                                 f"found {sorted(features)}")
@@ -98,13 +103,29 @@ def _load_tfrecords(files: list[Path], preprocessing: dict, limit: int | None) -
                 xs.append(preprocess_image(image, preprocessing))
             except Exception as err:
                 raise DataError(f"{f}: record {number}: {IMAGE_KEY} is not a decodable image ({err})") from None
+            kinds.add(target)
             ys.append(int(features[LABEL_KEY][0]) if target == LABEL_KEY
-                      else _mask(features[MASK_KEY][0], int(preprocessing["image_size"]), f, number))
+                      else _mask(features[MASK_KEY][0], int(preprocessing["image_size"]), f, number)
+                      if target == MASK_KEY else _boxes(features, f, number))
     if not xs:
         raise DataError(f"{files[0]}: no image examples found")
-    if len({type(y) for y in ys}) > 1:
-        raise DataError(f"{files[0]}: mixes labelled and masked records")
+    if len(kinds) > 1:
+        raise DataError(f"{files[0]}: mixes labelled, masked and boxed records")
+    if kinds == {BOX_LABEL_KEY}:  # detection: rows [label, xmin, ymin, xmax, ymax] padded to the most boxes
+        padded = np.zeros((len(ys), max([1] + [len(y) for y in ys]), 5), np.float32)
+        for i, y in enumerate(ys):
+            padded[i, :len(y)] = y
+        return Samples(np.stack(xs), padded, files, "tfrecord")
     return Samples(np.stack(xs), np.stack(ys).astype(np.int64), files, "tfrecord")
+
+
+def _boxes(features: dict, path: Path, number: int) -> np.ndarray:
+    """A detection record's rows [label, xmin, ymin, xmax, ymax] (normalised), as training reads them."""
+    try:
+        boxes, labels = read_boxes(features)
+    except BoxProblem as err:
+        raise DataError(f"{path}: record {number}: {err.detail}") from None
+    return np.concatenate([labels[:, None].astype(np.float32), boxes], 1)
 
 
 def _mask(encoded: bytes, size: int, path: Path, number: int) -> np.ndarray:

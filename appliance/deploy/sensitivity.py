@@ -36,10 +36,12 @@ def sqnr_db(reference: np.ndarray, quantized: np.ndarray) -> float:
 
 def measure_sensitivity(builder: Int8Builder, recipe: Recipe, layers: list[Layer], fp32_logits: np.ndarray,
                         x: np.ndarray, y: np.ndarray, work: Path, *, error_samples: int = ERROR_SAMPLES,
-                        accuracy_samples: int = ACCURACY_SAMPLES, top_k: int = TOP_K) -> dict:
+                        accuracy_samples: int = ACCURACY_SAMPLES, top_k: int = TOP_K, score=None) -> dict:
     """The sensitivity section of accuracy.json: every layer ranked, most harmful first.
 
-    fp32_logits: the FP32 model's logits on x (the validation tensors, y their labels)."""
+    fp32_logits: the FP32 model's logits on x (the validation tensors, y their labels). score(outputs, y):
+    the task's metric (default top-1; a detector's mAP@.5), what the "top1_*" figures then hold."""
+    score = score or (lambda outputs, labels: float((outputs.argmax(1) == labels).mean()))
     start = time.monotonic()
     ex, ref = x[:error_samples], fp32_logits[:error_samples]
     ax, ay = x[:accuracy_samples], y[:accuracy_samples]
@@ -64,11 +66,11 @@ def measure_sensitivity(builder: Int8Builder, recipe: Recipe, layers: list[Layer
     error_seconds = time.monotonic() - start
     with Progress(total=min(top_k, len(rows)), desc="sensitivity: accuracy of the top layers", unit="layer") as bar:
         for row in rows[:top_k]:
-            row["top1_only_this_quantized"] = _top1(builder.build(path, recipe, only=(row["layer"],)), ax, ay)
-            row["top1_all_but_this_quantized"] = _top1(
-                builder.build(path, replace(recipe, float_layers=(row["layer"],))), ax, ay)
+            row["top1_only_this_quantized"] = score(_logits(builder.build(path, recipe, only=(row["layer"],)), ax), ay)
+            row["top1_all_but_this_quantized"] = score(
+                _logits(builder.build(path, replace(recipe, float_layers=(row["layer"],))), ax), ay)
             bar.update()
-    all_top1 = _top1(builder.build(path, recipe), ax, ay)
+    all_top1 = score(_logits(builder.build(path, recipe), ax), ay)
     path.unlink(missing_ok=True)
     for rank, row in enumerate(rows, 1):
         row["rank"] = rank
@@ -77,7 +79,7 @@ def measure_sensitivity(builder: Int8Builder, recipe: Recipe, layers: list[Layer
             "bound": f"{2 * len(rows)} models run on {len(ex)} samples, then {2 * min(top_k, len(rows))} on {len(ax)}",
             "accuracy_samples": int(len(ax)), "top_k": min(top_k, len(rows)),
             "sqnr_db_all_quantized": all_sqnr, "top1_all_quantized": all_top1,
-            "top1_fp32": float((fp32_logits[:accuracy_samples].argmax(1) == ay).mean()),
+            "top1_fp32": score(fp32_logits[:accuracy_samples], ay),
             "error_seconds": round(error_seconds, 2), "seconds": round(time.monotonic() - start, 2),
             "ranking": rows}
 
@@ -95,6 +97,3 @@ def float_order(sensitivity: dict) -> list[str]:
 def _logits(model_path: Path, x: np.ndarray) -> np.ndarray:
     return run_ort(ort_session(model_path), x, batch=64)
 
-
-def _top1(model_path: Path, x: np.ndarray, y: np.ndarray) -> float:
-    return float((_logits(model_path, x).argmax(1) == y).mean())

@@ -175,6 +175,11 @@ def compare_with_host(runner: str, edge: np.ndarray, host: np.ndarray, seconds: 
              "passed": bool(agreement >= min_agreement and diff <= allowed)}
     if task is not None and task.kind == "segmentation":
         route.update(pixel_figures(edge, host, labels, task))
+    elif task is not None and task.kind == "detection":  # the device's boxes matched to the host's
+        route.update({"box_agreement": task.agreement(edge, host), "passed": diff <= allowed})
+        route["passed"] = bool(route["passed"] and route["box_agreement"] >= min_agreement)
+        if labels is not None:
+            route.update({"map50": task.score(edge, labels), "host_map50": task.score(host, labels)})
     elif labels is not None:  # the accuracy on ARM beside the host's on the same samples
         route.update({"top1": float((edge.argmax(1) == labels).mean()),
                       "host_top1": float((host.argmax(1) == labels).mean())})
@@ -254,6 +259,8 @@ def _run_routes(root: Path, info: dict, package: Path, sample_files, num_samples
         edge, seconds = run_server_runner(root, samples.x)
     else:
         edge, seconds = run_native(root, samples.x, sysroot)
+    if task.kind == "detection" and edge.size == host.size:  # bin/run writes each sample's raw outputs flat
+        edge = edge.reshape(host.shape)
     routes = [compare_with_host(SERVER_RUNNER if server else "native runner (qemu-aarch64)", edge, host, seconds,
                                 package, min_agreement, max_logit_diff, samples.y, min_allowed, task)]
     if task.kind == "segmentation":

@@ -43,12 +43,14 @@ def register(subparsers) -> None:
         "(no download), then run the pipeline on them: data check, small CNN training, ONNX export, "
         "INT8 quantization, TVM builds for x86_64 and aarch64, an edge package verified under qemu-aarch64. "
         "With --task segmentation: seeded industrial inspection images (scratches, spots, cracks) and a small U-Net, "
-        "its mIoU at every stage.")
+        "its mIoU at every stage. With --task detection: the same surfaces with boxed defects and a small anchor-free "
+        "detector, COCO mAP.")
     d.add_argument("--out", type=values.output_dir, default="appliance-demo", help="output directory (default: %(default)s)")
     d.add_argument("--epochs", type=values.int_in(values.EPOCHS_AT_LEAST_ONE, "an integer"), metavar="N",
                    help="train for N epochs instead of the config's (12 for the digits, 10 for segmentation; a quicker run, "
                    "every stage still runs). "
                    "Applies when the demo writes its pipeline.toml, which then says N")
-    d.add_argument("--task", choices=("classification", "segmentation"), default="classification",
-                   help="classification: the digits (default); segmentation: seeded inspection images, mIoU")
+    d.add_argument("--task", choices=("classification", "segmentation", "detection"), default="classification",
+                   help="classification: the digits (default); segmentation: seeded inspection images, mIoU; "
+                   "detection: the same images with boxes, mAP")
     d.set_defaults(func=run_demo_command)

@@ -2,7 +2,8 @@
 
 Per task, what the demo writes and which config it runs: classification trains on scikit-learn's
 bundled handwritten digits (demo.toml); segmentation on seeded industrial inspection images made
-offline (inspection.py, demo_segmentation.toml).
+offline (inspection.py, demo_segmentation.toml); detection on the same surfaces with boxed defects
+(inspection_boxes.py, demo_detection.toml).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from appliance.core.errors import ConfigError
 from appliance.core.manifest import atomic_write_text
 from appliance.pipeline.digits import write_digits_shards
 from appliance.pipeline.inspection import write_inspection_shards
+from appliance.pipeline.inspection_boxes import write_box_shards
 from appliance.pipeline.runner import run_pipeline, say
 
 
@@ -33,6 +35,8 @@ DEMOS = {
                                write_digits_shards),
     "segmentation": DemoData("demo_segmentation.toml", "seeded inspection images (64 px surfaces with scratches, "
                              "spots and cracks)", "train/val, 80/20", write_inspection_shards),
+    "detection": DemoData("demo_detection.toml", "seeded inspection images with boxed defects (64 px surfaces with "
+                          "scratches, spots and cracks)", "train/val, 80/20", write_box_shards),
 }
 
 

@@ -1,8 +1,8 @@
 """Tasks: per task, the one place that says how a record becomes a sample, which models and loss
 train it, what the validation pass counts and reports, and what the quality gate compares with.
 
-`task_for(section)` gives the task of a config's [task] section (kind = "classification" or
-"segmentation"); training, the gate and the reports ask the task instead of testing its kind.
+`task_for(section)` gives the task of a config's [task] section (kind = "classification",
+"segmentation" or "detection"); training, the gate and the reports ask the task instead of testing its kind.
 Light on imports: torch is imported by the methods that need it.
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from appliance.core.errors import ConfigError
 from appliance.tasks.classification import Classification
+from appliance.tasks.detection import Detection
 from appliance.tasks.segmentation import Segmentation
 
-TASK_KINDS = ("classification", "segmentation")
+TASK_KINDS = ("classification", "segmentation", "detection")
 
 
 def task_for(section=None):
@@ -24,6 +25,9 @@ def task_for(section=None):
     if kind == "segmentation":
         return Segmentation(ignore_label=int(get("ignore_label", 255)),
                             class_weights=tuple(float(w) for w in get("class_weights", ()) or ()))
+    if kind == "detection":
+        return Detection(score_threshold=float(get("score_threshold", 0.05)),
+                         iou_threshold=float(get("iou_threshold", 0.5)), max_detections=int(get("max_detections", 100)))
     raise ConfigError(f"[task] kind {kind!r} is not one of {', '.join(TASK_KINDS)}")
 
 

@@ -126,6 +126,7 @@ def evaluate(model, loader, device, autocast, num_classes: int = 0, normalise=No
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
     task = task or task_for(None)
+    collector = task.val_collector() if hasattr(task, "val_collector") else None  # detection: boxes, not counts
     for images, labels in loader:
         images, labels = to_device(images, labels, device, normalise, memory_format)
         if graphs:
@@ -136,7 +137,9 @@ def evaluate(model, loader, device, autocast, num_classes: int = 0, normalise=No
         totals[0] += loss
         totals[1] += correct
         totals[2] += counted
-        if num_classes:
+        if collector is not None:
+            collector.add(logits, labels)
+        elif num_classes:
             # On the CPU: CUDA's bincount has no deterministic kernel (use_deterministic_algorithms refuses it).
             pairs = pairs.cpu()
             confusion += torch.bincount(pairs, minlength=num_classes ** 2).to(device)
@@ -144,7 +147,10 @@ def evaluate(model, loader, device, autocast, num_classes: int = 0, normalise=No
     model.train()
     count = max(totals[2].item(), 1)
     metrics = {"val_loss": totals[0].item() / count, "val_acc": totals[1].item() / count}
-    if num_classes:
+    if collector is not None:  # the task's rows (detection: COCO AP per class) stand for the confusion counts
+        del metrics["val_acc"]
+        metrics["val_confusion"] = collector.rows()
+    elif num_classes:
         dist.all_reduce(confusion)
         metrics["val_confusion"] = confusion.view(num_classes, num_classes).tolist()
     return metrics

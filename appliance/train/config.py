@@ -116,11 +116,13 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class TaskSection:
-    """What the model learns (appliance/tasks/): one class per image, or one per pixel."""
-
-    kind: str = "classification"  # or "segmentation"
+    """What the model learns (appliance/tasks/): one class per image, one per pixel, or boxes and their classes."""
+    kind: str = "classification"  # or "segmentation", "detection"
     ignore_label: Annotated[int, Range(ge=0, le=255)] = 255  # segmentation: mask pixels that count for nothing
     class_weights: tuple[Annotated[float, SCALE], ...] = ()  # segmentation: per-class loss weights
+    score_threshold: Annotated[float, Range(ge=0, le=1)] = 0.05  # detection: boxes scoring at most this are dropped
+    iou_threshold: Annotated[float, Range(ge=0, le=1)] = 0.5  # detection: NMS drops a box overlapping a kept one more
+    max_detections: Annotated[int, Range(ge=1, le=10000)] = 100  # detection: boxes kept per image
 
 
 @dataclass(frozen=True)

@@ -273,6 +273,9 @@ def _loader(cfg, dataset, sampler, generator, pin, finish=None):
     """Workers persist across epochs (starting them each epoch cost a third of a short epoch)."""
     workers = cfg.data.num_workers
     kind, extra = (_Loader, {}) if finish is None else (_DecodingLoader, {"finish": finish})
+    collate = getattr(getattr(dataset, "dataset", dataset), "collate", None)  # a task's own (detection: boxes)
+    if collate is not None and finish is None:
+        extra["collate_fn"] = collate
     return kind(
         dataset, batch_size=cfg.train.batch_size, sampler=sampler, num_workers=workers, pin_memory=pin,
         generator=generator, prefetch_factor=4 if workers else None, persistent_workers=workers > 0,

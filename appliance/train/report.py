@@ -30,7 +30,7 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     train, val = {}, {}
     for line in path.read_text().splitlines():
         record = json.loads(line)
-        if "val_acc" in record:
+        if "val_loss" in record:
             val[record["step"]] = record
         elif "loss" in record:
             train[record["step"]] = record
@@ -48,7 +48,10 @@ def training_report(metrics_path: Path, names=()) -> dict:
                       **{key: [r.get(key) for r in val] for key in VAL_CURVES}},
               "confusion": None}
     last = val[-1] if val else None
-    if last is not None and last.get("val_confusion"):
+    if last is not None and "val_map50" in last:  # detection: mAP by epoch, AP per class at the end (no confusion)
+        report["detection"] = {"val_map": [r.get("val_map") for r in val], "val_map50": [r.get("val_map50") for r in val],
+                               "ap": last.get("val_ap"), "ap50": last.get("val_ap50")}
+    elif last is not None and last.get("val_confusion"):
         confusion = last["val_confusion"]
         report["confusion"] = {"step": last["step"], "epoch": last.get("epoch"),
                                "classes": class_names(len(confusion), names), "counts": confusion,
@@ -155,6 +158,24 @@ def _segmentation_html(report: dict) -> list[str]:
             f'<table id="iou"><tr><th>class</th><th>IoU</th></tr>{rows}</table>']
 
 
+def _detection_html(report: dict) -> list[str]:
+    """Detection runs: validation mAP@[.5:.95] and mAP@.5 by step, and the last AP per class."""
+    det = report.get("detection")
+    if not det:
+        return []
+    steps = report["val"]["step"]
+
+    def shown(v):
+        return "n/a" if v is None else f"{v:.1%}"
+
+    rows = "".join(f"<tr><th>{html.escape(name)}</th><td>{shown(ap)}</td><td>{shown((det['ap50'] or {}).get(name))}</td></tr>"
+                   for name, ap in (det["ap"] or {}).items())
+    return ["<h2>Detection (validation, COCO)</h2>",
+            line_chart_svg("mAP", [("mAP@[.5:.95]", steps, det["val_map"]), ("mAP@.5", steps, det["val_map50"])],
+                           "chart-map"),
+            f'<table id="ap"><tr><th>class</th><th>AP@[.5:.95]</th><th>AP@.5</th></tr>{rows}</table>']
+
+
 def render_html(report: dict, run_name: str) -> str:
     t, v = report["train"], report["val"]
     acc_series = [("train", t["step"], t["train_acc"])] + ([("validation", v["step"], v["val_acc"])] if v["step"] else [])
@@ -168,9 +189,11 @@ def render_html(report: dict, run_name: str) -> str:
                              "chart-clipped")]
     body = [f"<p>{report['steps']} steps; curves per logging window from {html.escape(report['metrics'])}.</p>",
             "<h2>Training curves</h2>", *charts]
-    body += _segmentation_html(report)
+    body += _segmentation_html(report) + _detection_html(report)
     confusion = report["confusion"]
-    if confusion is not None:
+    if report.get("detection"):
+        pass
+    elif confusion is not None:
         body += [f"<h2>Confusion matrix (validation after epoch {confusion['epoch']}, step {confusion['step']})</h2>",
                  confusion_table(confusion)]
     else:

@@ -64,7 +64,7 @@ class TrainResult:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by a kill mid-write
-                if isinstance(record, dict) and "val_acc" in record:
+                if isinstance(record, dict) and "val_loss" in record:  # every task's evaluation (detection has no val_acc)
                     evals.append(record)
         last = evals[-1] if evals else {}
         confusion = last.get("val_confusion")

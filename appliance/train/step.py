@@ -137,6 +137,8 @@ class TrainWindow:
         self._labelled_host = 0  # labels counted on the host (classification: every label is a class)
 
     def count_predictions(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        if labels.is_floating_point():  # detection's box targets: no per-sample argmax to count
+            return
         self._correct.append((logits.detach().argmax(1) == labels).sum())
         if labels.dim() == 1:  # class labels, each within the classes (the loader refuses others)
             self._labelled_host += labels.shape[0]

@@ -29,6 +29,7 @@ from data_tools.check import gate as gate_rules
 from data_tools.check.balance import label_balance
 from data_tools.check.duplicates import copies_to_quarantine, exact_groups, near_groups
 from data_tools.check.image_probe import DEFAULT_MAX_PIXELS
+from data_tools.check.boxes import add_box_keys, box_range_from_all, detection_report
 from data_tools.check.masks import add_mask_keys, mask_range_from_all, segmentation_report
 from data_tools.check.mask_overlays import collect_overlays
 from data_tools.check.outliers import flag_outliers, outlier_bounds
@@ -85,7 +86,7 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
         schema, schema_source = load_schema(schema_path), f"given: {schema_path}"
     else:
         schema, schema_source = infer_schema(_schema_sample(paths), image_key, label_key), "inferred"
-    schema = given_label_classes(add_mask_keys(schema, masks[0], masks[1]), masks[0])
+    schema = add_box_keys(given_label_classes(add_mask_keys(schema, masks[0], masks[1]), masks[0]), masks[0])
     names = shard_names(paths)
     tasks = [ScanTask(i, p, split, names[i], str(stage), schema, max_pixels)
              for i, (p, split) in enumerate(inputs)]
@@ -100,7 +101,8 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
             print(f"appliance data check: error: {result.path}: every record rejected "
                   f"({count} x {check}, e.g. {detail})", file=sys.stderr)
 
-    late = _label_range_from_all(results, schema) + mask_range_from_all(results, schema)
+    late = (_label_range_from_all(results, schema) + mask_range_from_all(results, schema)
+            + box_range_from_all(results, schema))
     stray = {rid for rid, _, _ in late}
     groups = exact_groups(((r.file_index, n), h) for r in results for n, h, _ in r.hashes()
                           if (r.file_index, n) not in stray)
@@ -129,6 +131,10 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
             segmentation["class_names"] = {str(c): str(n) for c, n in enumerate(masks[2][:segmentation["num_classes"]])}
         report["segmentation"] = segmentation
         report["params"].update(num_classes=masks[0], ignore_label=masks[1])
+    detection = detection_report(results, schema)
+    if detection:
+        report["detection"] = detection
+        report["params"].update(num_classes=masks[0])
 
     _publish(stage, out)
     thumbs = collect_thumbnails(out, report, results, names)

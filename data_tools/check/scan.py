@@ -18,6 +18,7 @@ from pathlib import Path
 from appliance.core.errors import DataError
 from appliance.core.inputs import describe
 from data_tools.check.image_probe import ImageProblem, content_hash, probe_image
+from data_tools.check.boxes import box_notes, box_summary
 from data_tools.check.masks import empty_mask_note, mask_summary
 from data_tools.check.schema import schema_num_classes, validate
 from data_tools.example import decode_example
@@ -88,6 +89,7 @@ class FileResult:
     notes: list = dataclasses.field(default_factory=list)  # reported, not quarantined: (record, check, detail)
     class_names: dict = dataclasses.field(default_factory=dict)  # label -> first image/class/text seen
     masks: dict = dataclasses.field(default_factory=dict)  # segmentation: record -> {"classes", "pixels"}
+    boxes: dict = dataclasses.field(default_factory=dict)  # detection: record -> {"labels", "tiny", ...}
 
     def offset(self, number: int) -> int | None:
         return self.offsets[number] if 0 <= number < len(self.offsets) and self.offsets[number] >= 0 else None
@@ -208,6 +210,10 @@ def check_record(data: bytes, schema: dict, max_pixels: int) -> tuple[list, dict
             if problem:
                 return [problem], {}
             summary["mask_note"] = empty_mask_note(summary["mask"], schema["ignore_label"])
+        if schema.get("box_keys"):
+            problem, summary["boxes"] = box_summary(example, probe.width, probe.height, schema)
+            if problem:
+                return [problem], {}
         summary.update(content=content_hash(encoded), phash=probe.phash, image=probe, encoded_size=len(encoded))
         declared = example.get("image/format")
         if isinstance(declared, list) and declared and declared[0].decode("ascii", "replace").lower() not in (
@@ -238,7 +244,10 @@ def _keep_summary(result: FileResult, number: int, summary: dict) -> None:
         result.stats.setdefault(key, Column()).append(number, value)
     if summary.get("mask") is not None:
         result.masks[number] = summary["mask"]
-    for note in (summary.get("note"), summary.get("mask_note")):
+    if summary.get("boxes") is not None:
+        result.boxes[number] = summary["boxes"]
+    box_lines = box_notes(summary["boxes"]) if summary.get("boxes") is not None else []
+    for note in (summary.get("note"), summary.get("mask_note"), *box_lines):
         if not note:
             continue
         check, detail = note

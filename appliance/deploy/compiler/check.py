@@ -58,6 +58,10 @@ def check_against_ort(library, model_path, shape, sample_files, meta, tolerance,
         agreement = task.agreement(got, expected)
         result.update({"task": task.kind, "pixel_agreement": agreement, "min_pixel_agreement": task.min_agreement,
                        "passed": result["passed"] and agreement >= task.min_agreement})
+    elif task.kind == "detection":  # boxes decoded from both outputs: same class, IoU >= 0.9
+        agreement = task.agreement(got, expected)
+        result.update({"task": task.kind, "box_agreement": agreement, "min_box_agreement": task.min_agreement,
+                       "passed": result["passed"] and agreement >= task.min_agreement})
     return result
 
 

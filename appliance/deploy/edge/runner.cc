@@ -44,6 +44,7 @@
 
 #include "class_map_png.h"
 #include "cores.h"
+#include "detection_decode.h"  // decoding + per-class NMS of detectors' raw outputs (the host's definition)
 #include "signature.h"
 
 namespace {
