@@ -625,7 +625,7 @@ def test_a_planted_stage_file_name_outside_its_stage_fails(plant, source):
 # raise the ceiling with the reason in the commit when a module needs one more.
 HEAVY = ("torch", "torchvision", "tvm", "tvm_ffi", "onnxruntime", "onnx", "tensorflow", "tensorrt", "numpy",
          "PIL", "safetensors", "sklearn", "scipy")
-MAX_LATE_HEAVY = 241
+MAX_LATE_HEAVY = 242
 
 
 def late_heavy_imports(root: Path = ROOT) -> list[str]:

@@ -117,6 +117,7 @@ class TrainSection:
 @dataclass(frozen=True)
 class TaskSection:
     """What the model learns (appliance/tasks/): one class per image, one per pixel, or boxes and their classes."""
+
     kind: str = "classification"  # or "segmentation", "detection"
     ignore_label: Annotated[int, Range(ge=0, le=255)] = 255  # segmentation: mask pixels that count for nothing
     class_weights: tuple[Annotated[float, SCALE], ...] = ()  # segmentation: per-class loss weights

@@ -125,16 +125,7 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
     if gate_metrics["imbalance"] is None:  # an empty class cannot be learnt; no labels: nothing to balance
         gate_metrics["imbalance"] = float("inf") if labels["empty_classes"] else 1.0
     report["gate"] = gate_rules.evaluate(conditions, gate_metrics)
-    segmentation = segmentation_report(results, schema)
-    if segmentation:
-        if masks[2]:
-            segmentation["class_names"] = {str(c): str(n) for c, n in enumerate(masks[2][:segmentation["num_classes"]])}
-        report["segmentation"] = segmentation
-        report["params"].update(num_classes=masks[0], ignore_label=masks[1])
-    detection = detection_report(results, schema)
-    if detection:
-        report["detection"] = detection
-        report["params"].update(num_classes=masks[0])
+    segmentation = _add_task_reports(report, results, schema, masks)
 
     _publish(stage, out)
     thumbs = collect_thumbnails(out, report, results, names)
@@ -159,6 +150,21 @@ def _run_locked(inputs, out: Path, *, schema_path, fail_on, conditions, image_ke
     if not report["gate"]["passed"]:
         return report, 3
     return report, 2 if any(r.error for r in results) else 0
+
+
+def _add_task_reports(report: dict, results, schema: dict, masks) -> dict | None:
+    """The masks' and the boxes' sections of the report (when the records have them); returns the masks'."""
+    segmentation = segmentation_report(results, schema)
+    if segmentation:
+        if masks[2]:
+            segmentation["class_names"] = {str(c): str(n) for c, n in enumerate(masks[2][:segmentation["num_classes"]])}
+        report["segmentation"] = segmentation
+        report["params"].update(num_classes=masks[0], ignore_label=masks[1])
+    detection = detection_report(results, schema)
+    if detection:
+        report["detection"] = detection
+        report["params"].update(num_classes=masks[0])
+    return segmentation
 
 
 def _schema_sample(paths: list[str]) -> list[dict]:
