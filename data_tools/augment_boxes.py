@@ -18,17 +18,16 @@ device's preprocessing does) leaves them as they are.
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import math
 
 import numpy as np
 import torch
-from PIL import Image
 
 from appliance.core.errors import DataError
 from data_tools.augment import AugmentParams, TrainTransform, _as_uint8_tensor
 from data_tools.detection import BoxProblem, IMAGE_KEY, read_boxes
+from data_tools.image_decode import DEFAULT_MAX_PIXELS, ImageProblem, decode_image
 from data_tools.preprocessing import preprocess_image
 
 log = logging.getLogger("data_tools.augment")
@@ -119,9 +118,9 @@ class DetectionSamples(torch.utils.data.Dataset):
     collate = staticmethod(collate)
 
     def __init__(self, records, *, num_classes: int, preprocessing: dict, transform: BoxTrainTransform | None = None,
-                 image_key: str = IMAGE_KEY):
+                 image_key: str = IMAGE_KEY, max_pixels: int = DEFAULT_MAX_PIXELS):
         self.records, self.num_classes, self.preprocessing = records, int(num_classes), dict(preprocessing)
-        self.transform, self.image_key = transform, image_key
+        self.transform, self.image_key, self.max_pixels = transform, image_key, int(max_pixels)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -139,11 +138,11 @@ class DetectionSamples(torch.utils.data.Dataset):
 
     def item_at(self, index: int, epoch: int | None = None):
         example = self.records[index]
-        try:
-            image = Image.open(io.BytesIO(bytes(example[self.image_key][0])))
-            image = image.convert(self.preprocessing["channel_order"])
-        except Exception as err:  # PIL raises several types for damaged images
-            raise self._fail(index, f"undecodable image ({err})") from None
+        try:  # the bounded decoder: a bomb or a lying header is refused as the data check quarantines it
+            image = decode_image(bytes(example[self.image_key][0]), self.preprocessing["channel_order"],
+                                 self.max_pixels)
+        except ImageProblem as err:
+            raise self._fail(index, f"{err.check}: {err.detail}") from None
         try:
             boxes, labels = read_boxes(example, self.num_classes)
         except BoxProblem as err:

@@ -313,7 +313,8 @@ def test_estimate_report_is_a_table_with_every_bar_named_whole(tmp_path):
     m = measure(page, tmp_path)
     assert_readable(m, "estimate.html")
     [chart] = [s for s in m["svgs"] if "bars" in s["cls"]]
-    for label in ("efficientnet_b0 fp32", "efficientnet_b0 int8", "mobilenet_v3_small fp32", "mobilenet_v3_small int8"):
+    for label in ("efficientnet_b0 TVM fp32", "efficientnet_b0 TVM int8", "mobilenet_v3_small TVM fp32",
+                  "mobilenet_v3_small TVM int8"):
         assert label in chart["texts"], chart["texts"]
     assert chart["marks"] == 4
     assert "shufflenet_v2_x1_0" in m["text"] and "not estimated: wheelhouse/edge-sysroot-arm64: missing" in m["text"]

@@ -129,6 +129,12 @@ def format_table(table: dict) -> str:
     return "\n".join(lines + reasons)
 
 
+def _columns(head: list[str], rows: list[list[str]], keep: list[int]) -> tuple[list[str], list[list[str]]]:
+    """Those columns of the table: estimate.html shows sizes and speeds as two tables, since one with every
+    TVM and onnxruntime column ran past a 1,280 px page."""
+    return [head[i] for i in keep], [[row[i] for i in keep] for row in rows]
+
+
 def estimate_html(table: dict) -> str:
     head, rows, reasons = table_rows(table)
     bars = [(f"{r['architecture']} {who} {p}", ms(build, "cortex-a76")) for r in table["rows"] for p in ("fp32", "int8")
@@ -137,7 +143,9 @@ def estimate_html(table: dict) -> str:
                      [(label, v) for label, v in bars if v is not None], "{:.1f}")
     body = (f"<p>{html.escape(table['target'])}, {table['size']} px, batch 1, one thread; {html.escape(table['method'])}."
             f" Estimates, not timings (benchmarks/README.md says how close they come).</p>{chart}"
-            f"{table_html(head, rows)}" + "".join(f"<p>{html.escape(reason)}</p>" for reason in reasons))
+            f"{table_html(*_columns(head, rows, [*range(5), len(head) - 1]))}"
+            f"{table_html(*_columns(head, rows, [0, *range(5, len(head) - 1)]))}"
+            + "".join(f"<p>{html.escape(reason)}</p>" for reason in reasons))
     return page("Estimated device speed", "appliance edge estimate", ESTIMATE_JSON, None, body)
 
 

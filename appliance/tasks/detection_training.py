@@ -31,7 +31,7 @@ def dataset(cfg, files, augment: bool, task) -> DetectionSamples:
                                       saturation=a.saturation, value=a.value, scale=tuple(a.crop_scale),
                                       flip_probability=a.flip_probability, mean=d.mean, std=d.std, debug=a.debug)
     return DetectionSamples(records, num_classes=cfg.num_classes, preprocessing=preprocessing, transform=transform,
-                            image_key=image_key)
+                            image_key=image_key, max_pixels=d.max_pixels)
 
 
 def model(architecture: str, num_classes: int, in_channels: int):

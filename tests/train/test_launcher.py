@@ -104,12 +104,12 @@ def _dry_run_refusal(tmp_path, extra: str) -> str:
     import pytest
 
     from appliance.core.errors import ConfigError
-    from appliance.train.stage import train_stage
+    from appliance.train.stage import train_command_line
 
     path = _config(tmp_path)
     path.write_text(CONFIG + extra)
     with pytest.raises(ConfigError) as err:
-        train_stage(path, dry_run=True)
+        train_command_line(path)
     return str(err.value)
 
 

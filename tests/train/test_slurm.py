@@ -13,7 +13,9 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,7 +92,7 @@ def slurm():
 
 
 @pytest.mark.slow  # a one-host Slurm starts in seconds; two short trainings
-def test_sbatch_runs_the_generated_script_to_the_same_weights_as_by_hand(tmp_path, slurm):
+def test_sbatch_runs_the_generated_script_to_the_same_weights_as_by_hand(tmp_path, slurm, request):
     options = dict(train={"epochs": 1}, checkpoint={"every_steps": 5, "keep_last": 2, "keep_best": 1})
     config = make_config(tmp_path, name="slurm", train_records=128, **options)
     hand = tmp_path / "hand.toml"
@@ -104,8 +106,10 @@ def test_sbatch_runs_the_generated_script_to_the_same_weights_as_by_hand(tmp_pat
     proc = subprocess.run(appliance_cmd("train", "slurm", str(config), "--nodes", "1", "--out", str(script)),
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    slurm_dir = tmp_path / "slurm-cluster"
-    slurm_dir.mkdir()
+    # Slurm's and munge's Unix sockets live under this folder: pytest's tmp_path (popen-gw0/test_.../) made
+    # slurmstepd's socket path 116 bytes, past the 108 a sockaddr_un holds, and the job never started.
+    slurm_dir = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(slurm_dir, ignore_errors=True))
     body = cluster_script(slurm_dir, script)
     cmd = ["unshare", "-n", "-u", "-m", "--propagation", "private", "sh", "-c", body]
     try:
