@@ -22,14 +22,14 @@ from appliance import __version__
 from appliance.core.errors import ApplianceError, ConfigError
 from appliance.core.manifest import atomic_write_text
 from appliance.core.progress import quiet
-from appliance.core.values import nproc_problem, shown
+from appliance.core.values import nproc_problem
 from appliance.train.checkpoint_files import check_resume
 from appliance.train import faults, reaper, worker_error
 from appliance.train.preflight import check_loopback, interface_address, network_env, split_endpoint
 from appliance.train.config import load_config
 from appliance.train.start_checks import check_before_start
 from appliance.core.dirlock import directory_lock
-from appliance.train.quality import QUALITY_JSON, Thresholds, write_quality, quality_figures
+from appliance.train.quality import QUALITY_JSON, Thresholds, write_quality
 from appliance.train.result import TrainResult  # noqa: F401 (what launch_training returns)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
