@@ -61,7 +61,7 @@ def compile_model(model_path, target_name: str, out_dir, *, sample_files=None, t
                "rpc_key": rpc_key, "runtime": runtime}
     _check_options(model_path, options)
     tolerance = default_tolerance(precision(model)) if tolerance is None else tolerance
-    shape = [batch, *[_dim(d, meta, model_path, inp) for d in inp.shape[1:]]]
+    shape = [batch, *[fixed_dim(d, meta, model_path, inp) for d in inp.shape[1:]]]
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -162,7 +162,8 @@ def _write_manifest(build: Build, sample_files, shape, tolerance) -> None:
         **({"installed_tuning": installed} if installed else {})})
 
 
-def _dim(d, meta, path, inp):
+def fixed_dim(d, meta, path, inp) -> int:
+    """An input dimension of the ONNX model, its symbolic sizes fixed by the card's image_size (one line where none)."""
     if isinstance(d, int) and d > 0:
         return d
     size = meta.get("preprocessing", {}).get("image_size")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from appliance.deploy.compiler.driver import fixed_dim
 from appliance.deploy.compiled import COMPILE_JSON
 from appliance.core.errors import DataError
 from appliance.core.manifest import atomic_write_text, write_manifest
@@ -43,7 +44,7 @@ def compile_openvino(model_path, out_dir, *, sample_files=None, tolerance=None, 
     model = load_onnx(model_path)
     inp, meta = image_input(model, model_path), metadata(model)
     tolerance = default_tolerance(precision(model)) if tolerance is None else tolerance
-    shape = [batch, *[_dim(d, meta, model_path, inp) for d in inp.shape[1:]]]
+    shape = [batch, *[fixed_dim(d, meta, model_path, inp) for d in inp.shape[1:]]]
     out_dir.mkdir(parents=True, exist_ok=True)
 
     start = time.perf_counter()
@@ -144,15 +145,6 @@ def _device_name(ov) -> str:
     except RuntimeError:
         return "CPU"
 
-
-def _dim(d, meta, path, inp):
-    if isinstance(d, int) and d > 0:
-        return d
-    size = meta.get("preprocessing", {}).get("image_size")
-    if size is None:
-        raise DataError(f"{path}: input {inp.name!r} has symbolic size {inp.shape} and no appliance "
-                        "preprocessing metadata to fix it")
-    return int(size)
 
 
 def summary_line(info: dict) -> str:
